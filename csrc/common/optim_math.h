@@ -1,0 +1,171 @@
+// Element-wise optimizer math shared by the CPU and CUDA kernels.
+//
+// Every function is written once, templated on the value type V: `float` in
+// the CUDA kernels and `at::vec::Vectorized<float>` in the CPU kernels. The
+// helpers vsqrt/vmax/vsign have overloads for both (the Vectorized ones live in
+// the CPU kernel file). The operation order follows torch.optim's single-tensor
+// implementations so that fp32 results agree to rounding.
+#pragma once
+
+#include <cmath>
+
+#if defined(__CUDACC__)
+#define FT_HD __host__ __device__ __forceinline__
+#else
+#define FT_HD inline
+#endif
+
+namespace fusetrain {
+namespace detail {
+
+FT_HD float vsqrt(float x) { return ::sqrtf(x); }
+FT_HD float vmax(float a, float b) { return a > b ? a : (b != b ? b : a); }
+FT_HD float vsign(float x) { return static_cast<float>((x > 0.f) - (x < 0.f)); }
+
+// Per-tensor coefficients, computed once per tensor (per chunk on CUDA) from
+// the device scalars (lr, step) and the host hyperparameters.
+struct AdamCoeffs {
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
+  float decay_mul;     // 1 - lr * weight_decay (decoupled only)
+  float neg_step_size; // -lr / (1 - beta1^step)
+  float bc2_sqrt;      // sqrt(1 - beta2^step)
+  bool decoupled, amsgrad;
+};
+
+struct SGDCoeffs {
+  float momentum, one_minus_dampening, weight_decay, neg_lr;
+  bool nesterov, first_step;
+};
+
+struct LionCoeffs {
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, decay_mul, neg_lr;
+  bool has_decay;
+};
+
+// torch.lerp's formula: exact at both ends, used for the first moment and EMA.
+template <typename V>
+FT_HD V lerp_small_weight(V self, V end, float w) {
+  // Every weight we pass is in [0, 0.5): 1 - beta1 and 1 - decay.
+  return self + V(w) * (end - self);
+}
+template <typename V>
+FT_HD V lerp_weight(V self, V end, float w) {
+  if (w < 0.5f) return self + V(w) * (end - self);
+  return end - (end - self) * V(1.f - w);
+}
+
+// NOTE [update order]: the grad arriving here is already unscaled, clipped and
+// negated for maximize; weight decay and the moments follow torch's order.
+template <typename V>
+FT_HD void adam_update(V& p, V g, V& m, V& v, V* vmax_state, const AdamCoeffs& c) {
+  if (c.weight_decay != 0.f) {
+    if (c.decoupled) {
+      p = p * V(c.decay_mul);
+    } else {
+      g = g + V(c.weight_decay) * p;
+    }
+  }
+  m = lerp_weight(m, g, c.one_minus_beta1);
+  v = v * V(c.beta2) + V(c.one_minus_beta2) * g * g;
+  V denom;
+  if (c.amsgrad) {
+    *vmax_state = vmax(*vmax_state, v);
+    denom = vsqrt(*vmax_state) / V(c.bc2_sqrt) + V(c.eps);
+  } else {
+    denom = vsqrt(v) / V(c.bc2_sqrt) + V(c.eps);
+  }
+  p = p + V(c.neg_step_size) * m / denom;
+}
+
+template <typename V>
+FT_HD void sgd_update(V& p, V g, V* buf, const SGDCoeffs& c) {
+  if (c.weight_decay != 0.f) g = g + V(c.weight_decay) * p;
+  if (buf != nullptr) {
+    if (c.first_step) {
+      *buf = g;
+    } else {
+      *buf = *buf * V(c.momentum) + V(c.one_minus_dampening) * g;
+    }
+    g = c.nesterov ? g + V(c.momentum) * *buf : *buf;
+  }
+  p = p + V(c.neg_lr) * g;
+}
+
+template <typename V>
+FT_HD void lion_update(V& p, V g, V& m, const LionCoeffs& c) {
+  V u = m * V(c.beta1) + g * V(c.one_minus_beta1);
+  if (c.has_decay) p = p * V(c.decay_mul);
+  p = p + V(c.neg_lr) * vsign(u);
+  m = m * V(c.beta2) + V(c.one_minus_beta2) * g;
+}
+
+// Host/device helpers that turn the device scalars into coefficients.
+// `step` is the already incremented step count of the tensor.
+struct AdamHyper {
+  double beta1, beta2, eps, weight_decay;
+  bool decoupled, amsgrad;
+};
+struct SGDHyper {
+  double momentum, dampening, weight_decay;
+  bool nesterov;
+};
+struct LionHyper {
+  double beta1, beta2, weight_decay;
+};
+
+FT_HD AdamCoeffs make_adam_coeffs(const AdamHyper& h, float lr, float step) {
+  AdamCoeffs c;
+  c.beta1 = static_cast<float>(h.beta1);
+  c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
+  c.beta2 = static_cast<float>(h.beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  c.eps = static_cast<float>(h.eps);
+  c.weight_decay = static_cast<float>(h.weight_decay);
+  const double lr_d = static_cast<double>(lr);
+  c.decay_mul = static_cast<float>(1.0 - lr_d * h.weight_decay);
+  const double bc1 = 1.0 - ::pow(h.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - ::pow(h.beta2, static_cast<double>(step));
+  c.neg_step_size = static_cast<float>(-(lr_d / bc1));
+  c.bc2_sqrt = static_cast<float>(::sqrt(bc2));
+  c.decoupled = h.decoupled;
+  c.amsgrad = h.amsgrad;
+  return c;
+}
+
+FT_HD SGDCoeffs make_sgd_coeffs(const SGDHyper& h, float lr, float step) {
+  SGDCoeffs c;
+  c.momentum = static_cast<float>(h.momentum);
+  c.one_minus_dampening = static_cast<float>(1.0 - h.dampening);
+  c.weight_decay = static_cast<float>(h.weight_decay);
+  c.neg_lr = -lr;
+  c.nesterov = h.nesterov;
+  c.first_step = step <= 1.f;
+  return c;
+}
+
+FT_HD LionCoeffs make_lion_coeffs(const LionHyper& h, float lr, float /*step*/) {
+  LionCoeffs c;
+  c.beta1 = static_cast<float>(h.beta1);
+  c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
+  c.beta2 = static_cast<float>(h.beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  c.decay_mul = static_cast<float>(1.0 - static_cast<double>(lr) * h.weight_decay);
+  c.has_decay = h.weight_decay != 0.0;
+  c.neg_lr = -lr;
+  return c;
+}
+
+// Multiplier applied to every gradient element: inverse loss scale times the
+// clip coefficient min(1, max_norm / (norm + 1e-6)).
+FT_HD float grad_multiplier(const float* inv_scale, const float* grad_norm, float max_grad_norm) {
+  float m = 1.f;
+  if (inv_scale != nullptr) m = *inv_scale;
+  if (grad_norm != nullptr && max_grad_norm > 0.f) {
+    const float coef = max_grad_norm / (*grad_norm + 1e-6f);
+    if (coef < 1.f) m = m * coef;
+  }
+  return m;
+}
+
+}  // namespace detail
+}  // namespace fusetrain

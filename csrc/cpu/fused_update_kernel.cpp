@@ -1,0 +1,203 @@
+// CPU kernels for the fused optimizer update (Adam/AdamW, SGD, Lion).
+//
+// Work is split into (tensor, chunk) items run by at::parallel_for. Inside an
+// item, elements are processed in blocks: params/grads are converted to fp32
+// block buffers, the shared math of optim_math.h runs on Vectorized<float>,
+// and the results are written back (master weights, rounded params, EMA) while
+// the block is still in L1. Each element is read and written once.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace fusetrain {
+namespace detail {
+using Vec = at::vec::Vectorized<float>;
+// Overloads for the templated math; declared before optim_math.h so that the
+// templates see them (Vectorized lives in another namespace, so ADL would not).
+inline Vec vsqrt(Vec x) { return x.sqrt(); }
+inline Vec vmax(Vec a, Vec b) { return at::vec::maximum(a, b); }
+inline Vec vsign(Vec x) { return x.gt(Vec(0.f)) - x.lt(Vec(0.f)); }
+}  // namespace detail
+}  // namespace fusetrain
+
+#include "../common/update_args.h"
+
+namespace fusetrain {
+namespace detail {
+namespace {
+
+constexpr int64_t kChunk = 32768;  // elements per parallel work item
+constexpr int64_t kBlock = 512;    // elements per L1-resident block
+
+template <typename S, typename D>
+inline void convert_block(const S* src, D* dst, int64_t n) {
+  if constexpr (std::is_same_v<S, D>) {
+    std::memcpy(dst, src, n * sizeof(S));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+struct Item {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+std::vector<Item> make_items(const std::vector<at::Tensor>& tensors) {
+  std::vector<Item> items;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const int64_t n = tensors[t].numel();
+    for (int64_t b = 0; b < n; b += kChunk) items.push_back({static_cast<int64_t>(t), b, std::min(n, b + kChunk)});
+  }
+  return items;
+}
+
+template <typename T>
+T* ptr_or_null(const std::vector<at::Tensor>& v, int64_t i) {
+  return v.empty() ? nullptr : v[i].data_ptr<T>();
+}
+
+const float* scalar_ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
+
+template <OptimKind K, typename P, typename G>
+void update_item(const UpdateLists& l, const OptimHyper& h, const Item& it, float lr, float gmul, float ema_w,
+                 bool has_ema) {
+  const int64_t t = it.tensor;
+  P* param = l.params[t].data_ptr<P>() + it.begin;
+  const G* grad = l.grads[t].const_data_ptr<G>() + it.begin;
+  float* s1 = l.state1.empty() ? nullptr : l.state1[t].data_ptr<float>() + it.begin;
+  float* s2 = l.state2.empty() ? nullptr : l.state2[t].data_ptr<float>() + it.begin;
+  float* s3 = l.state3.empty() ? nullptr : l.state3[t].data_ptr<float>() + it.begin;
+  float* master = l.master.empty() ? nullptr : l.master[t].data_ptr<float>() + it.begin;
+  P* ema = has_ema ? l.ema[t].data_ptr<P>() + it.begin : nullptr;
+  const float step = *l.steps[t].const_data_ptr<float>();
+
+  AdamCoeffs ac{};
+  SGDCoeffs sc{};
+  LionCoeffs lc{};
+  if constexpr (K == OptimKind::Adam) ac = make_adam_coeffs(h.adam, lr, step);
+  if constexpr (K == OptimKind::SGD) sc = make_sgd_coeffs(h.sgd, lr, step);
+  if constexpr (K == OptimKind::Lion) lc = make_lion_coeffs(h.lion, lr, step);
+
+  alignas(64) float pb[kBlock];
+  alignas(64) float gb[kBlock];
+  alignas(64) float eb[kBlock];
+  constexpr int64_t VS = Vec::size();
+  const Vec vgmul(gmul);
+  const int64_t len = it.end - it.begin;
+  for (int64_t off = 0; off < len; off += kBlock) {
+    const int64_t m = std::min(kBlock, len - off);
+    if (master != nullptr) {
+      std::memcpy(pb, master + off, m * sizeof(float));
+    } else {
+      convert_block(param + off, pb, m);
+    }
+    convert_block(grad + off, gb, m);
+    for (int64_t i = 0; i < m; i += VS) {
+      const int c = static_cast<int>(std::min<int64_t>(VS, m - i));
+      Vec p = Vec::loadu(pb + i, c);
+      Vec g = Vec::loadu(gb + i, c) * vgmul;
+      if (h.maximize) g = g.neg();
+      if constexpr (K == OptimKind::Adam) {
+        Vec mo = Vec::loadu(s1 + off + i, c);
+        Vec v = Vec::loadu(s2 + off + i, c);
+        if (s3 != nullptr) {
+          Vec vm = Vec::loadu(s3 + off + i, c);
+          adam_update(p, g, mo, v, &vm, ac);
+          vm.store(s3 + off + i, c);
+        } else {
+          adam_update<Vec>(p, g, mo, v, nullptr, ac);
+        }
+        mo.store(s1 + off + i, c);
+        v.store(s2 + off + i, c);
+      } else if constexpr (K == OptimKind::SGD) {
+        if (s1 != nullptr) {
+          Vec b = Vec::loadu(s1 + off + i, c);
+          sgd_update(p, g, &b, sc);
+          b.store(s1 + off + i, c);
+        } else {
+          sgd_update<Vec>(p, g, nullptr, sc);
+        }
+      } else {
+        Vec mo = Vec::loadu(s1 + off + i, c);
+        lion_update(p, g, mo, lc);
+        mo.store(s1 + off + i, c);
+      }
+      p.store(pb + i, c);
+    }
+    if (master != nullptr) std::memcpy(master + off, pb, m * sizeof(float));
+    convert_block(pb, param + off, m);
+    if (ema != nullptr) {
+      // NOTE [ema source]: the EMA follows the value the optimizer holds at
+      // full precision: the fp32 master when there is one, else the stored
+      // (rounded) parameter.
+      if (master == nullptr && !std::is_same_v<P, float>) convert_block(param + off, pb, m);
+      convert_block(ema + off, eb, m);
+      for (int64_t i = 0; i < m; i += VS) {
+        const int c = static_cast<int>(std::min<int64_t>(VS, m - i));
+        Vec e = lerp_small_weight(Vec::loadu(eb + i, c), Vec::loadu(pb + i, c), ema_w);
+        e.store(eb + i, c);
+      }
+      convert_block(eb, ema + off, m);
+    }
+  }
+}
+
+template <OptimKind K, typename P, typename G>
+void update_bucket(const UpdateLists& l, const OptimHyper& h, float lr, float gmul, float ema_w, bool has_ema) {
+  const std::vector<Item> items = make_items(l.params);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) update_item<K, P, G>(l, h, items[i], lr, gmul, ema_w, has_ema);
+  });
+}
+
+template <typename P, typename G>
+void update_dispatch_kind(const UpdateLists& l, const OptimHyper& h, float lr, float gmul, float ema_w,
+                          bool has_ema) {
+  switch (h.kind) {
+    case OptimKind::Adam:
+      return update_bucket<OptimKind::Adam, P, G>(l, h, lr, gmul, ema_w, has_ema);
+    case OptimKind::SGD:
+      return update_bucket<OptimKind::SGD, P, G>(l, h, lr, gmul, ema_w, has_ema);
+    case OptimKind::Lion:
+      return update_bucket<OptimKind::Lion, P, G>(l, h, lr, gmul, ema_w, has_ema);
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown optimizer kind");
+}
+
+}  // namespace
+
+void fused_update_cpu(const UpdateLists& l, const OptimHyper& h, const UpdateScalars& s) {
+  if (l.params.empty()) return;
+  // A step with non-finite gradients leaves everything untouched (NOTE [skip]).
+  if (s.found_inf.defined() && *s.found_inf.const_data_ptr<float>() != 0.f) return;
+  for (const at::Tensor& st : l.steps) *st.data_ptr<float>() += 1.f;
+  const float lr = *s.lr.const_data_ptr<float>();
+  const float gmul = grad_multiplier(scalar_ptr(s.inv_scale), scalar_ptr(s.grad_norm),
+                                     static_cast<float>(h.max_grad_norm));
+  const bool has_ema = !l.ema.empty();
+  const float ema_w = has_ema ? 1.f - *s.ema_decay.const_data_ptr<float>() : 0.f;
+  const at::ScalarType pt = l.params[0].scalar_type();
+  const at::ScalarType gt = l.grads[0].scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pt, "fused_update_cpu", [&] {
+    using P = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gt, "fused_update_cpu_grad", [&] {
+      using G = scalar_t;
+      if constexpr (std::is_same_v<P, double> || std::is_same_v<G, double>) {
+        TORCH_CHECK(false, "fused optimizer: float64 tensors are not supported");
+      } else {
+        update_dispatch_kind<P, G>(l, h, lr, gmul, ema_w, has_ema);
+      }
+    });
+  });
+}
+
+}  // namespace detail
+}  // namespace fusetrain

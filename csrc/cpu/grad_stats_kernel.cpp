@@ -1,0 +1,112 @@
+// CPU kernel for fusetrain::grad_stats: one read of each gradient, producing
+// the sum of squares (fp32 lanes within small blocks, block sums in double) and a
+// non-finite flag. NOTE [non-finite probe]: x * 0 is NaN exactly when x is inf
+// or NaN, so summing x * 0 detects non-finite values without a compare and
+// without being fooled by a sum of squares that overflows.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "../common/update_args.h"
+
+namespace fusetrain {
+namespace detail {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kChunk = 65536;
+constexpr int64_t kBlock = 1024;
+
+inline float reduce_lanes(const Vec& v) {
+  alignas(64) float lanes[Vec::size()];
+  v.store(lanes);
+  float s = 0.f;
+  for (int64_t i = 0; i < Vec::size(); ++i) s += lanes[i];
+  return s;
+}
+
+// fp32 lanes within a block of kBlock elements; block sums are added in double.
+template <typename G>
+void partial_stats(const G* g, int64_t n, double* sumsq_out, bool* nonfinite_out) {
+  Vec probe(0.f);
+  const Vec zero(0.f);
+  alignas(64) float buf[kBlock];
+  constexpr int64_t VS = Vec::size();
+  double total = 0.0;
+  for (int64_t off = 0; off < n; off += kBlock) {
+    Vec acc0(0.f), acc1(0.f);
+    const int64_t m = std::min(kBlock, n - off);
+    const float* x;
+    if constexpr (std::is_same_v<G, float>) {
+      x = g + off;
+    } else {
+      at::vec::convert(g + off, buf, m);
+      x = buf;
+    }
+    int64_t i = 0;
+    for (; i + 2 * VS <= m; i += 2 * VS) {
+      Vec a = Vec::loadu(x + i);
+      Vec b = Vec::loadu(x + i + VS);
+      acc0 = at::vec::fmadd(a, a, acc0);
+      acc1 = at::vec::fmadd(b, b, acc1);
+      probe = probe + a * zero + b * zero;
+    }
+    for (; i < m; i += VS) {
+      const int c = static_cast<int>(std::min<int64_t>(VS, m - i));
+      Vec a = Vec::loadu(x + i, c);
+      acc0 = at::vec::fmadd(a, a, acc0);
+      probe = probe + a * zero;
+    }
+    total += static_cast<double>(reduce_lanes(acc0 + acc1));
+  }
+  *sumsq_out = total;
+  *nonfinite_out = std::isnan(reduce_lanes(probe));
+}
+
+}  // namespace
+
+void grad_stats_cpu(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale, const at::Tensor& norm_out,
+                    const at::Tensor& found_inf_out) {
+  struct Item {
+    int64_t tensor, begin, end;
+  };
+  std::vector<Item> items;
+  for (size_t t = 0; t < grads.size(); ++t) {
+    const int64_t n = grads[t].numel();
+    for (int64_t b = 0; b < n; b += kChunk) items.push_back({static_cast<int64_t>(t), b, std::min(n, b + kChunk)});
+  }
+  std::vector<double> sums(items.size(), 0.0);
+  std::vector<char> nonfinite(items.size(), 0);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const Item& it = items[i];
+      const at::Tensor& g = grads[it.tensor];
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "grad_stats_cpu", [&] {
+        if constexpr (std::is_same_v<scalar_t, double>) {
+          TORCH_CHECK(false, "grad_stats: float64 gradients are not supported");
+        } else {
+          bool nf = false;
+          partial_stats(g.const_data_ptr<scalar_t>() + it.begin, it.end - it.begin, &sums[i], &nf);
+          nonfinite[i] = nf;
+        }
+      });
+    }
+  });
+  double total = 0.0;
+  bool any_nf = false;
+  for (size_t i = 0; i < items.size(); ++i) {
+    total += sums[i];
+    any_nf = any_nf || nonfinite[i];
+  }
+  float norm = static_cast<float>(std::sqrt(total));
+  if (inv_scale.defined()) norm *= *inv_scale.const_data_ptr<float>();
+  *norm_out.data_ptr<float>() = norm;
+  *found_inf_out.data_ptr<float>() = any_nf ? 1.f : 0.f;
+}
+
+}  // namespace detail
+}  // namespace fusetrain

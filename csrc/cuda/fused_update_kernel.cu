@@ -1,0 +1,225 @@
+// CUDA kernels for the fused optimizer update (Adam/AdamW, SGD, Lion).
+//
+// One pass: each element of param, grad and state is read once and written
+// once; the unscale/clip multiplier, the non-finite skip, master weights and
+// the EMA are applied in registers. Every changing scalar (lr, step, inverse
+// scale, found_inf, grad norm, EMA decay) is read from device memory, so the
+// launch sequence is the same every step and can be captured in a CUDA graph.
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "../common/update_args.h"
+#include "multi_tensor_apply.cuh"
+
+namespace fusetrain {
+namespace detail {
+namespace {
+
+using cuda::kBlockThreads;
+using cuda::kChunkSize;
+using cuda::kILP;
+
+// Depth 7: param, grad, state1, state2, state3, master, ema.
+using UpdateMeta = cuda::TensorListMeta<7, 96, 1280>;
+constexpr int kMaxStepPtrs = 1024;
+
+struct StepPtrs {
+  float* p[kMaxStepPtrs];
+};
+
+struct KernelArgs {
+  AdamHyper adam;
+  SGDHyper sgd;
+  LionHyper lion;
+  bool maximize;
+  float max_grad_norm;
+  const float* lr;
+  const float* inv_scale;
+  const float* found_inf;
+  const float* grad_norm;
+  const float* ema_decay;
+};
+
+__global__ void increment_steps_kernel(StepPtrs steps, int n, const float* found_inf) {
+  if (found_inf != nullptr && *found_inf != 0.f) return;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) *steps.p[i] += 1.f;
+}
+
+template <OptimKind K>
+struct Coeffs;
+template <>
+struct Coeffs<OptimKind::Adam> {
+  AdamCoeffs c;
+  __device__ Coeffs(const KernelArgs& a, float lr, float step) : c(make_adam_coeffs(a.adam, lr, step)) {}
+};
+template <>
+struct Coeffs<OptimKind::SGD> {
+  SGDCoeffs c;
+  __device__ Coeffs(const KernelArgs& a, float lr, float step) : c(make_sgd_coeffs(a.sgd, lr, step)) {}
+};
+template <>
+struct Coeffs<OptimKind::Lion> {
+  LionCoeffs c;
+  __device__ Coeffs(const KernelArgs& a, float lr, float step) : c(make_lion_coeffs(a.lion, lr, step)) {}
+};
+
+template <OptimKind K>
+__device__ __forceinline__ void apply_one(float& p, float g, float* s1, float* s2, float* s3, const Coeffs<K>& co) {
+  if constexpr (K == OptimKind::Adam) {
+    adam_update(p, g, *s1, *s2, s3, co.c);
+  } else if constexpr (K == OptimKind::SGD) {
+    sgd_update(p, g, s1, co.c);
+  } else {
+    lion_update(p, g, *s1, co.c);
+  }
+}
+
+template <OptimKind K, typename P, typename G>
+__global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta meta, KernelArgs a) {
+  // NOTE [skip]: a step with non-finite gradients changes nothing.
+  if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
+  const int t = meta.block_to_tensor[blockIdx.x];
+  const int64_t start = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * kChunkSize;
+  const int64_t rem = meta.numel[t] - start;
+  const int64_t len = rem < kChunkSize ? rem : kChunkSize;
+  const float lr = *a.lr;
+  const float step = *meta.step[t];
+  const Coeffs<K> co(a, lr, step);
+  const float gmul = grad_multiplier(a.inv_scale, a.grad_norm, a.max_grad_norm);
+  const float ema_w = a.ema_decay != nullptr ? 1.f - *a.ema_decay : 0.f;
+
+  P* param = static_cast<P*>(meta.addrs[0][t]) + start;
+  const G* grad = static_cast<const G*>(meta.addrs[1][t]) + start;
+  float* s1 = meta.addrs[2][t] ? static_cast<float*>(meta.addrs[2][t]) + start : nullptr;
+  float* s2 = meta.addrs[3][t] ? static_cast<float*>(meta.addrs[3][t]) + start : nullptr;
+  float* s3 = meta.addrs[4][t] ? static_cast<float*>(meta.addrs[4][t]) + start : nullptr;
+  float* master = meta.addrs[5][t] ? static_cast<float*>(meta.addrs[5][t]) + start : nullptr;
+  P* ema = meta.addrs[6][t] ? static_cast<P*>(meta.addrs[6][t]) + start : nullptr;
+
+  auto finish = [&](float& p, float g) {
+    g *= gmul;
+    if (a.maximize) g = -g;
+    return g;
+  };
+
+  const bool aligned = cuda::is_aligned(param) && cuda::is_aligned(grad) && (!s1 || cuda::is_aligned(s1)) &&
+                       (!s2 || cuda::is_aligned(s2)) && (!s3 || cuda::is_aligned(s3)) &&
+                       (!master || cuda::is_aligned(master)) && (!ema || cuda::is_aligned(ema));
+  int64_t vec_end = 0;
+  if (aligned) {
+    vec_end = len - len % kILP;
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * kILP; i < vec_end; i += kBlockThreads * kILP) {
+      float p[kILP], g[kILP], r1[kILP], r2[kILP], r3[kILP], e[kILP];
+      if (master) {
+        cuda::load_vec(p, master + i);
+      } else {
+        cuda::load_vec(p, param + i);
+      }
+      cuda::load_vec(g, grad + i);
+      if (s1) cuda::load_vec(r1, s1 + i);
+      if (s2) cuda::load_vec(r2, s2 + i);
+      if (s3) cuda::load_vec(r3, s3 + i);
+#pragma unroll
+      for (int k = 0; k < kILP; ++k) {
+        const float gk = finish(p[k], g[k]);
+        apply_one<K>(p[k], gk, s1 ? &r1[k] : nullptr, s2 ? &r2[k] : nullptr, s3 ? &r3[k] : nullptr, co);
+      }
+      if (s1) cuda::store_vec(s1 + i, r1);
+      if (s2) cuda::store_vec(s2 + i, r2);
+      if (s3) cuda::store_vec(s3 + i, r3);
+      if (master) cuda::store_vec(master + i, p);
+      cuda::store_vec(param + i, p);
+      if (ema) {
+        cuda::load_vec(e, ema + i);
+#pragma unroll
+        for (int k = 0; k < kILP; ++k) {
+          // NOTE [ema source] (csrc/cpu/fused_update_kernel.cpp).
+          const float src = master ? p[k] : static_cast<float>(static_cast<P>(p[k]));
+          e[k] = lerp_small_weight(e[k], src, ema_w);
+        }
+        cuda::store_vec(ema + i, e);
+      }
+    }
+  }
+  for (int64_t i = vec_end + threadIdx.x; i < len; i += kBlockThreads) {
+    float p = master ? master[i] : static_cast<float>(param[i]);
+    const float g = finish(p, static_cast<float>(grad[i]));
+    apply_one<K>(p, g, s1 ? s1 + i : nullptr, s2 ? s2 + i : nullptr, s3 ? s3 + i : nullptr, co);
+    if (master) master[i] = p;
+    param[i] = static_cast<P>(p);
+    if (ema) {
+      const float src = master ? p : static_cast<float>(static_cast<P>(p));
+      ema[i] = static_cast<P>(lerp_small_weight(static_cast<float>(ema[i]), src, ema_w));
+    }
+  }
+}
+
+const float* scalar_ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
+
+}  // namespace
+
+void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateScalars& s) {
+  if (l.params.empty()) return;
+  c10::cuda::CUDAGuard guard(l.params[0].device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  KernelArgs a;
+  a.adam = h.adam;
+  a.sgd = h.sgd;
+  a.lion = h.lion;
+  a.maximize = h.maximize;
+  a.max_grad_norm = static_cast<float>(h.max_grad_norm);
+  a.lr = scalar_ptr(s.lr);
+  a.inv_scale = scalar_ptr(s.inv_scale);
+  a.found_inf = scalar_ptr(s.found_inf);
+  a.grad_norm = scalar_ptr(s.grad_norm);
+  a.ema_decay = l.ema.empty() ? nullptr : scalar_ptr(s.ema_decay);
+
+  // Steps first (the update reads the incremented step, as torch.optim does).
+  for (size_t b = 0; b < l.steps.size(); b += kMaxStepPtrs) {
+    StepPtrs sp;
+    const int n = static_cast<int>(std::min<size_t>(kMaxStepPtrs, l.steps.size() - b));
+    for (int i = 0; i < n; ++i) sp.p[i] = l.steps[b + i].data_ptr<float>();
+    increment_steps_kernel<<<(n + 255) / 256, 256, 0, stream>>>(sp, n, a.found_inf);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  const std::vector<const std::vector<at::Tensor>*> lists = {&l.params, &l.grads,  &l.state1, &l.state2,
+                                                             &l.state3, &l.master, &l.ema};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, l.params[0].scalar_type(), "fused_update_cuda", [&] {
+    using P = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, l.grads[0].scalar_type(), "fused_update_cuda_g", [&] {
+      using G = scalar_t;
+      if constexpr (std::is_same_v<P, double> || std::is_same_v<G, double>) {
+        TORCH_CHECK(false, "fused optimizer: float64 tensors are not supported");
+      } else {
+        auto run = [&](auto kind_tag) {
+          constexpr OptimKind K = decltype(kind_tag)::value;
+          cuda::multi_tensor_apply<UpdateMeta>(lists, l.steps, [&](const UpdateMeta& meta, int blocks) {
+            fused_update_kernel<K, P, G><<<blocks, kBlockThreads, 0, stream>>>(meta, a);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
+        };
+        switch (h.kind) {
+          case OptimKind::Adam:
+            run(std::integral_constant<OptimKind, OptimKind::Adam>{});
+            break;
+          case OptimKind::SGD:
+            run(std::integral_constant<OptimKind, OptimKind::SGD>{});
+            break;
+          case OptimKind::Lion:
+            run(std::integral_constant<OptimKind, OptimKind::Lion>{});
+            break;
+        }
+      }
+    });
+  });
+}
+
+}  // namespace detail
+}  // namespace fusetrain

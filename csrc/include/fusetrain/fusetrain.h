@@ -1,0 +1,5 @@
+// Umbrella header of fusetrain's public C++ API.
+#pragma once
+
+#include <fusetrain/build_info.h>
+#include <fusetrain/ops.h>

@@ -1,0 +1,56 @@
+// fusetrain::fused_lion_ — Lion (sign of an interpolated momentum) over lists
+// of tensors, with unscale, clip, non-finite skip and EMA folded in.
+#include <torch/library.h>
+
+#include "../common/update_args.h"
+
+namespace fusetrain {
+namespace detail {
+namespace {
+
+void fused_lion_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
+                     const at::Tensor& lr, double beta1, double beta2, double weight_decay, bool maximize,
+                     const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& grad_norm, double max_grad_norm,
+                     const std::optional<at::Tensor>& ema_decay) {
+  const char* op = "fused_lion_";
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1), got ", beta2);
+  TORCH_CHECK(weight_decay >= 0.0, op, ": weight_decay must be >= 0, got ", weight_decay);
+  TORCH_CHECK(exp_avgs.size() == params.size(), op, ": exp_avgs needs one tensor per param (", params.size(),
+              "), got ", exp_avgs.size());
+  UpdateLists l;
+  l.params = params.vec();
+  l.grads = grads.vec();
+  l.state1 = exp_avgs.vec();
+  l.steps = state_steps.vec();
+  l.master = master_params.vec();
+  l.ema = ema_params.vec();
+  OptimHyper h;
+  h.kind = OptimKind::Lion;
+  h.lion = LionHyper{beta1, beta2, weight_decay};
+  h.maximize = maximize;
+  h.max_grad_norm = max_grad_norm;
+  UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
+                  opt_or_undef(ema_decay)};
+  run_fused_update(op, l, h, s);
+}
+
+}  // namespace
+}  // namespace detail
+}  // namespace fusetrain
+
+TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
+  m.set_python_module("fusetrain._ops");
+  m.def(
+      "fused_lion_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(e!)[] state_steps, "
+      "Tensor(f!)[] master_params, Tensor(g!)[] ema_params, *, Tensor lr, float beta1, float beta2, "
+      "float weight_decay, bool maximize, Tensor? inv_scale=None, Tensor? found_inf=None, "
+      "Tensor? grad_norm=None, float max_grad_norm=0.0, Tensor? ema_decay=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fusetrain, CPU, m) { m.impl("fused_lion_", &fusetrain::detail::fused_lion_impl); }
+#ifdef FUSETRAIN_WITH_CUDA
+TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) { m.impl("fused_lion_", &fusetrain::detail::fused_lion_impl); }
+#endif

@@ -1,0 +1,142 @@
+// Checks, dtype bucketing and device dispatch shared by the fused optimizer
+// update ops (fused_adam_, fused_sgd_, fused_lion_).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_strided.h>
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <utility>
+
+#include "../common/update_args.h"
+
+namespace fusetrain {
+namespace detail {
+namespace {
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_scalar(const char* op, const char* name, const at::Tensor& t, const at::Device& dev) {
+  if (!t.defined()) return;
+  TORCH_CHECK(t.numel() == 1, op, ": ", name, " must be a tensor with one element, got shape ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.device() == dev, op, ": ", name, " is on ", t.device(), " but params are on ", dev);
+}
+
+void check_companion(const char* op, const char* list, size_t i, const at::Tensor& t, const at::Tensor& p,
+                     bool same_dtype_as_param, bool must_be_fp32) {
+  TORCH_CHECK(t.defined(), op, ": ", list, "[", i, "] is undefined");
+  TORCH_CHECK(t.device() == p.device(), op, ": params[", i, "] is on ", p.device(), " but ", list, "[", i,
+              "] is on ", t.device());
+  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", list, "[", i, "] must be a dense (strided) tensor, got ",
+              t.layout());
+  TORCH_CHECK(t.sizes() == p.sizes(), op, ": ", list, "[", i, "] has shape ", t.sizes(), " but params[", i,
+              "] has shape ", p.sizes());
+  TORCH_CHECK(t.strides() == p.strides(), op, ": ", list, "[", i, "] has strides ", t.strides(),
+              " but params[", i, "] has strides ", p.strides(), "; state must share the parameter's layout");
+  if (must_be_fp32) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", list, "[", i, "] must be float32, got ",
+                t.scalar_type());
+  }
+  if (same_dtype_as_param) {
+    TORCH_CHECK(t.scalar_type() == p.scalar_type(), op, ": ", list, "[", i, "] has dtype ", t.scalar_type(),
+                " but params[", i, "] has dtype ", p.scalar_type());
+  }
+}
+
+void check_list_size(const char* op, const char* list, const std::vector<at::Tensor>& v, size_t n) {
+  TORCH_CHECK(v.empty() || v.size() == n, op, ": ", list, " must be empty or have one tensor per param (",
+              n, "), got ", v.size());
+}
+
+}  // namespace
+
+void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper& hyper,
+                      const UpdateScalars& scalars) {
+  const size_t n = lists.params.size();
+  TORCH_CHECK(lists.grads.size() == n, op, ": got ", n, " params but ", lists.grads.size(), " grads");
+  TORCH_CHECK(lists.steps.size() == n, op, ": got ", n, " params but ", lists.steps.size(), " state_steps");
+  check_list_size(op, "state lists", lists.state1, n);
+  check_list_size(op, "state lists", lists.state2, n);
+  check_list_size(op, "state lists", lists.state3, n);
+  check_list_size(op, "master_params", lists.master, n);
+  check_list_size(op, "ema_params", lists.ema, n);
+  TORCH_CHECK(scalars.lr.defined(), op, ": lr is required");
+  if (n == 0) return;
+
+  const at::Device dev = lists.params[0].device();
+  TORCH_CHECK(dev.is_cpu() || dev.is_cuda(), op, ": params must be on CPU or CUDA, got ", dev);
+  check_scalar(op, "lr", scalars.lr, dev);
+  check_scalar(op, "inv_scale", scalars.inv_scale, dev);
+  check_scalar(op, "found_inf", scalars.found_inf, dev);
+  check_scalar(op, "grad_norm", scalars.grad_norm, dev);
+  check_scalar(op, "ema_decay", scalars.ema_decay, dev);
+  TORCH_CHECK(lists.ema.empty() || scalars.ema_decay.defined(), op, ": ema_params given without ema_decay");
+
+  // Bucket by (param dtype, grad dtype): each bucket is one kernel family.
+  std::map<std::pair<int, int>, UpdateLists> buckets;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = lists.params[i];
+    TORCH_CHECK(p.defined(), op, ": params[", i, "] is undefined");
+    TORCH_CHECK(p.device() == dev, op, ": params[", i, "] is on ", p.device(), " but params[0] is on ", dev,
+                "; all params of one group must be on one device");
+    TORCH_CHECK(p.layout() == at::kStrided, op, ": params[", i, "] must be dense, got ", p.layout());
+    TORCH_CHECK(is_supported_float(p.scalar_type()), op, ": params[", i, "] has dtype ", p.scalar_type(),
+                "; supported: float32, float16, bfloat16");
+    TORCH_CHECK(p.is_non_overlapping_and_dense(), op, ": params[", i,
+                "] must be non-overlapping and dense (a whole tensor, not a strided view)");
+    at::Tensor g = lists.grads[i];
+    TORCH_CHECK(g.defined(), op, ": grads[", i, "] is undefined");
+    TORCH_CHECK(g.layout() == at::kStrided, op, ": grads[", i, "] is ", g.layout(),
+                "; sparse gradients are not supported");
+    TORCH_CHECK(!g.is_complex(), op, ": grads[", i, "] is complex; complex gradients are not supported");
+    TORCH_CHECK(is_supported_float(g.scalar_type()), op, ": grads[", i, "] has dtype ", g.scalar_type(),
+                "; supported: float32, float16, bfloat16");
+    TORCH_CHECK(g.device() == dev, op, ": params[", i, "] is on ", dev, " but grads[", i, "] is on ",
+                g.device());
+    TORCH_CHECK(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(), " but params[", i,
+                "] has shape ", p.sizes());
+    if (g.strides() != p.strides()) {
+      // Read-only: a copy with the parameter's layout keeps the kernels linear.
+      g = at::empty_strided(p.sizes(), p.strides(), g.options()).copy_(g);
+    }
+    const at::Tensor& s = lists.steps[i];
+    TORCH_CHECK(s.defined() && s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": state_steps[", i,
+                "] must be a float32 tensor with one element");
+    TORCH_CHECK(s.device() == dev, op, ": params[", i, "] is on ", dev, " but state_steps[", i, "] is on ",
+                s.device());
+
+    if (!lists.state1.empty()) check_companion(op, "state", i, lists.state1[i], p, false, true);
+    if (!lists.state2.empty()) check_companion(op, "state", i, lists.state2[i], p, false, true);
+    if (!lists.state3.empty()) check_companion(op, "state", i, lists.state3[i], p, false, true);
+    if (!lists.master.empty()) check_companion(op, "master_params", i, lists.master[i], p, false, true);
+    if (!lists.ema.empty()) check_companion(op, "ema_params", i, lists.ema[i], p, true, false);
+
+    UpdateLists& b = buckets[{static_cast<int>(p.scalar_type()), static_cast<int>(g.scalar_type())}];
+    b.params.push_back(p);
+    b.grads.push_back(g);
+    b.steps.push_back(s);
+    if (!lists.state1.empty()) b.state1.push_back(lists.state1[i]);
+    if (!lists.state2.empty()) b.state2.push_back(lists.state2[i]);
+    if (!lists.state3.empty()) b.state3.push_back(lists.state3[i]);
+    if (!lists.master.empty()) b.master.push_back(lists.master[i]);
+    if (!lists.ema.empty()) b.ema.push_back(lists.ema[i]);
+  }
+
+  for (auto& kv : buckets) {
+    if (dev.is_cpu()) {
+      check_cpu_features(op);
+      fused_update_cpu(kv.second, hyper, scalars);
+    } else {
+#ifdef FUSETRAIN_WITH_CUDA
+      fused_update_cuda(kv.second, hyper, scalars);
+#else
+      TORCH_CHECK(false, op, ": fusetrain was built without CUDA; rebuild with FUSETRAIN_CUDA=ON");
+#endif
+    }
+  }
+}
+
+}  // namespace detail
+}  // namespace fusetrain

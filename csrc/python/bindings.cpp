@@ -1,0 +1,28 @@
+// fusetrain._C: the Python extension. The ops themselves are registered with
+// the PyTorch dispatcher by libfusetrain_core (loaded with this module); this
+// module exposes what is not an op.
+#include <pybind11/pybind11.h>
+
+#include "fusetrain/build_info.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fusetrain native core";
+  m.def("built_with_cuda", &fusetrain::built_with_cuda, "Whether the CUDA kernels were compiled in.");
+  m.def("build_info", []() {
+    py::dict d;
+    d["cuda"] = fusetrain::built_with_cuda();
+#ifdef FUSETRAIN_CUDA_ARCHS
+    d["cuda_archs"] = FUSETRAIN_CUDA_ARCHS;
+#else
+    d["cuda_archs"] = "";
+#endif
+#ifdef FUSETRAIN_CPU_AVX2
+    d["cpu_avx2"] = true;
+#else
+    d["cpu_avx2"] = false;
+#endif
+    return d;
+  });
+}

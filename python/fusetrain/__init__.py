@@ -1,0 +1,13 @@
+"""fusetrain: PyTorch training whose per-step tail (unscale, non-finite check,
+clipping, optimizer update, EMA) runs as fused C++/CUDA kernels with no
+host-device synchronisation."""
+
+import torch  # noqa: F401  (loads libtorch before the native core)
+
+from . import _ops  # registers the fake kernels of the native ops
+from . import optim
+from ._ops import build_info
+
+__version__ = "0.1.0"
+
+__all__ = ["optim", "build_info", "__version__"]

@@ -1,0 +1,83 @@
+"""Python side of the native ops: loads the core and registers a fake (meta)
+implementation for each op so that torch.compile and FakeTensor tracing work.
+Each public function is a thin call into ``torch.ops.fusetrain``."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import _C  # noqa: F401  (loading _C loads libfusetrain_core, which registers the ops)
+
+_ops = torch.ops.fusetrain
+
+
+def build_info() -> dict:
+    """What this build contains: ``{"cuda": bool, "cuda_archs": str, "cpu_avx2": bool}``."""
+    return dict(_C.build_info())
+
+
+# ---- fake kernels --------------------------------------------------------------
+
+
+@torch.library.register_fake("fusetrain::grad_stats")
+def _grad_stats_fake(grads, inv_scale=None):
+    if len(grads) > 0:
+        device = grads[0].device
+    elif inv_scale is not None:
+        device = inv_scale.device
+    else:
+        device = torch.device("cpu")
+    return (
+        torch.empty((), dtype=torch.float32, device=device),
+        torch.empty((), dtype=torch.float32, device=device),
+    )
+
+
+def _update_fake(*args, **kwargs):
+    # The update ops only mutate their inputs in place; nothing to allocate.
+    return None
+
+
+for _name in ("fused_adam_", "fused_sgd_", "fused_lion_"):
+    torch.library.register_fake(f"fusetrain::{_name}")(_update_fake)
+
+
+# ---- thin wrappers -----------------------------------------------------------------
+
+
+def grad_stats(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Global L2 norm of ``grads`` (times ``inv_scale`` when given) and a
+    non-finite flag (1.0 when any element is inf/NaN), as 0-d float32 tensors
+    on the gradients' device. One read of each gradient; no host sync."""
+    return _ops.grad_stats(list(grads), inv_scale)
+
+
+def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, ema_params, *,
+                lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled_weight_decay, inv_scale=None,
+                found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
+    """In-place Adam/AdamW step over lists of tensors (see ``fusetrain::fused_adam_``)."""
+    _ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, ema_params,
+                     lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
+                     maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, inv_scale=inv_scale,
+                     found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
+
+
+def fused_sgd_(params, grads, momentum_buffers, state_steps, master_params, ema_params, *, lr, momentum, dampening,
+               weight_decay, nesterov, maximize, inv_scale=None, found_inf=None, grad_norm=None, max_grad_norm=0.0,
+               ema_decay=None) -> None:
+    """In-place SGD step over lists of tensors (see ``fusetrain::fused_sgd_``)."""
+    _ops.fused_sgd_(params, grads, momentum_buffers, state_steps, master_params, ema_params, lr=lr,
+                    momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                    maximize=maximize, inv_scale=inv_scale, found_inf=found_inf, grad_norm=grad_norm,
+                    max_grad_norm=max_grad_norm, ema_decay=ema_decay)
+
+
+def fused_lion_(params, grads, exp_avgs, state_steps, master_params, ema_params, *, lr, beta1, beta2, weight_decay,
+                maximize, inv_scale=None, found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
+    """In-place Lion step over lists of tensors (see ``fusetrain::fused_lion_``)."""
+    _ops.fused_lion_(params, grads, exp_avgs, state_steps, master_params, ema_params, lr=lr, beta1=beta1,
+                     beta2=beta2, weight_decay=weight_decay, maximize=maximize, inv_scale=inv_scale,
+                     found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)

@@ -1,0 +1,9 @@
+"""Fused optimizers: drop-in replacements for torch.optim with the whole step
+(unscale, non-finite skip, clipping, update, EMA) in fused kernels."""
+
+from ._base import FusedOptimizer
+from .adam import Adam, AdamW
+from .lion import Lion
+from .sgd import SGD
+
+__all__ = ["Adam", "AdamW", "SGD", "Lion", "FusedOptimizer"]

@@ -1,0 +1,346 @@
+"""Shared machinery of fusetrain's fused optimizers.
+
+A step is at most two passes over the gradients: an optional read-only
+reduction (``fusetrain::grad_stats``: global norm + non-finite flag, needed for
+clipping or loss-scaled steps) and one fused update pass per parameter group
+that writes params, optimizer state, master weights and EMA together. Every
+changing scalar (lr, step, inverse scale, found_inf, norm, EMA decay) is a
+device tensor, so ``step()`` never synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .. import _ops
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Keys of torch.optim's constructors that fusetrain accepts for compatibility:
+# fusetrain steps are always fused and capturable.
+_COMPAT_KEYS = ("foreach", "capturable", "differentiable", "fused")
+
+
+def _check_range(opt: str, name: str, value: Any, low: float, high: Optional[float] = None,
+                 high_inclusive: bool = False) -> None:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{opt}: {name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+        # Construction time only: reading a tensor hyperparameter once is fine.
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{opt}: {name} must be a float, got {type(value).__name__} {value!r}")
+    ok = value >= low and (high is None or (value <= high if high_inclusive else value < high))
+    if not ok:
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}{']' if high_inclusive else ')'}"
+        raise ValueError(f"{opt}: {name} must be {allowed}, got {value}")
+
+
+def _check_betas(opt: str, betas: Any) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{opt}: betas must be a pair (beta1, beta2), got {betas!r}")
+    _check_range(opt, "betas[0]", betas[0], 0.0, 1.0)
+    _check_range(opt, "betas[1]", betas[1], 0.0, 1.0)
+
+
+def _compat_kwargs(opt: str, foreach, capturable, differentiable, fused) -> Dict[str, Any]:
+    if differentiable:
+        raise ValueError(f"{opt}: differentiable=True is not supported by fused optimizers; use torch.optim")
+    if fused is False:
+        raise ValueError(f"{opt}: fused=False is not supported; fusetrain optimizers are always fused "
+                         "(use torch.optim for an unfused step)")
+    return {"foreach": foreach, "capturable": capturable, "differentiable": False, "fused": fused}
+
+
+def _as_float(value) -> float:
+    return float(value.item()) if isinstance(value, Tensor) else float(value)
+
+
+class FusedOptimizer(Optimizer):
+    """Base class: subclasses name their fp32 state tensors and call their op.
+
+    Subclass contract:
+      * ``_state_names(group)``: names of the per-param fp32 state tensors, at
+        most three, in the order the op takes them;
+      * ``_update(group, lists, lr, tail)``: call the fused op.
+    """
+
+    _opt_name = "FusedOptimizer"
+
+    def __init__(self, params, defaults: Dict[str, Any], max_grad_norm: Optional[float], master_weights: bool):
+        if max_grad_norm is not None:
+            _check_range(self._opt_name, "max_grad_norm", max_grad_norm, 0.0)
+            if max_grad_norm == 0:
+                raise ValueError(f"{self._opt_name}: max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if not isinstance(master_weights, bool):
+            raise TypeError(f"{self._opt_name}: master_weights must be a bool, got {master_weights!r}")
+        defaults = dict(defaults, max_grad_norm=max_grad_norm, master_weights=master_weights)
+        self._lr_cache: Dict[int, List[Any]] = {}
+        self._ema_lists: Optional[List[Optional[List[Tensor]]]] = None
+        self._ema_decay: Optional[Tensor] = None
+        # Written by step(): a dict rather than attributes because torch.compile
+        # cannot trace attribute assignment on an optimizer (it can trace item
+        # assignment on a dict the optimizer holds).
+        self._last: Dict[str, Optional[Tensor]] = {"grad_norm": None, "found_inf": None}
+        super().__init__(params, defaults)
+
+    @property
+    def last_grad_norm(self) -> Optional[Tensor]:
+        """Global gradient norm of the last step (0-d device tensor), or None
+        when the last step computed none."""
+        return self._last["grad_norm"]
+
+    @property
+    def last_found_inf(self) -> Optional[Tensor]:
+        """Non-finite flag of the last step (0-d device tensor), or None."""
+        return self._last["found_inf"]
+
+    # ---- torch.optim compatibility -------------------------------------------------
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        gi = len(self.param_groups) - 1
+        devices = set()
+        for i, p in enumerate(group["params"]):
+            if p.is_complex():
+                raise ValueError(f"{self._opt_name}: param {i} of group {gi} is complex ({p.dtype}); "
+                                 "complex params are not supported")
+            if p.dtype not in _SUPPORTED_DTYPES:
+                raise TypeError(f"{self._opt_name}: param {i} of group {gi} has dtype {p.dtype}; "
+                                "supported: float32, float16, bfloat16")
+            if p.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{self._opt_name}: param {i} of group {gi} is on {p.device}; supported: cpu, cuda")
+            devices.add(p.device)
+        if len(devices) > 1:
+            raise ValueError(f"{self._opt_name}: params of group {gi} are on different devices "
+                             f"{sorted(str(d) for d in devices)}; put each device's params in its own group")
+        if self._ema_lists is not None:
+            self._ema_lists.append(None)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict saved by this optimizer or by the matching
+        torch.optim optimizer. Optimizer state stays float32 whatever the
+        param dtype (torch would cast it to the param dtype) and step counters
+        move to the param's device."""
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)
+        id_to_param = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            for pid, p in zip(saved["params"], group["params"]):
+                id_to_param[pid] = p
+        for pid, st in saved_state.items():
+            p = id_to_param.get(pid)
+            if p is None:
+                continue
+            for k, v in st.items():
+                if isinstance(v, Tensor):
+                    self.state[p][k] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
+        self._lr_cache.clear()
+
+    # ---- EMA riding in the update pass -----------------------------------------------
+
+    def attach_ema(self, ema_params: Mapping[Tensor, Tensor], decay: Tensor) -> None:
+        """Update EMA copies in the same pass as the params:
+        ``ema += (1 - decay) * (param_new - ema)`` for every param updated by a
+        step. ``ema_params`` maps params of this optimizer to tensors of the
+        same shape, dtype and device; ``decay`` is a 0-d float32 device tensor
+        (change it in place; it is read on the device). Every param of a group
+        needs an EMA tensor, or none of that group's params."""
+        if not isinstance(decay, Tensor) or decay.numel() != 1 or decay.dtype != torch.float32:
+            raise TypeError(f"{self._opt_name}.attach_ema: decay must be a one-element float32 tensor, got {decay!r}")
+        by_id = {id(k): v for k, v in ema_params.items()}
+        known = {id(p) for g in self.param_groups for p in g["params"]}
+        unknown = [k for k in by_id if k not in known]
+        if unknown:
+            raise ValueError(f"{self._opt_name}.attach_ema: {len(unknown)} key(s) of ema_params are not params "
+                             "of this optimizer")
+        lists: List[Optional[List[Tensor]]] = []
+        for gi, group in enumerate(self.param_groups):
+            covered = [id(p) in by_id for p in group["params"]]
+            if not any(covered):
+                lists.append(None)
+                continue
+            if not all(covered):
+                raise ValueError(f"{self._opt_name}.attach_ema: group {gi} has {covered.count(False)} param(s) "
+                                 "without an EMA tensor; give every param of the group one, or none")
+            emas = []
+            for i, p in enumerate(group["params"]):
+                e = by_id[id(p)]
+                if e.shape != p.shape or e.dtype != p.dtype or e.device != p.device:
+                    raise ValueError(f"{self._opt_name}.attach_ema: EMA of param {i} of group {gi} has "
+                                     f"shape {tuple(e.shape)}, dtype {e.dtype}, device {e.device}; the param has "
+                                     f"shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device}")
+                emas.append(e)
+            lists.append(emas)
+        self._ema_lists = lists
+        self._ema_decay = decay
+
+    def detach_ema(self) -> None:
+        """Stop updating EMA copies in the update pass."""
+        self._ema_lists = None
+        self._ema_decay = None
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def _state_names(self, group: Dict[str, Any]) -> Sequence[str]:
+        raise NotImplementedError
+
+    def _new_step_value(self, state: Dict[str, Any]) -> float:
+        return 0.0
+
+    def _init_group(self, group, params, grads, steps, masters, emas, state1, state2, state3):
+        # Called with python values by torch.compile (dynamo runs it eagerly),
+        # so lazy state creation never lands in a compiled graph.
+        names = self._state_names(group)
+        outs = (state1, state2, state3)
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        ema_list = self._ema_lists[gi] if self._ema_lists is not None else None
+        for i, p in enumerate(group["params"]):
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(f"{self._opt_name}: param {i} of group {gi} has a sparse gradient; "
+                                   "sparse gradients are not supported")
+            if g.is_complex():
+                raise RuntimeError(f"{self._opt_name}: param {i} of group {gi} has a complex gradient; "
+                                   "complex gradients are not supported")
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.full((), self._new_step_value(state), dtype=torch.float32, device=p.device)
+            elif state["step"].device != p.device or state["step"].dtype != torch.float32:
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+            for name in names:
+                if name not in state:
+                    state[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            if group["master_weights"] and p.dtype != torch.float32 and "master_param" not in state:
+                state["master_param"] = p.detach().to(dtype=torch.float32, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(g)
+            steps.append(state["step"])
+            if group["master_weights"] and p.dtype != torch.float32:
+                masters.append(state["master_param"])
+            if ema_list is not None:
+                emas.append(ema_list[i])
+            for out, name in zip(outs, names):
+                out.append(state[name])
+        return len(params) > 0
+
+    def _lr_tensor(self, gi: int, group: Dict[str, Any], device: torch.device) -> Tensor:
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            if lr.device == device and lr.dtype == torch.float32:
+                return lr.reshape(())
+            return lr.detach().to(device=device, dtype=torch.float32).reshape(())
+        cached = self._lr_cache.get(gi)
+        if cached is None or cached[1].device != device:
+            t = torch.full((), lr, dtype=torch.float32, device=device)
+            self._lr_cache[gi] = [lr, t]
+            return t
+        if cached[0] != lr:
+            cached[1].fill_(lr)
+            cached[0] = lr
+        return cached[1]
+
+    def _grad_stats(self, grads: List[Tensor], inv_scale: Optional[Tensor]):
+        by_device: Dict[torch.device, List[Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        if len(by_device) <= 1:
+            return _ops.grad_stats(grads, inv_scale)
+        # Several devices: combine per-device norms on the first device.
+        first = next(iter(by_device))
+        sq, nf = None, None
+        for dev, gs in by_device.items():
+            inv = inv_scale.to(dev) if inv_scale is not None else None
+            n, f = _ops.grad_stats(gs, inv)
+            n, f = n.to(first), f.to(first)
+            sq = n * n if sq is None else sq + n * n
+            nf = f if nf is None else torch.maximum(nf, f)
+        return sq.sqrt(), nf
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step (see the class docstring). ``closure`` re-evaluates
+        the model and returns the loss, as in torch.optim."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._fused_step()
+        return loss
+
+    def _fused_step(self, inv_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+        """The step with an optional loss-scale tail: ``inv_scale`` (gradients
+        are multiplied by it) and ``found_inf`` (when non-zero on the device,
+        nothing changes). With ``inv_scale`` and no ``found_inf`` the flag is
+        computed here. With ``max_grad_norm`` set, gradients are clipped to the
+        global norm and a step whose gradients are not finite is skipped."""
+        prepared = []
+        all_grads: List[Tensor] = []
+        for gi, group in enumerate(self.param_groups):
+            params: List[Tensor] = []
+            grads: List[Tensor] = []
+            steps: List[Tensor] = []
+            masters: List[Tensor] = []
+            emas: List[Tensor] = []
+            s1: List[Tensor] = []
+            s2: List[Tensor] = []
+            s3: List[Tensor] = []
+            if self._init_group(group, params, grads, steps, masters, emas, s1, s2, s3):
+                prepared.append((gi, group, params, grads, steps, masters, emas, (s1, s2, s3)))
+                all_grads.extend(grads)
+        if not prepared:
+            return
+        grad_norm = None
+        need_norm = any(item[1]["max_grad_norm"] is not None for item in prepared)
+        if need_norm or (inv_scale is not None and found_inf is None):
+            grad_norm, computed_inf = self._grad_stats(all_grads, inv_scale)
+            found_inf = computed_inf if found_inf is None else torch.maximum(found_inf, computed_inf)
+            self._last["grad_norm"] = grad_norm
+        self._last["found_inf"] = found_inf
+        for gi, group, params, grads, steps, masters, emas, states in prepared:
+            device = params[0].device
+            lr = self._lr_tensor(gi, group, device)
+            max_norm = group["max_grad_norm"]
+            tail = {
+                "inv_scale": None if inv_scale is None else inv_scale.to(device),
+                "found_inf": None if found_inf is None else found_inf.to(device),
+                "grad_norm": None if (grad_norm is None or max_norm is None) else grad_norm.to(device),
+                "max_grad_norm": 0.0 if max_norm is None else float(max_norm),
+                "ema_decay": None if not emas else self._ema_decay.to(device),
+            }
+            for part in self._partitions(group, params, masters):
+                idx, part_masters = part
+                sel = lambda lst: [lst[i] for i in idx] if lst else []  # noqa: E731
+                self._update(group, {
+                    "params": sel(params), "grads": sel(grads), "steps": sel(steps), "masters": part_masters,
+                    "emas": sel(emas), "states": tuple(sel(s) for s in states),
+                }, lr, tail)
+
+    @staticmethod
+    def _partitions(group, params, masters):
+        """Index sets that share one kind of master handling: params updated
+        through an fp32 master copy, and params updated in place."""
+        if not group["master_weights"] or not masters:
+            return [(list(range(len(params))), [])]
+        low = [i for i, p in enumerate(params) if p.dtype != torch.float32]
+        full = [i for i, p in enumerate(params) if p.dtype == torch.float32]
+        parts = [(low, masters)]
+        if full:
+            parts.append((full, []))
+        return parts
+
+    def _update(self, group, lists, lr, tail) -> None:
+        raise NotImplementedError

@@ -1,0 +1,38 @@
+"""Fused Lion (sign momentum)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .. import _ops
+from ._base import FusedOptimizer, _check_betas, _check_range
+
+
+class Lion(FusedOptimizer):
+    """Lion: ``p -= lr * (sign(beta1 * m + (1 - beta1) * g) + weight_decay * p)``,
+    then ``m = beta2 * m + (1 - beta2) * g`` (weight decay decoupled, applied as
+    ``p *= 1 - lr * weight_decay``). Defaults lr=1e-4, betas=(0.9, 0.99),
+    weight_decay=0. One fused pass per group; see :class:`fusetrain.optim.Adam`
+    for ``max_grad_norm`` and ``master_weights``. State: ``exp_avg`` and ``step``.
+    """
+
+    _opt_name = "Lion"
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize: bool = False,
+                 max_grad_norm: Optional[float] = None, master_weights: bool = False):
+        name = self._opt_name
+        _check_range(name, "lr", lr, 0.0)
+        _check_range(name, "weight_decay", weight_decay, 0.0)
+        _check_betas(name, betas)
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=bool(maximize))
+        super().__init__(params, defaults, max_grad_norm, master_weights)
+
+    def _state_names(self, group):
+        return ("exp_avg",)
+
+    def _update(self, group, lists, lr, tail) -> None:
+        beta1, beta2 = group["betas"]
+        s1, _, _ = lists["states"]
+        _ops.fused_lion_(lists["params"], lists["grads"], s1, lists["steps"], lists["masters"], lists["emas"], lr=lr,
+                         beta1=float(beta1), beta2=float(beta2), weight_decay=float(group["weight_decay"]),
+                         maximize=bool(group["maximize"]), **tail)

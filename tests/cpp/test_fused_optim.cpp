@@ -1,0 +1,1034 @@
+// fused_adam_, fused_sgd_ and fused_lion_ against a scalar double-precision
+// reference written here (plain loops over the elements), on CPU and, when a
+// device is present, on CUDA. Every suite is instantiated for both devices;
+// the CUDA instances skip themselves without a device.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <fusetrain/fusetrain.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using TensorVec = std::vector<at::Tensor>;
+
+// ---- helpers -----------------------------------------------------------------
+
+std::vector<double> to_vec(const at::Tensor& t) {
+  at::Tensor d = t.detach().to(at::kCPU).to(at::kDouble).contiguous();
+  const double* p = d.data_ptr<double>();
+  return std::vector<double>(p, p + d.numel());
+}
+
+// The value `x` takes once computed in fp32 and stored as `t`.
+double round_to(double x, at::ScalarType t) {
+  const float f = static_cast<float>(x);
+  switch (t) {
+    case at::kHalf:
+      return static_cast<float>(c10::Half(f));
+    case at::kBFloat16:
+      return static_cast<float>(c10::BFloat16(f));
+    default:
+      return f;
+  }
+}
+
+double machine_eps(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf:
+      return std::ldexp(1.0, -10);
+    case at::kBFloat16:
+      return std::ldexp(1.0, -7);
+    default:
+      return std::ldexp(1.0, -23);
+  }
+}
+
+// Compares a tensor with its reference values. fp32 storage: |a - r| <= 1e-5 |r|
+// + 1e-6 rms(r) (the absolute part covers elements that cancelled to near zero).
+// fp16/bf16 storage: |a - r| <= 2 eps |r| + 1e-6 rms(r), eps the dtype's machine
+// epsilon: the fp32 kernel and the double reference may round a value that lies
+// near a half-way point to neighbouring representable values.
+::testing::AssertionResult close_to(const at::Tensor& actual, const std::vector<double>& ref,
+                                    at::ScalarType storage) {
+  const std::vector<double> a = to_vec(actual);
+  if (a.size() != ref.size()) {
+    return ::testing::AssertionFailure() << "size " << a.size() << " vs reference " << ref.size();
+  }
+  double sumsq = 0.0;
+  for (double r : ref) sumsq += r * r;
+  const double rms = ref.empty() ? 0.0 : std::sqrt(sumsq / static_cast<double>(ref.size()));
+  const bool fp32 = storage == at::kFloat;
+  const double u = machine_eps(storage);
+  int64_t bad = 0;
+  int64_t worst = -1;
+  double worst_ratio = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double tol = (fp32 ? 1e-5 : 2.0 * u) * std::abs(ref[i]) + 1e-6 * rms;
+    const double err = std::abs(a[i] - ref[i]);
+    const double ratio = err / tol;
+    if (!(err <= tol)) {
+      ++bad;
+      if (worst < 0 || !(ratio <= worst_ratio)) {
+        worst = static_cast<int64_t>(i);
+        worst_ratio = ratio;
+      }
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad << " of " << a.size() << " elements off; worst at " << worst
+                                       << ": got " << a[worst] << ", reference " << ref[worst] << " (error "
+                                       << std::abs(a[worst] - ref[worst]) << ", " << worst_ratio
+                                       << "x the tolerance)";
+}
+
+bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) return false;
+  at::Tensor ac = a.detach().to(at::kCPU).contiguous();
+  at::Tensor bc = b.detach().to(at::kCPU).contiguous();
+  return std::memcmp(ac.data_ptr(), bc.data_ptr(), ac.nbytes()) == 0;
+}
+
+TensorVec clone_all(const TensorVec& v) {
+  TensorVec out;
+  for (const auto& t : v) out.push_back(t.clone());
+  return out;
+}
+
+// Runs f, which must throw c10::Error whose message contains every needle.
+template <class F>
+void expect_error(F&& f, std::initializer_list<const char*> needles) {
+  std::string msg;
+  EXPECT_THROW(
+      {
+        try {
+          f();
+        } catch (const c10::Error& e) {
+          msg = e.what_without_backtrace();
+          throw;
+        }
+      },
+      c10::Error);
+  for (const char* n : needles) {
+    EXPECT_NE(msg.find(n), std::string::npos) << "message lacks \"" << n << "\": " << msg;
+  }
+}
+
+// ---- the reference -------------------------------------------------------------
+
+enum class Kind { Adam, SGD, Lion };
+
+struct Cfg {
+  Kind kind = Kind::Adam;
+  float lr = 1e-2f;  // step k (0-based) uses lr * (1 + 0.25 k), written into the lr tensor in place
+  double beta1 = 0.9, beta2 = 0.999, weight_decay = 0.0, eps = 1e-8;
+  bool amsgrad = false, maximize = false, decoupled = false;
+  double momentum = 0.0, dampening = 0.0;
+  bool nesterov = false;
+  bool master = false, ema = false;
+  float ema_decay = 0.9f;
+  float grad_scale = 1.f;  // != 1: grads are generated scaled and passed inv_scale = 1 / grad_scale
+  double clip_ratio = 0.0;  // > 0: max_grad_norm = clip_ratio * the step's true grad norm
+  bool norm_without_max = false;  // pass grad_norm with max_grad_norm = 0 (no clipping)
+  float step0 = 0.f;
+  int steps = 3;
+};
+
+struct Spec {
+  std::vector<int64_t> shape;
+  at::ScalarType pt = at::kFloat;
+  at::ScalarType gt = at::kFloat;
+  bool transposed_grad = false;  // 2-D only: the grad is a transposed (non-contiguous) view
+};
+
+struct RefTensor {
+  at::ScalarType pt;
+  std::vector<double> w;  // the full-precision value: the master when there is one, else the stored param
+  std::vector<double> s1, s2, s3, ema;
+  double step;
+};
+
+class Harness {
+ public:
+  Cfg c;
+  at::Device dev;
+  std::vector<Spec> specs;
+  TensorVec params, s1, s2, s3, master, ema, steps;  // on dev
+  std::vector<RefTensor> ref;
+  at::Tensor lr, inv_scale, ema_decay;
+  int done = 0;
+  std::vector<double> clip_coefs;  // the reference's clip coefficient of each step
+
+  Harness(const Cfg& cfg, std::vector<Spec> sp, at::Device d) : c(cfg), dev(d), specs(std::move(sp)) {
+    const bool has_s1 = c.kind != Kind::SGD || c.momentum != 0.0;
+    for (const Spec& s : specs) {
+      RefTensor r;
+      r.pt = s.pt;
+      at::Tensor p32 = at::randn(s.shape);
+      at::Tensor p = p32.to(s.pt);
+      r.w = c.master ? to_vec(p32) : to_vec(p);
+      params.push_back(p.to(dev));
+      if (c.master) master.push_back(p32.to(dev));
+      if (has_s1) {
+        at::Tensor t = at::randn(s.shape) * 0.1;
+        r.s1 = to_vec(t);
+        s1.push_back(t.to(dev));
+      }
+      if (c.kind == Kind::Adam) {
+        at::Tensor v = at::rand(s.shape) * 1e-3;
+        r.s2 = to_vec(v);
+        s2.push_back(v.to(dev));
+        at::Tensor vm = v + at::rand(s.shape) * 1e-3;
+        r.s3 = to_vec(vm);
+        s3.push_back(vm.to(dev));
+      }
+      if (c.ema) {
+        at::Tensor e = (p32 + 0.05 * at::randn(s.shape)).to(s.pt);
+        r.ema = to_vec(e);
+        ema.push_back(e.to(dev));
+      }
+      r.step = c.step0;
+      steps.push_back(at::full({}, c.step0, at::TensorOptions().dtype(at::kFloat).device(dev)));
+      ref.push_back(std::move(r));
+    }
+    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+    lr = at::full({}, c.lr, f32);
+    if (c.grad_scale != 1.f) inv_scale = at::full({}, 1.0f / c.grad_scale, f32);
+    if (c.ema) ema_decay = at::full({}, c.ema_decay, f32);
+  }
+
+  TensorVec make_grads() const {
+    TensorVec gs;
+    for (const Spec& s : specs) {
+      at::Tensor g = s.transposed_grad ? at::randn({s.shape[1], s.shape[0]}).t() : at::randn(s.shape);
+      gs.push_back((g * c.grad_scale).to(s.gt).to(dev));
+    }
+    return gs;
+  }
+
+  void call(const TensorVec& grads, const fusetrain::FusedTail& tail) {
+    const TensorVec none;
+    switch (c.kind) {
+      case Kind::Adam:
+        fusetrain::fused_adam_(params, grads, s1, s2, c.amsgrad ? s3 : none, steps, master, ema, lr, c.beta1,
+                               c.beta2, c.weight_decay, c.eps, c.amsgrad, c.maximize, c.decoupled, tail);
+        break;
+      case Kind::SGD:
+        fusetrain::fused_sgd_(params, grads, s1, steps, master, ema, lr, c.momentum, c.dampening, c.weight_decay,
+                              c.nesterov, c.maximize, tail);
+        break;
+      case Kind::Lion:
+        fusetrain::fused_lion_(params, grads, s1, steps, master, ema, lr, c.beta1, c.beta2, c.weight_decay,
+                               c.maximize, tail);
+        break;
+    }
+  }
+
+  fusetrain::FusedTail tail_for(const TensorVec& grads, double* gmul_ref) {
+    fusetrain::FusedTail tail;
+    const double inv = c.grad_scale != 1.f ? 1.0 / static_cast<double>(c.grad_scale) : 1.0;
+    if (inv_scale.defined()) tail.inv_scale = inv_scale;
+    if (c.ema) tail.ema_decay = ema_decay;
+    double coef = 1.0;
+    if (c.clip_ratio > 0.0 || c.norm_without_max) {
+      double sumsq = 0.0;
+      for (const auto& g : grads) {
+        for (double x : to_vec(g)) sumsq += (x * inv) * (x * inv);
+      }
+      const double norm = std::sqrt(sumsq);
+      auto [dev_norm, found_inf] = fusetrain::grad_stats(grads, tail.inv_scale);
+      EXPECT_NEAR(dev_norm.item<float>(), norm, 1e-5 * norm);
+      EXPECT_EQ(found_inf.item<float>(), 0.f);
+      tail.grad_norm = dev_norm;
+      if (c.clip_ratio > 0.0) {
+        tail.max_grad_norm = c.clip_ratio * norm;
+        coef = std::min(1.0, tail.max_grad_norm / (norm + 1e-6));
+      }
+    }
+    clip_coefs.push_back(coef);
+    *gmul_ref = inv * coef;
+    return tail;
+  }
+
+  void step() {
+    const float lr_k = c.lr * (1.f + 0.25f * static_cast<float>(done));
+    lr.fill_(lr_k);
+    const TensorVec grads = make_grads();
+    double gmul = 1.0;
+    const fusetrain::FusedTail tail = tail_for(grads, &gmul);
+    call(grads, tail);
+    for (size_t t = 0; t < ref.size(); ++t) ref_update(ref[t], to_vec(grads[t]), gmul, lr_k);
+    ++done;
+  }
+
+  // Checks every step against the reference, then takes the stored fp16/bf16
+  // values (param without master, EMA) as the reference's next input: where the
+  // two rounded a value near a half-way point differently, that one-ulp
+  // difference would otherwise be carried on (and, through L2 weight decay,
+  // leak into the fp32 state), so each step is checked on its own rounding.
+  void run() {
+    for (int k = 0; k < c.steps; ++k) {
+      step();
+      check();
+      resync_low_precision();
+    }
+  }
+
+  void resync_low_precision() {
+    for (size_t t = 0; t < ref.size(); ++t) {
+      RefTensor& r = ref[t];
+      if (r.pt == at::kFloat) continue;
+      if (!c.master) r.w = to_vec(params[t]);
+      if (c.ema) r.ema = to_vec(ema[t]);
+    }
+  }
+
+  void ref_update(RefTensor& r, const std::vector<double>& g_in, double gmul, double lr_d) const {
+    r.step += 1.0;
+    const double wd = c.weight_decay;
+    const double bc1 = 1.0 - std::pow(c.beta1, r.step);
+    const double bc2 = 1.0 - std::pow(c.beta2, r.step);
+    for (size_t j = 0; j < r.w.size(); ++j) {
+      double g = g_in[j] * gmul;
+      if (c.maximize) g = -g;
+      double p = r.w[j];
+      switch (c.kind) {
+        case Kind::Adam: {
+          if (wd != 0.0) {
+            if (c.decoupled) {
+              p *= 1.0 - lr_d * wd;
+            } else {
+              g += wd * p;
+            }
+          }
+          double& m = r.s1[j];
+          double& v = r.s2[j];
+          m = c.beta1 * m + (1.0 - c.beta1) * g;
+          v = c.beta2 * v + (1.0 - c.beta2) * g * g;
+          double vv = v;
+          if (c.amsgrad) {
+            r.s3[j] = std::max(r.s3[j], v);
+            vv = r.s3[j];
+          }
+          const double denom = std::sqrt(vv) / std::sqrt(bc2) + c.eps;
+          p -= lr_d / bc1 * m / denom;
+          break;
+        }
+        case Kind::SGD: {
+          if (wd != 0.0) g += wd * p;
+          if (c.momentum != 0.0) {
+            double& buf = r.s1[j];
+            buf = r.step == 1.0 ? g : c.momentum * buf + (1.0 - c.dampening) * g;
+            g = c.nesterov ? g + c.momentum * buf : buf;
+          }
+          p -= lr_d * g;
+          break;
+        }
+        case Kind::Lion: {
+          double& m = r.s1[j];
+          const double u = c.beta1 * m + (1.0 - c.beta1) * g;
+          p *= 1.0 - lr_d * wd;
+          p -= lr_d * static_cast<double>((u > 0.0) - (u < 0.0));
+          m = c.beta2 * m + (1.0 - c.beta2) * g;
+          break;
+        }
+      }
+      r.w[j] = round_to(p, c.master ? at::kFloat : r.pt);
+      if (c.ema) {
+        const double w = 1.0 - static_cast<double>(c.ema_decay);
+        r.ema[j] = round_to(r.ema[j] + w * (r.w[j] - r.ema[j]), r.pt);
+      }
+    }
+  }
+
+  // Every tensor against the reference (run after each step).
+  void check() const {
+    for (size_t t = 0; t < ref.size(); ++t) {
+      const RefTensor& r = ref[t];
+      SCOPED_TRACE(::testing::Message() << "after step " << done << ", tensor " << t << " shape " << params[t].sizes() << " param "
+                                        << r.pt << " grad " << specs[t].gt);
+      EXPECT_EQ(steps[t].item<float>(), static_cast<float>(r.step));
+      if (c.master) {
+        EXPECT_TRUE(close_to(master[t], r.w, at::kFloat)) << "master";
+        EXPECT_TRUE(bitwise_equal(params[t], master[t].to(r.pt))) << "param is not the rounded master";
+      } else {
+        EXPECT_TRUE(close_to(params[t], r.w, r.pt)) << "param";
+      }
+      if (!s1.empty()) EXPECT_TRUE(close_to(s1[t], r.s1, at::kFloat)) << "state 1";
+      if (!s2.empty()) EXPECT_TRUE(close_to(s2[t], r.s2, at::kFloat)) << "exp_avg_sq";
+      if (c.amsgrad) EXPECT_TRUE(close_to(s3[t], r.s3, at::kFloat)) << "max_exp_avg_sq";
+      if (c.ema) EXPECT_TRUE(close_to(ema[t], r.ema, r.pt)) << "ema";
+    }
+  }
+
+  TensorVec all_tensors() const {
+    TensorVec v;
+    for (const TensorVec* l : {&params, &s1, &s2, &s3, &master, &ema, &steps}) v.insert(v.end(), l->begin(), l->end());
+    return v;
+  }
+};
+
+std::vector<Spec> odd_sizes(at::ScalarType pt = at::kFloat, at::ScalarType gt = at::kFloat) {
+  std::vector<Spec> v;
+  for (std::vector<int64_t> shape : {std::vector<int64_t>{1}, {7}, {1031}, {65537}, {0}, {3, 5, 7}}) {
+    v.push_back(Spec{shape, pt, gt});
+  }
+  return v;
+}
+
+// Low-precision params with every grad dtype, at sizes that cover the vector
+// tails of both kernels.
+std::vector<Spec> lowp_specs() {
+  std::vector<Spec> v;
+  for (at::ScalarType pt : {at::kHalf, at::kBFloat16}) {
+    for (at::ScalarType gt : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      v.push_back(Spec{{7}, pt, gt});
+      v.push_back(Spec{{1031}, pt, gt});
+    }
+    v.push_back(Spec{{65537}, pt, pt});
+  }
+  return v;
+}
+
+// ---- fixtures ------------------------------------------------------------------
+
+class OnDevice : public ::testing::TestWithParam<at::DeviceType> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == at::kCUDA) {
+      if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+      if (!fusetrain::built_with_cuda()) GTEST_SKIP() << "fusetrain was built without its CUDA kernels";
+    }
+    at::manual_seed(1234);
+  }
+  at::Device dev() const { return at::Device(GetParam()); }
+  at::TensorOptions f32() const { return at::TensorOptions().dtype(at::kFloat).device(dev()); }
+
+  void run_and_check(const Cfg& c, std::vector<Spec> specs) {
+    Harness h(c, std::move(specs), dev());
+    h.run();
+  }
+};
+
+class FusedAdam : public OnDevice {};
+class FusedSGD : public OnDevice {};
+class FusedLion : public OnDevice {};
+class FusedCommon : public OnDevice {};
+class FusedArgs : public OnDevice {};
+
+std::string device_name(const ::testing::TestParamInfo<at::DeviceType>& info) {
+  return info.param == at::kCPU ? "CPU" : "CUDA";
+}
+
+#define FT_ON_DEVICES(Suite) \
+  INSTANTIATE_TEST_SUITE_P(Devices, Suite, ::testing::Values(at::kCPU, at::kCUDA), device_name)
+
+// ---- Adam / AdamW --------------------------------------------------------------
+
+TEST_P(FusedAdam, Fp32L2WeightDecayOddSizes) {
+  Cfg c;
+  c.weight_decay = 0.01;
+  c.steps = 4;
+  run_and_check(c, odd_sizes());
+}
+
+TEST_P(FusedAdam, Fp32DecoupledWeightDecay) {
+  Cfg c;
+  c.weight_decay = 0.1;
+  c.decoupled = true;
+  c.beta1 = 0.8;
+  c.beta2 = 0.99;
+  c.eps = 1e-6;
+  c.steps = 4;
+  run_and_check(c, odd_sizes());
+}
+
+TEST_P(FusedAdam, Fp32AmsgradMaximize) {
+  Cfg c;
+  c.amsgrad = true;
+  c.maximize = true;
+  c.weight_decay = 0.05;
+  c.decoupled = true;
+  c.step0 = 5.f;
+  c.steps = 4;
+  run_and_check(c, odd_sizes());
+}
+
+TEST_P(FusedAdam, AmsgradL2WeightDecay) {
+  Cfg c;
+  c.amsgrad = true;
+  c.weight_decay = 0.02;
+  run_and_check(c, odd_sizes());
+}
+
+TEST_P(FusedAdam, Fp32ParamsWithLowPrecisionGrads) {
+  Cfg c;
+  c.weight_decay = 0.01;
+  c.decoupled = true;
+  run_and_check(c, {Spec{{1031}, at::kFloat, at::kHalf}, Spec{{65537}, at::kFloat, at::kBFloat16},
+                    Spec{{7}, at::kFloat, at::kHalf}, Spec{{1}, at::kFloat, at::kBFloat16}});
+}
+
+TEST_P(FusedAdam, LowPrecisionWithoutMaster) {
+  Cfg c;
+  c.weight_decay = 0.01;
+  run_and_check(c, lowp_specs());
+}
+
+TEST_P(FusedAdam, LowPrecisionWithMasterAndEma) {
+  Cfg c;
+  c.lr = 1e-3f;  // updates below the fp16/bf16 resolution: only the master keeps them
+  c.weight_decay = 0.1;
+  c.decoupled = true;
+  c.amsgrad = true;
+  c.master = true;
+  c.ema = true;
+  c.ema_decay = 0.75f;
+  c.steps = 4;
+  Harness h(c, lowp_specs(), dev());
+  h.run();
+  // The master moved by amounts the stored param could not hold on its own.
+  double moved = 0.0;
+  for (size_t t = 0; t < h.params.size(); ++t) moved += (h.master[t] - h.params[t].to(at::kFloat)).abs().sum().item<double>();
+  EXPECT_GT(moved, 0.0);
+}
+
+TEST_P(FusedAdam, NonContiguousGrad) {
+  Cfg c;
+  c.weight_decay = 0.01;
+  run_and_check(c, {Spec{{7, 5}, at::kFloat, at::kFloat, true}, Spec{{33, 40}, at::kBFloat16, at::kHalf, true},
+                    Spec{{64, 129}, at::kFloat, at::kBFloat16, true}});
+}
+
+// ---- SGD -----------------------------------------------------------------------
+
+TEST_P(FusedSGD, PlainWithWeightDecay) {
+  Cfg c;
+  c.kind = Kind::SGD;
+  c.lr = 0.05f;
+  c.weight_decay = 0.01;
+  run_and_check(c, odd_sizes());
+}
+
+TEST_P(FusedSGD, MomentumDampening) {
+  Cfg c;
+  c.kind = Kind::SGD;
+  c.momentum = 0.9;
+  c.dampening = 0.1;
+  c.weight_decay = 0.001;
+  c.steps = 4;
+  run_and_check(c, odd_sizes());
+}
+
+TEST_P(FusedSGD, NesterovMaximizeFromLaterStep) {
+  Cfg c;
+  c.kind = Kind::SGD;
+  c.momentum = 0.8;
+  c.nesterov = true;
+  c.maximize = true;
+  c.weight_decay = 0.01;
+  c.step0 = 7.f;  // the existing buffer is used from the first call
+  run_and_check(c, odd_sizes());
+}
+
+TEST_P(FusedSGD, FirstStepBufferIsTheGrad) {
+  Cfg c;
+  c.kind = Kind::SGD;
+  c.momentum = 0.9;
+  c.dampening = 0.5;
+  c.steps = 1;
+  Harness h(c, {Spec{{1031}}, Spec{{7}}, Spec{{65537}, at::kBFloat16, at::kFloat}}, dev());
+  const TensorVec before = clone_all(h.s1);
+  const TensorVec grads = h.make_grads();
+  h.call(grads, {});
+  for (size_t t = 0; t < grads.size(); ++t) {
+    // No weight decay, no scaling: the buffer is exactly the grad, whatever it held.
+    EXPECT_FALSE(bitwise_equal(h.s1[t], before[t]));
+    EXPECT_TRUE(bitwise_equal(h.s1[t], grads[t].to(at::kFloat))) << "tensor " << t;
+    EXPECT_EQ(h.steps[t].item<float>(), 1.f);
+  }
+  // The second step blends: buf = 0.9 buf + 0.5 g.
+  const TensorVec grads2 = h.make_grads();
+  h.call(grads2, {});
+  for (size_t t = 0; t < grads.size(); ++t) {
+    std::vector<double> expect = to_vec(grads[t]);
+    const std::vector<double> g2 = to_vec(grads2[t]);
+    for (size_t j = 0; j < expect.size(); ++j) expect[j] = 0.9 * expect[j] + 0.5 * g2[j];
+    EXPECT_TRUE(close_to(h.s1[t], expect, at::kFloat)) << "tensor " << t;
+  }
+}
+
+TEST_P(FusedSGD, LowPrecisionWithoutMaster) {
+  Cfg c;
+  c.kind = Kind::SGD;
+  c.momentum = 0.9;
+  c.weight_decay = 0.01;
+  run_and_check(c, lowp_specs());
+}
+
+TEST_P(FusedSGD, LowPrecisionWithMasterEmaAndClip) {
+  Cfg c;
+  c.kind = Kind::SGD;
+  c.lr = 1e-3f;
+  c.momentum = 0.9;
+  c.nesterov = true;
+  c.master = true;
+  c.ema = true;
+  c.grad_scale = 256.f;
+  c.clip_ratio = 0.3;
+  run_and_check(c, lowp_specs());
+}
+
+// ---- Lion ----------------------------------------------------------------------
+
+TEST_P(FusedLion, Fp32WithWeightDecay) {
+  Cfg c;
+  c.kind = Kind::Lion;
+  c.lr = 1e-3f;
+  c.beta1 = 0.9;
+  c.beta2 = 0.99;
+  c.weight_decay = 0.1;
+  c.steps = 4;
+  run_and_check(c, odd_sizes());
+}
+
+TEST_P(FusedLion, MaximizeLowPrecisionWithoutMaster) {
+  Cfg c;
+  c.kind = Kind::Lion;
+  c.lr = 1e-2f;
+  c.beta1 = 0.95;
+  c.beta2 = 0.98;
+  c.maximize = true;
+  c.weight_decay = 0.01;
+  run_and_check(c, lowp_specs());
+}
+
+TEST_P(FusedLion, LowPrecisionWithMasterAndEma) {
+  Cfg c;
+  c.kind = Kind::Lion;
+  c.lr = 1e-4f;
+  c.weight_decay = 0.5;
+  c.master = true;
+  c.ema = true;
+  c.ema_decay = 0.999f;
+  c.steps = 4;
+  run_and_check(c, lowp_specs());
+}
+
+// ---- what every update op shares: unscale, clip, skip, EMA, many tensors -----
+
+TEST_P(FusedCommon, UnscaleAndClipActive) {
+  for (Kind k : {Kind::Adam, Kind::SGD, Kind::Lion}) {
+    SCOPED_TRACE(static_cast<int>(k));
+    Cfg c;
+    c.kind = k;
+    c.momentum = 0.9;
+    c.grad_scale = 1024.f;
+    c.clip_ratio = 0.25;
+    Harness h(c, {Spec{{1031}, at::kFloat, at::kHalf}, Spec{{65537}}, Spec{{7}, at::kFloat, at::kBFloat16}}, dev());
+    h.run();
+    for (double coef : h.clip_coefs) EXPECT_LT(coef, 0.26);  // the clipping really happened
+  }
+}
+
+TEST_P(FusedCommon, UnscaleWithClipInactive) {
+  Cfg c;
+  c.grad_scale = 65536.f;
+  c.clip_ratio = 4.0;
+  Harness h(c, {Spec{{1031}}, Spec{{4099}, at::kFloat, at::kBFloat16}}, dev());
+  h.run();
+  for (double coef : h.clip_coefs) EXPECT_EQ(coef, 1.0);
+}
+
+TEST_P(FusedCommon, GradNormWithoutMaxDoesNotClip) {
+  Cfg c;
+  c.kind = Kind::SGD;
+  c.lr = 0.1f;
+  c.norm_without_max = true;
+  run_and_check(c, {Spec{{1031}}, Spec{{7}}});
+}
+
+TEST_P(FusedCommon, ClipCoefficientSeenThroughPlainSGD) {
+  // Plain SGD moves each element by lr * inv_scale * coef * g: the step divided
+  // by lr * g is the multiplier, which must be inv_scale * min(1, max / (norm + 1e-6)).
+  Cfg c;
+  c.kind = Kind::SGD;
+  c.lr = 0.5f;
+  c.grad_scale = 8.f;
+  c.clip_ratio = 0.1;
+  Harness h(c, {Spec{{4096}}, Spec{{100}, at::kFloat, at::kHalf}}, dev());
+  const TensorVec p0 = clone_all(h.params);
+  const TensorVec grads = h.make_grads();
+  double gmul_ref = 0.0;
+  const fusetrain::FusedTail tail = h.tail_for(grads, &gmul_ref);
+  h.call(grads, tail);
+  EXPECT_NEAR(h.clip_coefs[0], 0.1, 1e-6);
+  EXPECT_NEAR(gmul_ref, 0.1 / 8.0, 1e-6);
+  for (size_t t = 0; t < grads.size(); ++t) {
+    const at::Tensor step = (p0[t] - h.params[t]).cpu().to(at::kDouble);
+    const at::Tensor base = grads[t].cpu().to(at::kDouble) * static_cast<double>(c.lr);
+    const double mult = ((step * base).sum() / (base * base).sum()).item<double>();  // least squares
+    EXPECT_NEAR(mult, gmul_ref, 1e-5 * gmul_ref) << "tensor " << t;
+  }
+}
+
+TEST_P(FusedCommon, EmaFp32) {
+  for (Kind k : {Kind::Adam, Kind::SGD, Kind::Lion}) {
+    SCOPED_TRACE(static_cast<int>(k));
+    Cfg c;
+    c.kind = k;
+    c.ema = true;
+    c.ema_decay = 0.9f;
+    c.steps = 4;
+    run_and_check(c, odd_sizes());
+  }
+}
+
+TEST_P(FusedCommon, EmaLowPrecisionFollowsStoredParam) {
+  Cfg c;
+  c.ema = true;
+  c.ema_decay = 0.5f;
+  c.weight_decay = 0.01;
+  c.decoupled = true;
+  run_and_check(c, lowp_specs());
+}
+
+TEST_P(FusedCommon, SkipLeavesEverythingBitIdentical) {
+  for (Kind k : {Kind::Adam, Kind::SGD, Kind::Lion}) {
+    for (bool from_stats : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "kind " << static_cast<int>(k) << " from grad_stats " << from_stats);
+      Cfg c;
+      c.kind = k;
+      c.amsgrad = true;
+      c.momentum = 0.9;
+      c.weight_decay = 0.01;
+      c.master = true;
+      c.ema = true;
+      c.grad_scale = 1024.f;
+      c.step0 = 3.f;
+      Harness h(c, {Spec{{1031}, at::kHalf, at::kHalf}, Spec{{7}, at::kBFloat16, at::kFloat}, Spec{{65537}},
+                    Spec{{1}, at::kHalf, at::kBFloat16}},
+                dev());
+      h.step();  // a real step first, so that the state is not the initial one
+      const TensorVec before = clone_all(h.all_tensors());
+      TensorVec grads = h.make_grads();
+      fusetrain::FusedTail tail;
+      tail.inv_scale = h.inv_scale;
+      tail.ema_decay = h.ema_decay;
+      if (from_stats) {
+        grads[2].view({-1})[65536] = std::numeric_limits<float>::infinity();
+        grads[1].view({-1})[3] = std::numeric_limits<float>::quiet_NaN();
+        auto [norm, found_inf] = fusetrain::grad_stats(grads, h.inv_scale);
+        EXPECT_EQ(found_inf.item<float>(), 1.f);
+        tail.found_inf = found_inf;
+        tail.grad_norm = norm;
+        tail.max_grad_norm = 1.0;
+      } else {
+        tail.found_inf = at::ones({}, f32());
+      }
+      h.call(grads, tail);
+      const TensorVec after = h.all_tensors();
+      ASSERT_EQ(before.size(), after.size());
+      for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(bitwise_equal(before[i], after[i])) << "tensor " << i;
+      EXPECT_EQ(h.steps[0].item<float>(), 4.f);
+    }
+  }
+}
+
+TEST_P(FusedCommon, FoundInfZeroUpdatesLikeNoFlag) {
+  for (Kind k : {Kind::Adam, Kind::SGD, Kind::Lion}) {
+    SCOPED_TRACE(static_cast<int>(k));
+    Cfg c;
+    c.kind = k;
+    c.momentum = 0.9;
+    c.master = true;
+    c.ema = true;
+    std::vector<Spec> specs = {Spec{{1031}, at::kBFloat16, at::kHalf}, Spec{{7}}};
+    at::manual_seed(7);
+    Harness a(c, specs, dev());
+    at::manual_seed(7);
+    Harness b(c, specs, dev());
+    const TensorVec grads = a.make_grads();
+    const TensorVec initial = clone_all(a.params);
+    fusetrain::FusedTail ta;
+    ta.ema_decay = a.ema_decay;
+    ta.found_inf = at::zeros({}, f32());
+    fusetrain::FusedTail tb;
+    tb.ema_decay = b.ema_decay;
+    a.call(grads, ta);
+    b.call(grads, tb);
+    const TensorVec av = a.all_tensors(), bv = b.all_tensors();
+    for (size_t i = 0; i < av.size(); ++i) EXPECT_TRUE(bitwise_equal(av[i], bv[i])) << "tensor " << i;
+    EXPECT_EQ(a.steps[0].item<float>(), 1.f);
+    for (size_t i = 0; i < initial.size(); ++i) EXPECT_FALSE(bitwise_equal(initial[i], a.params[i]));
+  }
+}
+
+TEST_P(FusedCommon, ManyTensorsMixedDtypes) {
+  // 200 tensors of assorted sizes, every (param, grad) dtype pair in one list.
+  const at::ScalarType dts[] = {at::kFloat, at::kHalf, at::kBFloat16};
+  std::vector<Spec> specs;
+  for (int i = 0; i < 200; ++i) {
+    const int64_t n = 1 + (i * 7919) % 3001;
+    specs.push_back(Spec{{n}, dts[i % 3], dts[(i / 3) % 3]});
+  }
+  specs[17].shape = {70001};  // one tensor spanning several chunks amid the small ones
+  for (Kind k : {Kind::Adam, Kind::SGD, Kind::Lion}) {
+    SCOPED_TRACE(static_cast<int>(k));
+    Cfg c;
+    c.kind = k;
+    c.momentum = 0.9;
+    c.weight_decay = 0.01;
+    c.ema = true;
+    c.grad_scale = 512.f;
+    c.clip_ratio = 0.5;
+    run_and_check(c, specs);
+  }
+}
+
+TEST_P(FusedCommon, ManyTensorsWithMaster) {
+  std::vector<Spec> specs;
+  for (int i = 0; i < 200; ++i) {
+    specs.push_back(Spec{{1 + (i * 104729) % 2053}, i % 2 ? at::kHalf : at::kBFloat16, i % 3 ? at::kFloat : at::kHalf});
+  }
+  Cfg c;
+  c.decoupled = true;
+  c.weight_decay = 0.05;
+  c.master = true;
+  c.lr = 1e-3f;
+  run_and_check(c, specs);
+}
+
+TEST_P(FusedCommon, EmptyListsForEveryOp) {
+  const TensorVec none;
+  at::Tensor lr = at::full({}, 0.1f, f32());
+  fusetrain::FusedTail tail;
+  tail.inv_scale = at::full({}, 0.5f, f32());
+  tail.found_inf = at::zeros({}, f32());
+  tail.grad_norm = at::full({}, 3.f, f32());
+  tail.max_grad_norm = 1.0;
+  tail.ema_decay = at::full({}, 0.9f, f32());
+  EXPECT_NO_THROW(fusetrain::fused_sgd_(none, none, none, none, none, none, lr, 0.9, 0.0, 0.0, false, false, tail));
+  EXPECT_NO_THROW(fusetrain::fused_lion_(none, none, none, none, none, none, lr, 0.9, 0.99, 0.0, false, tail));
+  EXPECT_NO_THROW(fusetrain::fused_adam_(none, none, none, none, none, none, none, none, lr, 0.9, 0.999, 0.0, 1e-8,
+                                         false, false, false, tail));
+  auto [norm, found_inf] = fusetrain::grad_stats(none, tail.inv_scale);
+  EXPECT_EQ(norm.item<float>(), 0.f);
+  EXPECT_EQ(found_inf.item<float>(), 0.f);
+  EXPECT_EQ(norm.device(), dev());
+}
+
+// ---- argument checks -----------------------------------------------------------
+
+struct AdamCall {
+  TensorVec params, grads, m, v, vmax, steps, master, ema;
+  at::Tensor lr;
+  bool amsgrad = false;
+  fusetrain::FusedTail tail;
+  void operator()() const {
+    fusetrain::fused_adam_(params, grads, m, v, vmax, steps, master, ema, lr, 0.9, 0.999, 0.0, 1e-8, amsgrad, false,
+                           true, tail);
+  }
+};
+
+AdamCall good_adam_call(at::Device dev) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+  AdamCall c;
+  for (int64_t n : {5, 9}) {
+    c.params.push_back(at::randn({n}, f32));
+    c.grads.push_back(at::randn({n}, f32));
+    c.m.push_back(at::zeros({n}, f32));
+    c.v.push_back(at::zeros({n}, f32));
+    c.steps.push_back(at::zeros({}, f32));
+  }
+  c.lr = at::full({}, 1e-3f, f32);
+  return c;
+}
+
+TEST_P(FusedArgs, GoodCallRuns) {
+  AdamCall c = good_adam_call(dev());
+  EXPECT_NO_THROW(c());
+  EXPECT_EQ(c.steps[1].item<float>(), 1.f);
+}
+
+TEST_P(FusedArgs, MismatchedListSizes) {
+  {
+    AdamCall c = good_adam_call(dev());
+    c.grads.pop_back();
+    expect_error(c, {"fused_adam_", "grads"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.steps.pop_back();
+    expect_error(c, {"state_steps"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.m.pop_back();
+    expect_error(c, {"exp_avgs"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.amsgrad = true;
+    expect_error(c, {"max_exp_avg_sqs"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.master.push_back(c.params[0].clone());
+    expect_error(c, {"master_params"});
+  }
+  {
+    const auto opts = f32();
+    TensorVec p = {at::randn({4}, opts)}, g = {at::randn({4}, opts)}, s = {at::zeros({}, opts)}, none;
+    at::Tensor lr = at::full({}, 0.1f, opts);
+    expect_error([&] { fusetrain::fused_sgd_(p, g, none, s, none, none, lr, 0.9, 0.0, 0.0, false, false); },
+                 {"fused_sgd_", "momentum_buffers"});
+    expect_error([&] { fusetrain::fused_lion_(p, g, none, s, none, none, lr, 0.9, 0.99, 0.0, false); },
+                 {"fused_lion_", "exp_avgs"});
+  }
+}
+
+TEST_P(FusedArgs, MismatchedShapes) {
+  {
+    AdamCall c = good_adam_call(dev());
+    c.grads[1] = at::randn({10}, f32());
+    expect_error(c, {"grads[1]", "shape"});
+    // A rejected call changes nothing, not even the steps of the tensors before the bad one.
+    EXPECT_EQ(c.steps[0].item<float>(), 0.f);
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.grads[0] = at::randn({5, 1}, f32());
+    expect_error(c, {"grads[0]"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.v[0] = at::zeros({6}, f32());
+    expect_error(c, {"[0]", "shape"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    for (const auto& p : c.params) c.master.push_back(p.clone());
+    c.master[1] = at::zeros({8}, f32());
+    expect_error(c, {"master_params[1]", "shape"});
+  }
+}
+
+TEST_P(FusedArgs, Float64AndOtherDtypes) {
+  {
+    AdamCall c = good_adam_call(dev());
+    c.params[0] = c.params[0].to(at::kDouble);
+    expect_error(c, {"params[0]", "Double"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.grads[1] = c.grads[1].to(at::kDouble);
+    expect_error(c, {"grads[1]"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.grads[0] = at::randn({5}, f32().dtype(at::kComplexFloat));
+    expect_error(c, {"grads[0]", "complex"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.m[0] = c.m[0].to(at::kHalf);
+    expect_error(c, {"[0]", "float32"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.steps[0] = at::zeros({}, f32().dtype(at::kDouble));
+    expect_error(c, {"state_steps[0]"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    for (const auto& p : c.params) c.ema.push_back(p.to(at::kHalf));
+    c.tail.ema_decay = at::full({}, 0.9f, f32());
+    expect_error(c, {"ema_params[0]", "dtype"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    for (const auto& p : c.params) c.ema.push_back(p.clone());
+    expect_error(c, {"ema_decay"});
+  }
+}
+
+TEST_P(FusedArgs, BadScalars) {
+  {
+    AdamCall c = good_adam_call(dev());
+    c.lr = at::full({2}, 1e-3f, f32());
+    expect_error(c, {"lr", "one element"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.lr = at::full({}, 1e-3, f32().dtype(at::kDouble));
+    expect_error(c, {"lr", "float32"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.tail.inv_scale = at::ones({3}, f32());
+    expect_error(c, {"inv_scale"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.tail.found_inf = at::zeros({}, f32().dtype(at::kHalf));
+    expect_error(c, {"found_inf"});
+  }
+  const TensorVec none;
+  const auto opts = f32();
+  TensorVec p = {at::randn({4}, opts)}, g = {at::randn({4}, opts)}, s = {at::zeros({}, opts)};
+  at::Tensor lr = at::full({}, 0.1f, opts);
+  TensorVec m = {at::zeros({4}, opts)}, v = {at::zeros({4}, opts)};
+  expect_error([&] {
+    fusetrain::fused_adam_(p, g, m, v, none, s, none, none, lr, 1.0, 0.999, 0.0, 1e-8, false, false, false);
+  }, {"beta1"});
+  expect_error([&] { fusetrain::fused_sgd_(p, g, none, s, none, none, lr, 0.0, 0.0, 0.0, true, false); },
+               {"nesterov"});
+  expect_error([&] { fusetrain::fused_lion_(p, g, m, s, none, none, lr, 0.9, 0.99, -1.0, false); },
+               {"weight_decay"});
+  EXPECT_EQ(s[0].item<float>(), 0.f);
+}
+
+TEST_P(FusedArgs, MixedDevices) {
+  if (GetParam() != at::kCUDA) GTEST_SKIP() << "needs a second device type";
+  {
+    AdamCall c = good_adam_call(dev());
+    c.grads[0] = c.grads[0].cpu();
+    expect_error(c, {"grads[0]", "cpu"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.lr = c.lr.cpu();
+    expect_error(c, {"lr", "cpu"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.m[1] = c.m[1].cpu();
+    expect_error(c, {"[1]", "cpu"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.steps[1] = c.steps[1].cpu();
+    expect_error(c, {"state_steps[1]"});
+  }
+  {
+    AdamCall c = good_adam_call(dev());
+    c.params[1] = c.params[1].cpu();
+    expect_error(c, {"params[1]"});
+  }
+}
+
+FT_ON_DEVICES(FusedAdam);
+FT_ON_DEVICES(FusedSGD);
+FT_ON_DEVICES(FusedLion);
+FT_ON_DEVICES(FusedCommon);
+FT_ON_DEVICES(FusedArgs);
+
+}  // namespace

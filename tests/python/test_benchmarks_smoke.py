@@ -1,0 +1,84 @@
+"""Smoke test of benchmarks/optim_step.py: a --quick run exits 0 and writes a
+complete JSON report (to a temporary path, never over the committed results)."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPT = os.path.join(REPO, "benchmarks", "optim_step.py")
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")),
+]
+
+
+def _load_module():
+    spec = importlib.util.spec_from_file_location("optim_step_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_resnet50_layout_matches_torchvision_counts():
+    mod = _load_module()
+    shapes = mod.resnet50_shapes()
+    # torchvision.models.resnet50(): 161 parameter tensors, 25,557,032 params.
+    assert len(shapes) == 161
+    assert sum(math.prod(s) for s in shapes) == 25_557_032
+    assert shapes[0] == (64, 3, 7, 7)
+    assert shapes[-2:] == [(1000, 2048), (1000,)]
+    # Shrinking keeps the tensor count and scales the params about linearly.
+    small = mod.resnet50_shapes(width=0.5)
+    assert len(small) == 161
+    ratio = sum(math.prod(s) for s in small) / 25_557_032
+    assert 0.2 < ratio < 0.3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_optim_step_quick_run_writes_report(tmp_path, device):
+    out = tmp_path / "optim_step.json"
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--device", device, "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TARGET" in proc.stdout
+    report = json.loads(out.read_text())
+
+    for key in ("device_kind", "device_name", "torch_version", "num_threads", "config", "layouts", "results",
+                "copy_bandwidth", "targets", "all_targets_met"):
+        assert key in report, key
+    assert report["device_kind"] == device
+    assert report["torch_version"] == torch.__version__
+    assert report["num_threads"] >= 1
+    assert report["config"]["quick"] is True
+    assert report["layouts"]["resnet50"]["num_tensors"] == 161
+
+    expected = {"fusetrain", "torch_forloop", "torch_foreach", "torch_fused", "fusetrain_full", "torch_sequence"}
+    for layout in ("resnet50", "large"):
+        res = report["results"][layout]
+        assert set(res["variants"]) == expected
+        for name in ("fusetrain", "fusetrain_full", "torch_sequence", "torch_forloop", "torch_foreach"):
+            v = res["variants"][name]
+            assert v["status"] == "ok", v
+            assert len(v["times_ms"]) == report["config"]["repeats"]
+            assert v["median_ms"] > 0 and v["gbps"] > 0 and v["ratio"] > 0
+        assert res["variants"]["torch_sequence"]["ratio"] == pytest.approx(1.0)
+        # The compared variants did the same work: after the warm-up their
+        # params (and EMAs) agree to fp32 rounding.
+        agreement = res["agreement_after_warmup"]
+        assert "torch_sequence_vs_fusetrain_full_ema" in agreement
+        for k, diff in agreement.items():
+            assert diff < 1e-5, (k, diff)
+
+    assert report["copy_bandwidth"]["gbps"] > 0
+    assert report["targets"], "no target verdicts"
+    for t in report["targets"]:
+        assert set(t) >= {"name", "layout", "value", "threshold", "met"}
+        assert t["met"] in (True, False, None)

@@ -1,0 +1,650 @@
+"""fusetrain.optim.SGD and fusetrain::fused_sgd_ against torch.optim.SGD.
+
+The reference is torch.optim.SGD with foreach=False, always run in float32 on
+the CPU; the fused step performs the same element operations in the same
+order (the first momentum step sets the buffer to the gradient, as torch does).
+
+Low-precision params without master weights are compared with a reference that
+computes the step in fp32 from the stored value and rounds the result to the
+param dtype after every step (what the fused kernel is specified to do), so
+nearly every element is bit-equal and the rest differ by one ulp.
+"""
+
+import copy
+import itertools
+import math
+
+import pytest
+import torch
+
+import fusetrain  # noqa: F401
+from fusetrain._ops import fused_sgd_
+from fusetrain.optim import SGD
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+LOW = [torch.float16, torch.bfloat16]
+SHAPES = [(1,), (7,), (13, 17), (1031,), (3, 5, 7)]
+STEPS = 100
+
+# fp32 after 100 steps on O(1) params: the CPU kernel matches torch to the bit
+# in practice; 1e-6 leaves room for FMA contraction in the CUDA kernels.
+F32 = dict(rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(4321)
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to float32, as the fused ops see a float32 lr tensor."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def make_params(device, dtypes=(torch.float32,), shapes=SHAPES):
+    return [torch.nn.Parameter(torch.randn(s, device=device).to(dtypes[i % len(dtypes)]))
+            for i, s in enumerate(shapes)]
+
+
+def ref_copies(params):
+    """fp32 CPU copies for the torch reference."""
+    return [torch.nn.Parameter(p.detach().to("cpu", torch.float32).clone()) for p in params]
+
+
+def new_grads(params, grad_dtype=None, scale=1.0):
+    return [(torch.randn(p.shape, device=p.device) * scale).to(grad_dtype or p.dtype) for p in params]
+
+
+def assign(params, ref_params, grads):
+    for p, r, g in zip(params, ref_params, grads):
+        if g is not None and g.dtype != p.dtype:
+            p.grad_dtype = None  # allow a gradient dtype different from the param's
+        p.grad = g
+        if r is not None:
+            r.grad = None if g is None else g.to("cpu", torch.float32)  # the reference uses grad.float()
+
+
+@torch.no_grad()
+def round_to(ref_params, dtype):
+    for r in ref_params:
+        r.copy_(r.to(dtype).float())
+
+
+def cpu32(t):
+    return t.detach().to("cpu", torch.float32)
+
+
+def assert_params_close(params, ref_params, **tol):
+    for i, (p, r) in enumerate(zip(params, ref_params)):
+        torch.testing.assert_close(cpu32(p), cpu32(r), **tol, msg=lambda m: f"param {i}: {m}")
+
+
+def assert_low_precision_equal(actual, expected, dtype):
+    """``expected`` holds the reference's values already rounded to ``dtype``."""
+    a = torch.cat([cpu32(x).reshape(-1) for x in actual])
+    e = torch.cat([cpu32(x).reshape(-1) for x in expected])
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(a, e, rtol=2 * eps, atol=1e-5)
+    frac = (a == e).float().mean().item()
+    assert frac >= 0.99, f"only {frac:.4f} of the elements are bit-equal to the rounded reference"
+
+
+def assert_state_close(opt, params, ropt, ref_params, steps_taken, **tol):
+    for i, (p, r) in enumerate(zip(params, ref_params)):
+        st, rst = opt.state[p], ropt.state[r]
+        assert st["step"].dtype == torch.float32 and st["step"].device == p.device and st["step"].dim() == 0
+        assert st["step"].item() == steps_taken
+        assert ("momentum_buffer" in st) == (rst.get("momentum_buffer") is not None)
+        if rst.get("momentum_buffer") is not None:
+            buf = st["momentum_buffer"]
+            assert buf.dtype == torch.float32 and buf.device == p.device
+            torch.testing.assert_close(cpu32(buf), rst["momentum_buffer"], **tol,
+                                       msg=lambda m: f"momentum_buffer of param {i}: {m}")
+
+
+def snapshot(opt, extra=()):
+    out = {}
+    for gi, group in enumerate(opt.param_groups):
+        for pi, p in enumerate(group["params"]):
+            out[f"param {gi}.{pi}"] = p.detach().clone()
+            for k, v in opt.state[p].items():
+                if isinstance(v, torch.Tensor):
+                    out[f"state {gi}.{pi}.{k}"] = v.clone()
+    for i, t in enumerate(extra):
+        out[f"extra {i}"] = t.clone()
+    return out
+
+
+def assert_snapshot_equal(before, after):
+    assert before.keys() == after.keys()
+    for k in before:
+        assert before[k].dtype == after[k].dtype, k
+        assert torch.equal(before[k], after[k]), f"{k} changed"
+
+
+# ---- optimizer vs torch.optim, fp32 ----------------------------------------------------------
+
+_MOMENTUM = [  # (momentum, dampening, nesterov); nesterov needs momentum > 0 and dampening == 0
+    (0.0, 0.0, False), (0.0, 0.1, False), (0.9, 0.0, False), (0.9, 0.0, True), (0.5, 0.1, False),
+]
+GRID = [dict(momentum=m, dampening=d, nesterov=n, weight_decay=wd, maximize=mx)
+        for (m, d, n), wd, mx in itertools.product(_MOMENTUM, [0.0, 0.1], [False, True])]
+
+
+def _hp_id(hp):
+    return (f"m{hp['momentum']}-d{hp['dampening']}-nest{int(hp['nesterov'])}-wd{hp['weight_decay']}"
+            f"-max{int(hp['maximize'])}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hp", GRID, ids=_hp_id)
+def test_matches_torch_fp32(device, hp):
+    params = make_params(device)
+    ref = ref_copies(params)
+    opt = SGD(params, lr=1e-2, **hp)
+    ropt = torch.optim.SGD(ref, lr=1e-2, foreach=False, **hp)
+    for step in range(STEPS):
+        if step == STEPS // 2:  # as an LR scheduler does
+            for g in opt.param_groups + ropt.param_groups:
+                g["lr"] = 3e-3
+        assign(params, ref, new_grads(params))
+        opt.step()
+        ropt.step()
+        if step % 25 == 0:
+            assert_params_close(params, ref, **F32)
+    assert_params_close(params, ref, **F32)
+    assert_state_close(opt, params, ropt, ref, STEPS, **F32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_small_model_matches_torch(device, momentum):
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 3)).to(device)
+    ref_model = copy.deepcopy(model).cpu()
+    opt = SGD(model.parameters(), lr=0.05, momentum=momentum)
+    ropt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=momentum, foreach=False)
+    for _ in range(STEPS):
+        x = torch.randn(8, 9)
+        y = torch.randn(8, 3)
+        for m, o, xx, yy in ((model, opt, x.to(device), y.to(device)), (ref_model, ropt, x, y)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(xx), yy).backward()
+            o.step()
+    assert_params_close(list(model.parameters()), list(ref_model.parameters()), **F32)
+
+
+def test_defaults_match_torch():
+    p = [torch.nn.Parameter(torch.randn(3))]
+    ours, theirs = SGD(p).defaults, torch.optim.SGD(p).defaults
+    for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"):
+        assert ours[k] == theirs[k], k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_params_and_grads(device):
+    # A channels_last weight and a transposed matrix: state follows the param's
+    # layout; the gradients arrive in another layout (contiguous, or transposed).
+    w = torch.nn.Parameter(torch.randn(4, 3, 5, 5, device=device).to(memory_format=torch.channels_last))
+    t = torch.nn.Parameter(torch.randn(7, 5, device=device).t())
+    params = [w, t]
+    ref = ref_copies(params)
+    opt = SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1)
+    ropt = torch.optim.SGD(ref, lr=1e-2, momentum=0.9, weight_decay=0.1, foreach=False)
+    for _ in range(STEPS):
+        grads = [torch.randn(p.shape, device=device) for p in params]  # contiguous
+        grads[1] = torch.randn(5, 7, device=device).t().contiguous().t()  # transposed layout, like t
+        assign(params, ref, grads)
+        opt.step()
+        ropt.step()
+    assert params[0].is_contiguous(memory_format=torch.channels_last)
+    assert params[1].stride() == (1, 5)
+    for p in params:
+        for k, v in opt.state[p].items():
+            if k != "step":
+                assert v.stride() == p.stride(), k
+    assert_params_close(params, ref, **F32)
+
+
+# ---- low precision ---------------------------------------------------------------------------
+
+LOW_HP = [dict(momentum=0.9, nesterov=True, weight_decay=0.1), dict(momentum=0.0, weight_decay=0.0),
+          dict(momentum=0.5, dampening=0.1, weight_decay=0.1, maximize=True)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("hp", LOW_HP, ids=["nesterov-wd", "plain", "damp-wd-max"])
+def test_low_precision_params_without_master(device, dtype, hp):
+    params = make_params(device, (dtype,))
+    ref = ref_copies(params)
+    opt = SGD(params, lr=1e-2, **hp)
+    ropt = torch.optim.SGD(ref, lr=1e-2, foreach=False, **hp)
+    for _ in range(STEPS):
+        assign(params, ref, new_grads(params))
+        opt.step()
+        ropt.step()
+        round_to(ref, dtype)
+    for p in params:
+        assert p.dtype == dtype
+    assert_low_precision_equal(params, ref, dtype)
+    # The fp32 buffer sees the params only through weight decay.
+    assert_state_close(opt, params, ropt, ref, STEPS, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("hp", LOW_HP, ids=["nesterov-wd", "plain", "damp-wd-max"])
+def test_master_weights(device, dtype, hp):
+    # Low-precision and fp32 params in one group: only the former get a master.
+    params = make_params(device, (dtype, torch.float32, dtype))
+    ref = ref_copies(params)
+    opt = SGD(params, lr=1e-2, master_weights=True, **hp)
+    ropt = torch.optim.SGD(ref, lr=1e-2, foreach=False, **hp)
+    for step in range(STEPS):
+        assign(params, ref, new_grads(params))
+        opt.step()
+        ropt.step()
+        if step % 25 == 0:
+            for p in params:
+                if p.dtype != torch.float32:
+                    assert torch.equal(p.detach(), opt.state[p]["master_param"].to(p.dtype))
+    for p, r in zip(params, ref):
+        if p.dtype == torch.float32:
+            assert "master_param" not in opt.state[p]
+            torch.testing.assert_close(cpu32(p), r.detach(), **F32)
+        else:
+            master = opt.state[p]["master_param"]
+            assert master.dtype == torch.float32 and master.device == p.device and master.shape == p.shape
+            torch.testing.assert_close(cpu32(master), r.detach(), **F32)
+            assert torch.equal(p.detach(), master.to(p.dtype)), "param must be the master rounded to its dtype"
+    assert_state_close(opt, params, ropt, ref, STEPS, **F32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("param_dtype,grad_dtype,master", [
+    (torch.float32, torch.bfloat16, False),
+    (torch.float32, torch.float16, False),
+    (torch.bfloat16, torch.float32, True),
+    (torch.float16, torch.bfloat16, True),
+], ids=["p32-gbf16", "p32-g16", "pbf16-g32-master", "p16-gbf16-master"])
+def test_grad_dtype_differs_from_param(device, param_dtype, grad_dtype, master):
+    params = make_params(device, (param_dtype,))
+    ref = ref_copies(params)
+    hp = dict(lr=1e-2, momentum=0.9, weight_decay=0.05, nesterov=True)
+    opt = SGD(params, master_weights=master, **hp)
+    ropt = torch.optim.SGD(ref, foreach=False, **hp)
+    for _ in range(STEPS):
+        assign(params, ref, new_grads(params, grad_dtype))
+        assert params[0].grad.dtype == grad_dtype
+        opt.step()
+        ropt.step()
+    for p, r in zip(params, ref):
+        value = opt.state[p]["master_param"] if master else p
+        torch.testing.assert_close(cpu32(value), r.detach(), **F32)
+        if master:
+            assert torch.equal(p.detach(), value.to(p.dtype))
+    assert_state_close(opt, params, ropt, ref, STEPS, **F32)
+
+
+# ---- clipping, loss-scale tail, skipping -----------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss_scale", [None, 1024.0], ids=["plain", "loss-scaled"])
+def test_clipping_is_global_over_groups(device, loss_scale):
+    params = make_params(device, shapes=[(1,), (7,), (13, 17), (1031,), (3, 5, 7), (65,)])
+    ref = ref_copies(params)
+
+    def groups(ps):
+        return [{"params": ps[:2]}, {"params": ps[2:4], "lr": 3e-3, "weight_decay": 0.05, "nesterov": True},
+                {"params": ps[4:], "momentum": 0.0}]
+
+    max_norm = 2.0
+    opt = SGD(groups(params), lr=1e-2, momentum=0.9, max_grad_norm=max_norm)
+    ropt = torch.optim.SGD(groups(ref), lr=1e-2, momentum=0.9, foreach=False)
+    clipped = 0
+    for step in range(STEPS):
+        scale = (0.01, 1.0, 10.0)[step % 3]  # total norm ~0.3, ~35, ~350: some steps clip, some do not
+        grads = new_grads(params, scale=scale)
+        if loss_scale is None:
+            assign(params, ref, grads)
+            opt.step()
+        else:
+            # Scaled gradients with the inverse scale in the step: the norm and
+            # the clip coefficient are those of the unscaled gradients.
+            assign(params, ref, grads)
+            assign(params, [None] * len(params), [g * loss_scale for g in grads])
+            opt._fused_step(inv_scale=torch.tensor(1.0 / loss_scale, device=device))
+        total = torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=False)
+        ropt.step()
+        clipped += int(total.item() > max_norm)
+        assert opt.last_grad_norm is not None and opt.last_grad_norm.device == params[0].device
+        assert opt.last_grad_norm.item() == pytest.approx(total.item(), rel=1e-5)
+        assert opt.last_found_inf.item() == 0.0
+    assert 0 < clipped < STEPS
+    assert_params_close(params, ref, **F32)
+    assert_state_close(opt, params, ropt, ref, STEPS, **F32)
+
+
+def _skip_setup(device, max_grad_norm):
+    params = make_params(device, (torch.float32, torch.bfloat16))
+    opt = SGD([{"params": params[:3]}, {"params": params[3:], "lr": 3e-3, "momentum": 0.0, "nesterov": False}],
+              lr=1e-2,
+              momentum=0.9, nesterov=True, weight_decay=0.1, master_weights=True, max_grad_norm=max_grad_norm)
+    emas = [p.detach().clone() for p in params]
+    decay = torch.tensor(0.9, device=device)
+    opt.attach_ema(dict(zip(params, emas)), decay)
+    return params, opt, emas
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+@pytest.mark.parametrize("skip_first", [False, True])
+def test_found_inf_skips_step_bit_identically(device, max_grad_norm, skip_first):
+    params, opt, emas = _skip_setup(device, max_grad_norm)
+    twin_params, twin, twin_emas = _skip_setup(device, max_grad_norm)
+    with torch.no_grad():
+        for p, q in zip(params, twin_params):
+            q.copy_(p)
+        for e, f in zip(emas, twin_emas):
+            f.copy_(e)
+
+    def both_step():
+        grads = new_grads(params)
+        assign(params, [None] * len(params), grads)
+        assign(twin_params, [None] * len(params), [g.clone() for g in grads])
+        opt.step()
+        twin.step()
+
+    # skip_first: the skipped step is the very first one, so the next step is
+    # still the first momentum step (buffer = grad).
+    for _ in range(0 if skip_first else 3):
+        both_step()
+    before = snapshot(opt, emas)
+    assign(params, [None] * len(params), new_grads(params, scale=100.0))
+    inv = torch.tensor(1 / 1024, device=device)
+    opt._fused_step(inv_scale=inv, found_inf=torch.ones((), device=device))
+    after = snapshot(opt, emas)
+    if skip_first:
+        # State may be created lazily by the skipped call, but only as fresh state.
+        for p in params:
+            assert opt.state[p]["step"].item() == 0.0
+            if "master_param" in opt.state[p]:
+                assert torch.equal(opt.state[p]["master_param"], p.detach().float())
+        after = {k: after[k] for k in before}
+    assert_snapshot_equal(before, after)
+    assert opt.last_found_inf.item() == 1.0
+    # The skipped step left no trace: the next steps equal a twin that never skipped.
+    for _ in range(3):
+        both_step()
+    assert_snapshot_equal(snapshot(twin, twin_emas), snapshot(opt, emas))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtype,scale,exact", [
+    (torch.float32, 1024.0, True),
+    (torch.float16, 256.0, True),
+    (torch.bfloat16, 65536.0, True),
+    (torch.float32, 1000.0, False),
+], ids=["g32-pow2", "g16-pow2", "gbf16-pow2", "g32-1000"])
+def test_unscale_equals_plain_step(device, grad_dtype, scale, exact):
+    params = make_params(device)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    hp = dict(lr=1e-2, momentum=0.9, weight_decay=0.1, nesterov=True)
+    opt, topt = SGD(params, **hp), SGD(twin, **hp)
+    inv = torch.tensor(1.0 / scale, device=device)
+    for _ in range(10):
+        grads = new_grads(params, grad_dtype)
+        assign(twin, [None] * len(params), grads)
+        assign(params, [None] * len(params), [(g.float() * scale).to(grad_dtype) for g in grads])
+        opt._fused_step(inv_scale=inv)
+        topt.step()
+        assert opt.last_found_inf.item() == 0.0
+        ref_norm = torch.linalg.vector_norm(torch.cat([g.double().reshape(-1) for g in grads])).item()
+        assert opt.last_grad_norm.item() == pytest.approx(ref_norm, rel=1e-5)
+    for p, q in zip(params, twin):
+        for a, b in ((p.detach(), q.detach()), (opt.state[p]["momentum_buffer"], topt.state[q]["momentum_buffer"])):
+            if exact:  # scaling by a power of two and back is exact
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+def test_nonfinite_grad_with_clipping_skips(device, value):
+    params = make_params(device, (torch.float32, torch.float16))
+    opt = SGD(params, lr=1e-2, momentum=0.9, max_grad_norm=1.0, master_weights=True)
+    for _ in range(2):
+        assign(params, [None] * len(params), new_grads(params))
+        opt.step()
+    before = snapshot(opt)
+    grads = new_grads(params)
+    grads[3][517] = value
+    assign(params, [None] * len(params), grads)
+    opt.step()
+    assert_snapshot_equal(before, snapshot(opt))
+    assert opt.last_found_inf.item() == 1.0
+    assign(params, [None] * len(params), new_grads(params))
+    opt.step()
+    assert opt.last_found_inf.item() == 0.0
+    assert all(opt.state[p]["step"].item() == 3.0 for p in params)
+    assert not torch.equal(before["param 0.3"], params[3].detach())
+
+
+# ---- EMA ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,master", [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False),
+                                          (torch.float16, True)], ids=["fp32", "bf16-master", "bf16", "fp16-master"])
+def test_ema_rides_the_step(device, dtype, master):
+    params = make_params(device, (dtype,))
+    ref = ref_copies(params)
+    hp = dict(lr=5e-2, momentum=0.9, weight_decay=0.1)
+    opt = SGD(params, master_weights=master, **hp)
+    ropt = torch.optim.SGD(ref, foreach=False, **hp)
+    emas = [(p.detach() + 0.5 * torch.randn_like(p.detach().float()).to(dtype)) for p in params]
+    ref_emas = [cpu32(e).clone() for e in emas]
+    stale_emas = [cpu32(e).clone() for e in emas]  # what a decay frozen at 0.9 would give
+    decay = torch.tensor(0.9, device=device)
+    opt.attach_ema(dict(zip(params, emas)), decay)
+    for step in range(30):
+        if step == 10:
+            decay.fill_(0.5)
+        if step == 20:
+            decay.fill_(0.99)
+        assign(params, ref, new_grads(params))
+        opt.step()
+        ropt.step()
+        if dtype != torch.float32 and not master:
+            round_to(ref, dtype)
+        w = 1.0 - decay.cpu()  # float32, as the kernel computes it
+        for e, s, r in zip(ref_emas, stale_emas, ref):
+            e.lerp_(r.detach(), w)
+            s.lerp_(r.detach(), 0.1)
+            if dtype != torch.float32:
+                e.copy_(e.to(dtype).float())
+    if dtype == torch.float32:
+        assert_params_close(emas, ref_emas, **F32)
+    else:
+        for e in emas:
+            assert e.dtype == dtype
+        assert_low_precision_equal(emas, ref_emas, dtype)
+    # The in-place decay changes took effect (a decay read once at attach time would give stale_emas).
+    assert max((cpu32(e) - s).abs().max().item() for e, s in zip(emas, stale_emas)) > 1e-2
+
+
+# ---- the op on lists ---------------------------------------------------------------------
+
+
+def run_op_vs_torch(device, param_dtypes, grad_dtypes, shapes, hp, first_step=False, with_master=False):
+    """One fused_sgd_ call on random lists vs one torch.optim.SGD step from the same state."""
+    lr = 3e-2
+    n = len(shapes)
+    use_buf = hp["momentum"] != 0
+    params = [torch.randn(s, device=device).to(param_dtypes[i % len(param_dtypes)]) for i, s in enumerate(shapes)]
+    grads = [torch.randn(s, device=device).to(grad_dtypes[i % len(grad_dtypes)]) for i, s in enumerate(shapes)]
+    steps0 = [0] * n if first_step else [int(k) for k in torch.randint(1, 40, (n,))]
+    # On the first step the buffer content is ignored (buffer = grad): fill it with junk.
+    bufs0 = [torch.randn(s) for s in shapes] if use_buf else []
+    masters = [(p.float() + 1e-3 * torch.randn_like(p.float())) for p in params] if with_master else []
+    ref = [torch.nn.Parameter((m if with_master else p).detach().to("cpu", torch.float32).clone())
+           for p, m in itertools.zip_longest(params, masters)]
+    ropt = torch.optim.SGD(ref, lr=f32(lr), foreach=False, **hp)
+    for i, (r, g) in enumerate(zip(ref, grads)):
+        r.grad = g.to("cpu", torch.float32)
+        if use_buf and not first_step:
+            ropt.state[r] = {"momentum_buffer": bufs0[i].clone()}
+    ropt.step()
+
+    bufs = [b.clone().to(device) for b in bufs0]
+    steps = [torch.tensor(float(s), device=device) for s in steps0]
+    fused_sgd_(params, grads, bufs, steps, masters, [], lr=torch.tensor(lr, device=device), **hp)
+
+    for i, r in enumerate(ref):
+        assert steps[i].item() == steps0[i] + 1
+        if use_buf:
+            torch.testing.assert_close(cpu32(bufs[i]), ropt.state[r]["momentum_buffer"], **F32)
+        if with_master:
+            torch.testing.assert_close(cpu32(masters[i]), r.detach(), **F32)
+            assert torch.equal(params[i], masters[i].to(params[i].dtype))
+    if not with_master:
+        fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
+        assert_params_close([params[i] for i in fp32], [ref[i] for i in fp32], **F32)
+        for dt in LOW:
+            idx = [i for i, p in enumerate(params) if p.dtype == dt]
+            if idx:
+                assert_low_precision_equal([params[i] for i in idx], [ref[i].detach().to(dt) for i in idx], dt)
+
+
+OP_HP = [
+    dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False),
+    dict(momentum=0.9, dampening=0.0, weight_decay=0.1, nesterov=True, maximize=True),
+    dict(momentum=0.8, dampening=0.25, weight_decay=0.05, nesterov=False, maximize=False),
+]
+OP_IDS = ["plain", "nesterov-wd-max", "damp-wd"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW, ids=str)
+@pytest.mark.parametrize("n", [1, 7, 1031, 65537])
+@pytest.mark.parametrize("hp", OP_HP, ids=OP_IDS)
+@pytest.mark.parametrize("first_step", [False, True], ids=["later", "first"])
+def test_op_odd_sizes(device, dtype, n, hp, first_step):
+    run_op_vs_torch(device, [dtype], [dtype], [(n,)], hp, first_step=first_step)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_master", [False, True])
+@pytest.mark.parametrize("hp", OP_HP, ids=OP_IDS)
+def test_op_300_tensors_mixed_dtypes(device, with_master, hp):
+    sizes = [int(k) for k in torch.randint(1, 200, (300,))]
+    sizes[17], sizes[150] = 0, 4099  # an empty tensor and one larger than a block
+    shapes = [(s,) if i % 4 else (1, s) for i, s in enumerate(sizes)]
+    run_op_vs_torch(device, [torch.float32, torch.float16, torch.bfloat16],
+                    [torch.bfloat16, torch.float32, torch.float16, torch.float32], shapes, hp,
+                    with_master=with_master)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_op_empty_lists(device):
+    lr = torch.tensor(1e-3, device=device)
+    for momentum in (0.0, 0.9):
+        fused_sgd_([], [], [], [], [], [], lr=lr, momentum=momentum, dampening=0.0, weight_decay=0.1,
+                   nesterov=False, maximize=False, inv_scale=torch.tensor(0.5, device=device),
+                   found_inf=torch.zeros((), device=device), grad_norm=torch.tensor(3.0, device=device),
+                   max_grad_norm=1.0, ema_decay=torch.tensor(0.9, device=device))
+    assert lr.item() == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_params_without_grad_are_skipped(device):
+    params = make_params(device, (torch.float32, torch.bfloat16))
+    ref = ref_copies(params)
+    frozen = params[1].detach().clone()
+    opt = SGD(params, lr=1e-2, momentum=0.9, master_weights=True)
+    ropt = torch.optim.SGD(ref, lr=1e-2, momentum=0.9, foreach=False)
+    for step in range(20):
+        grads = new_grads(params)
+        grads[1] = None  # never has a gradient
+        if step % 2:
+            grads[3] = None  # has one every other step
+        assign(params, ref, grads)
+        opt.step()
+        ropt.step()
+    assert torch.equal(params[1].detach(), frozen)
+    assert len(opt.state[params[1]]) == 0
+    assert opt.state[params[3]]["step"].item() == 10.0
+    for i, (p, r) in enumerate(zip(params, ref)):
+        if i == 1:
+            continue
+        value = opt.state[p]["master_param"] if p.dtype != torch.float32 else p
+        torch.testing.assert_close(cpu32(value), r.detach(), **F32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_op_rejects_bad_arguments(device):
+    lr = torch.tensor(1e-3, device=device)
+    kw = dict(lr=lr, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+    step = [torch.zeros((), device=device)]
+    p = torch.randn(5, device=device)
+    buf = [torch.zeros(5, device=device)]
+    with pytest.raises(RuntimeError, match=r"params\[0\].*(Double|float64)"):
+        fused_sgd_([p.double()], [torch.randn(5, device=device)], buf, step, [], [], **kw)
+    with pytest.raises(RuntimeError, match=r"grads\[0\] has shape"):
+        fused_sgd_([p], [torch.randn(6, device=device)], buf, step, [], [], **kw)
+    with pytest.raises(RuntimeError, match="momentum"):
+        fused_sgd_([p], [torch.randn(5, device=device)], [], step, [], [], **kw)
+    with pytest.raises(RuntimeError, match="nesterov"):
+        fused_sgd_([p], [torch.randn(5, device=device)], buf, step, [], [], **dict(kw, nesterov=True, dampening=0.1))
+
+
+@CUDA
+def test_op_rejects_mismatched_devices():
+    p = torch.randn(5, device="cuda")
+    with pytest.raises(RuntimeError, match=r"grads\[0\] is on"):
+        fused_sgd_([p], [torch.randn(5)], [], [torch.zeros((), device="cuda")], [], [],
+                   lr=torch.tensor(1e-3, device="cuda"), momentum=0.0, dampening=0.0, weight_decay=0.0,
+                   nesterov=False, maximize=False)
+
+
+# ---- registration ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    op = torch.ops.fusetrain.fused_sgd_
+
+    def case(param_dtypes, grad_dtype, momentum, master, ema, tail):
+        shapes = [(3, 4), (7,), (1,)]
+        ps = [torch.randn(s, device=device).to(param_dtypes[i % len(param_dtypes)]) for i, s in enumerate(shapes)]
+        gs = [torch.randn(s, device=device).to(grad_dtype) for s in shapes]
+        bufs = [torch.randn(s, device=device) for s in shapes] if momentum else []
+        steps = [torch.tensor(3.0, device=device) for _ in shapes]
+        masters = [p.float() for p in ps] if master else []
+        emas = [p.clone() for p in ps] if ema else []
+        args = (ps, gs, bufs, steps, masters, emas)
+        kwargs = dict(lr=torch.tensor(1e-2, device=device), momentum=momentum, dampening=0.0, weight_decay=0.01,
+                      nesterov=momentum > 0, maximize=False, **tail)
+        if ema:
+            kwargs["ema_decay"] = torch.tensor(0.99, device=device)
+        return args, kwargs
+
+    full_tail = dict(inv_scale=torch.tensor(0.5, device=device), found_inf=torch.zeros((), device=device),
+                     grad_norm=torch.tensor(4.0, device=device), max_grad_norm=1.0)
+    cases = [
+        case([torch.float32], torch.float32, 0.0, False, False, {}),
+        case([torch.bfloat16, torch.float16], torch.float32, 0.9, True, True, full_tail),
+        case([torch.float32], torch.bfloat16, 0.9, False, True, dict(found_inf=torch.ones((), device=device))),
+        (([], [], [], [], [], []),
+         dict(lr=torch.tensor(1e-2, device=device), momentum=0.0, dampening=0.0, weight_decay=0.0,
+              nesterov=False, maximize=False)),
+    ]
+    for args, kwargs in cases:
+        torch.library.opcheck(op, args, kwargs)
