@@ -31,6 +31,8 @@ struct OptimHyper {
 //   Lion: state1 = exp_avg
 struct UpdateLists {
   std::vector<at::Tensor> params, grads, state1, state2, state3, master, ema, steps;
+  // Argument names of state1..3, for error messages.
+  const char* state_names[3] = {"state1", "state2", "state3"};
 };
 
 // Device scalars (0-d float32 on the params' device); undefined when absent.

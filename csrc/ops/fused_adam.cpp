@@ -2,6 +2,8 @@
 // gradient unscale, clip, non-finite skip and EMA folded into the same pass.
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "../common/update_args.h"
 
 namespace fusetrain {
@@ -27,6 +29,8 @@ void fused_adam_impl(at::TensorList params, at::TensorList grads, at::TensorList
               ": amsgrad=True needs one max_exp_avg_sqs tensor per param (", params.size(), "), got ",
               max_exp_avg_sqs.size());
   UpdateLists l;
+  const char* names[3] = {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"};
+  std::copy(names, names + 3, l.state_names);
   l.params = params.vec();
   l.grads = grads.vec();
   l.state1 = exp_avgs.vec();

@@ -2,6 +2,8 @@
 // of tensors, with unscale, clip, non-finite skip and EMA folded in.
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "../common/update_args.h"
 
 namespace fusetrain {
@@ -21,6 +23,8 @@ void fused_lion_impl(at::TensorList params, at::TensorList grads, at::TensorList
   TORCH_CHECK(exp_avgs.size() == params.size(), op, ": exp_avgs needs one tensor per param (", params.size(),
               "), got ", exp_avgs.size());
   UpdateLists l;
+  const char* names[3] = {"exp_avgs", "state2", "state3"};
+  std::copy(names, names + 3, l.state_names);
   l.params = params.vec();
   l.grads = grads.vec();
   l.state1 = exp_avgs.vec();

@@ -2,6 +2,8 @@
 // over lists of tensors, with unscale, clip, non-finite skip and EMA folded in.
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "../common/update_args.h"
 
 namespace fusetrain {
@@ -24,6 +26,8 @@ void fused_sgd_impl(at::TensorList params, at::TensorList grads, at::TensorList 
               ": momentum != 0 needs one momentum_buffers tensor per param (", params.size(), "), got ",
               momentum_buffers.size());
   UpdateLists l;
+  const char* names[3] = {"momentum_buffers", "state2", "state3"};
+  std::copy(names, names + 3, l.state_names);
   l.params = params.vec();
   l.grads = grads.vec();
   if (momentum != 0.0) l.state1 = momentum_buffers.vec();

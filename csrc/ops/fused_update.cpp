@@ -57,9 +57,9 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
   const size_t n = lists.params.size();
   TORCH_CHECK(lists.grads.size() == n, op, ": got ", n, " params but ", lists.grads.size(), " grads");
   TORCH_CHECK(lists.steps.size() == n, op, ": got ", n, " params but ", lists.steps.size(), " state_steps");
-  check_list_size(op, "state lists", lists.state1, n);
-  check_list_size(op, "state lists", lists.state2, n);
-  check_list_size(op, "state lists", lists.state3, n);
+  check_list_size(op, lists.state_names[0], lists.state1, n);
+  check_list_size(op, lists.state_names[1], lists.state2, n);
+  check_list_size(op, lists.state_names[2], lists.state3, n);
   check_list_size(op, "master_params", lists.master, n);
   check_list_size(op, "ema_params", lists.ema, n);
   TORCH_CHECK(scalars.lr.defined(), op, ": lr is required");
@@ -107,9 +107,9 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     TORCH_CHECK(s.device() == dev, op, ": params[", i, "] is on ", dev, " but state_steps[", i, "] is on ",
                 s.device());
 
-    if (!lists.state1.empty()) check_companion(op, "state", i, lists.state1[i], p, false, true);
-    if (!lists.state2.empty()) check_companion(op, "state", i, lists.state2[i], p, false, true);
-    if (!lists.state3.empty()) check_companion(op, "state", i, lists.state3[i], p, false, true);
+    if (!lists.state1.empty()) check_companion(op, lists.state_names[0], i, lists.state1[i], p, false, true);
+    if (!lists.state2.empty()) check_companion(op, lists.state_names[1], i, lists.state2[i], p, false, true);
+    if (!lists.state3.empty()) check_companion(op, lists.state_names[2], i, lists.state3[i], p, false, true);
     if (!lists.master.empty()) check_companion(op, "master_params", i, lists.master[i], p, false, true);
     if (!lists.ema.empty()) check_companion(op, "ema_params", i, lists.ema[i], p, true, false);
 

@@ -677,9 +677,6 @@ def test_torch_save_load_round_trip_is_exact(tmp_path, name, kw, dtype):
             assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="FusedOptimizer.__setstate__ does not restore _lr_cache/_ema_lists/_ema_decay/_last, "
-                          "which Optimizer.__getstate__ drops")
 def test_deepcopy_of_optimizer_can_step():
     # copy.deepcopy goes through Optimizer.__getstate__/__setstate__, which keep
     # only defaults, state and param_groups.

@@ -123,6 +123,12 @@ class FusedOptimizer(Optimizer):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
+        # torch's __getstate__ keeps only defaults/state/param_groups: restore
+        # the per-instance caches (copy.deepcopy, pickle).
+        self.__dict__.setdefault("_lr_cache", {})
+        self.__dict__.setdefault("_ema_lists", None)
+        self.__dict__.setdefault("_ema_decay", None)
+        self.__dict__.setdefault("_last", {"grad_norm": None, "found_inf": None})
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
