@@ -167,5 +167,25 @@ FT_HD float grad_multiplier(const float* inv_scale, const float* grad_norm, floa
   return m;
 }
 
+// Dynamic loss-scale update (GradScaler semantics): back off and reset the
+// tracker on a non-finite step; otherwise count the clean step and grow the
+// scale (if the grown value is finite) every growth_interval clean steps.
+FT_HD void update_scale_math(float* scale, int* growth_tracker, float found_inf, float growth_factor,
+                             float backoff_factor, int growth_interval) {
+  if (found_inf != 0.f) {
+    *scale = *scale * backoff_factor;
+    *growth_tracker = 0;
+    return;
+  }
+  const int successful = *growth_tracker + 1;
+  if (successful == growth_interval) {
+    const float grown = *scale * growth_factor;
+    if (grown - grown == 0.f) *scale = grown;  // finite
+    *growth_tracker = 0;
+  } else {
+    *growth_tracker = successful;
+  }
+}
+
 }  // namespace detail
 }  // namespace fusetrain

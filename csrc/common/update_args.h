@@ -44,7 +44,16 @@ void fused_update_cpu(const UpdateLists& lists, const OptimHyper& hyper, const U
 void grad_stats_cpu(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
                     const at::Tensor& norm_out, const at::Tensor& found_inf_out);
 
+void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src, const at::Tensor& decay,
+                    const at::Tensor& found_inf);
+void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
+                      double growth_factor, double backoff_factor, int64_t growth_interval);
+
 #ifdef FUSETRAIN_WITH_CUDA
+void ema_update_cuda(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src, const at::Tensor& decay,
+                     const at::Tensor& found_inf);
+void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
+                       double growth_factor, double backoff_factor, int64_t growth_interval);
 void fused_update_cuda(const UpdateLists& lists, const OptimHyper& hyper, const UpdateScalars& scalars);
 void grad_stats_cuda(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
                      const at::Tensor& norm_out, const at::Tensor& found_inf_out);

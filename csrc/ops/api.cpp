@@ -57,6 +57,19 @@ void fused_lion_(at::TensorList params, at::TensorList grads, at::TensorList exp
           tail.inv_scale, tail.found_inf, tail.grad_norm, tail.max_grad_norm, tail.ema_decay);
 }
 
+void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay,
+                 const std::optional<at::Tensor>& found_inf) {
+  static auto op = op_handle<void(at::TensorList, at::TensorList, const at::Tensor&, OptT)>("fusetrain::ema_update_");
+  op.call(ema, src, decay, found_inf);
+}
+
+void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
+                   double growth_factor, double backoff_factor, int64_t growth_interval) {
+  static auto op = op_handle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, int64_t)>(
+      "fusetrain::update_scale_");
+  op.call(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval);
+}
+
 bool built_with_cuda() {
 #ifdef FUSETRAIN_WITH_CUDA
   return true;

@@ -41,7 +41,7 @@ def _update_fake(*args, **kwargs):
     return None
 
 
-for _name in ("fused_adam_", "fused_sgd_", "fused_lion_"):
+for _name in ("fused_adam_", "fused_sgd_", "fused_lion_", "ema_update_", "update_scale_"):
     torch.library.register_fake(f"fusetrain::{_name}")(_update_fake)
 
 
@@ -81,3 +81,18 @@ def fused_lion_(params, grads, exp_avgs, state_steps, master_params, ema_params,
     _ops.fused_lion_(params, grads, exp_avgs, state_steps, master_params, ema_params, lr=lr, beta1=beta1,
                      beta2=beta2, weight_decay=weight_decay, maximize=maximize, inv_scale=inv_scale,
                      found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
+
+
+def ema_update_(ema: Sequence[Tensor], src: Sequence[Tensor], decay: Tensor, found_inf: Optional[Tensor] = None) -> None:
+    """``ema += (1 - decay) * (src - ema)`` for every pair, in one multi-tensor
+    pass; ``decay`` is a 0-d float32 device tensor; nothing changes when
+    ``found_inf`` is non-zero (checked on the device)."""
+    _ops.ema_update_(list(ema), list(src), decay, found_inf)
+
+
+def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
+                  backoff_factor: float, growth_interval: int) -> None:
+    """Dynamic loss-scale update in device memory (GradScaler semantics):
+    ``scale *= backoff_factor`` on a non-finite step, ``scale *= growth_factor``
+    after ``growth_interval`` consecutive clean steps."""
+    _ops.update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)

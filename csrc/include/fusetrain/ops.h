@@ -45,4 +45,14 @@ void fused_lion_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double beta1,
                  double beta2, double weight_decay, bool maximize, const FusedTail& tail = {});
 
+// ema += (1 - decay) * (src - ema) for every pair (same dtype and shape), in
+// one multi-tensor pass; nothing changes when found_inf is non-zero.
+void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay,
+                 const std::optional<at::Tensor>& found_inf = std::nullopt);
+
+// Dynamic loss-scale update in device memory (torch.amp.GradScaler semantics).
+// scale: 0-d float32; growth_tracker: 0-d int32; found_inf: 0-d float32.
+void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
+                   double growth_factor, double backoff_factor, int64_t growth_interval);
+
 }  // namespace fusetrain

@@ -85,6 +85,7 @@ class FusedOptimizer(Optimizer):
         # cannot trace attribute assignment on an optimizer (it can trace item
         # assignment on a dict the optimizer holds).
         self._last: Dict[str, Optional[Tensor]] = {"grad_norm": None, "found_inf": None}
+        self._amp_pending: Dict[str, Optional[Tensor]] = {"inv_scale": None, "found_inf": None}
         super().__init__(params, defaults)
 
     @property
@@ -129,6 +130,7 @@ class FusedOptimizer(Optimizer):
         self.__dict__.setdefault("_ema_lists", None)
         self.__dict__.setdefault("_ema_decay", None)
         self.__dict__.setdefault("_last", {"grad_norm": None, "found_inf": None})
+        self.__dict__.setdefault("_amp_pending", {"inv_scale": None, "found_inf": None})
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -284,8 +286,20 @@ class FusedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._fused_step()
+        # A LossScaler hands its inverse scale / found_inf over through this
+        # dict (attributes cannot be set on an optimizer inside torch.compile).
+        amp = self._amp_pending
+        inv_scale, found_inf = amp["inv_scale"], amp["found_inf"]
+        amp["inv_scale"] = None
+        amp["found_inf"] = None
+        self._fused_step(inv_scale, found_inf)
         return loss
+
+    def _set_amp(self, inv_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        """Make the next ``step()`` unscale by ``inv_scale`` and/or skip on
+        ``found_inf`` (used by :class:`fusetrain.amp.LossScaler`)."""
+        self._amp_pending["inv_scale"] = inv_scale
+        self._amp_pending["found_inf"] = found_inf
 
     def _fused_step(self, inv_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
         """The step with an optional loss-scale tail: ``inv_scale`` (gradients

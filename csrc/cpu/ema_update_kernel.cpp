@@ -1,0 +1,79 @@
+// CPU kernel of fusetrain::ema_update_: (tensor, chunk) items over
+// at::parallel_for, fp32 Vectorized math on L1-resident blocks.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "../common/update_args.h"
+
+namespace fusetrain {
+namespace detail {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kChunk = 32768;
+constexpr int64_t kBlock = 512;
+
+template <typename T>
+void ema_block(T* ema, const T* src, int64_t n, float w) {
+  alignas(64) float eb[kBlock];
+  alignas(64) float sb[kBlock];
+  constexpr int64_t VS = Vec::size();
+  for (int64_t off = 0; off < n; off += kBlock) {
+    const int64_t m = std::min(kBlock, n - off);
+    float* e;
+    const float* s;
+    if constexpr (std::is_same_v<T, float>) {
+      e = ema + off;
+      s = src + off;
+    } else {
+      at::vec::convert(ema + off, eb, m);
+      at::vec::convert(src + off, sb, m);
+      e = eb;
+      s = sb;
+    }
+    for (int64_t i = 0; i < m; i += VS) {
+      const int c = static_cast<int>(std::min<int64_t>(VS, m - i));
+      Vec r = lerp_small_weight(Vec::loadu(e + i, c), Vec::loadu(s + i, c), w);
+      r.store(e + i, c);
+    }
+    if constexpr (!std::is_same_v<T, float>) at::vec::convert(eb, ema + off, m);
+  }
+}
+
+}  // namespace
+
+void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src, const at::Tensor& decay,
+                    const at::Tensor& found_inf) {
+  if (ema.empty()) return;
+  if (found_inf.defined() && *found_inf.const_data_ptr<float>() != 0.f) return;
+  const float w = 1.f - *decay.const_data_ptr<float>();
+  struct Item {
+    int64_t tensor, begin, end;
+  };
+  std::vector<Item> items;
+  for (size_t t = 0; t < ema.size(); ++t) {
+    const int64_t n = ema[t].numel();
+    for (int64_t b = 0; b < n; b += kChunk) items.push_back({static_cast<int64_t>(t), b, std::min(n, b + kChunk)});
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const Item& it = items[i];
+      const at::Tensor& et = ema[it.tensor];
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, et.scalar_type(), "ema_update_cpu", [&] {
+        if constexpr (!std::is_same_v<scalar_t, double>) {
+          ema_block(et.data_ptr<scalar_t>() + it.begin, src[it.tensor].const_data_ptr<scalar_t>() + it.begin,
+                    it.end - it.begin, w);
+        }
+      });
+    }
+  });
+}
+
+}  // namespace detail
+}  // namespace fusetrain

@@ -1,0 +1,80 @@
+// CUDA kernel of fusetrain::ema_update_: chunked multi-tensor launches
+// (multi_tensor_apply.cuh), decay and found_inf read on the device.
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <type_traits>
+
+#include "../common/update_args.h"
+#include "multi_tensor_apply.cuh"
+
+namespace fusetrain {
+namespace detail {
+namespace {
+
+using cuda::kBlockThreads;
+using cuda::kChunkSize;
+using cuda::kILP;
+using EmaMeta = cuda::TensorListMeta<2, 192, 1280>;
+
+template <typename T>
+__global__ void __launch_bounds__(kBlockThreads) ema_update_kernel(EmaMeta meta, const float* decay,
+                                                                   const float* found_inf) {
+  if (found_inf != nullptr && *found_inf != 0.f) return;
+  const float w = 1.f - *decay;
+  const int t = meta.block_to_tensor[blockIdx.x];
+  const int64_t start = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * kChunkSize;
+  const int64_t rem = meta.numel[t] - start;
+  const int64_t len = rem < kChunkSize ? rem : kChunkSize;
+  T* ema = static_cast<T*>(meta.addrs[0][t]) + start;
+  const T* src = static_cast<const T*>(meta.addrs[1][t]) + start;
+  int64_t vec_end = 0;
+  if (cuda::is_aligned(ema) && cuda::is_aligned(src)) {
+    vec_end = len - len % kILP;
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * kILP; i < vec_end; i += kBlockThreads * kILP) {
+      float e[kILP], s[kILP];
+      cuda::load_vec(e, ema + i);
+      cuda::load_vec(s, src + i);
+#pragma unroll
+      for (int k = 0; k < kILP; ++k) e[k] = lerp_small_weight(e[k], s[k], w);
+      cuda::store_vec(ema + i, e);
+    }
+  }
+  for (int64_t i = vec_end + threadIdx.x; i < len; i += kBlockThreads) {
+    ema[i] = static_cast<T>(lerp_small_weight(static_cast<float>(ema[i]), static_cast<float>(src[i]), w));
+  }
+}
+
+}  // namespace
+
+void ema_update_cuda(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src, const at::Tensor& decay,
+                     const at::Tensor& found_inf) {
+  if (ema.empty()) return;
+  c10::cuda::CUDAGuard guard(decay.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const float* fi = found_inf.defined() ? found_inf.const_data_ptr<float>() : nullptr;
+  for (at::ScalarType st : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    std::vector<at::Tensor> eb, sb;
+    for (size_t i = 0; i < ema.size(); ++i) {
+      if (ema[i].scalar_type() == st) {
+        eb.push_back(ema[i]);
+        sb.push_back(src[i]);
+      }
+    }
+    if (eb.empty()) continue;
+    const std::vector<const std::vector<at::Tensor>*> lists = {&eb, &sb};
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "ema_update_cuda", [&] {
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        cuda::multi_tensor_apply<EmaMeta>(lists, {}, [&](const EmaMeta& meta, int blocks) {
+          ema_update_kernel<scalar_t><<<blocks, kBlockThreads, 0, stream>>>(meta, decay.const_data_ptr<float>(), fi);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      }
+    });
+  }
+}
+
+}  // namespace detail
+}  // namespace fusetrain

@@ -1,0 +1,71 @@
+// fusetrain::ema_update_ — ema += (1 - decay) * (src - ema) over lists of
+// tensors in one multi-tensor pass, decay read from a device tensor, skipped
+// on the device when found_inf is non-zero.
+#include <ATen/ops/empty_strided.h>
+#include <torch/library.h>
+
+#include "../common/update_args.h"
+
+namespace fusetrain {
+namespace detail {
+namespace {
+
+void ema_update_impl(at::TensorList ema, at::TensorList src, const at::Tensor& decay,
+                     const std::optional<at::Tensor>& found_inf) {
+  const char* op = "ema_update_";
+  TORCH_CHECK(ema.size() == src.size(), op, ": got ", ema.size(), " ema tensors but ", src.size(), " src tensors");
+  const at::Device dev = decay.device();
+  TORCH_CHECK(decay.numel() == 1 && decay.scalar_type() == at::kFloat, op,
+              ": decay must be a float32 tensor with one element, got ", decay.scalar_type(), " of shape ",
+              decay.sizes());
+  at::Tensor fi = opt_or_undef(found_inf);
+  if (fi.defined()) {
+    TORCH_CHECK(fi.numel() == 1 && fi.scalar_type() == at::kFloat, op,
+                ": found_inf must be a float32 tensor with one element");
+    TORCH_CHECK(fi.device() == dev, op, ": found_inf is on ", fi.device(), " but decay is on ", dev);
+  }
+  std::vector<at::Tensor> es, ss;
+  for (size_t i = 0; i < ema.size(); ++i) {
+    const at::Tensor& e = ema[i];
+    at::Tensor s = src[i];
+    TORCH_CHECK(e.device() == dev, op, ": ema[", i, "] is on ", e.device(), " but decay is on ", dev);
+    TORCH_CHECK(s.device() == dev, op, ": src[", i, "] is on ", s.device(), " but decay is on ", dev);
+    TORCH_CHECK(e.scalar_type() == at::kFloat || e.scalar_type() == at::kHalf || e.scalar_type() == at::kBFloat16,
+                op, ": ema[", i, "] has dtype ", e.scalar_type(), "; supported: float32, float16, bfloat16");
+    TORCH_CHECK(s.scalar_type() == e.scalar_type(), op, ": src[", i, "] has dtype ", s.scalar_type(), " but ema[",
+                i, "] has dtype ", e.scalar_type());
+    TORCH_CHECK(s.sizes() == e.sizes(), op, ": src[", i, "] has shape ", s.sizes(), " but ema[", i, "] has shape ",
+                e.sizes());
+    TORCH_CHECK(e.layout() == at::kStrided && e.is_non_overlapping_and_dense(), op, ": ema[", i,
+                "] must be a dense tensor");
+    if (s.strides() != e.strides()) s = at::empty_strided(e.sizes(), e.strides(), s.options()).copy_(s);
+    if (e.numel() == 0) continue;
+    es.push_back(e);
+    ss.push_back(s);
+  }
+  if (dev.is_cpu()) {
+    check_cpu_features(op);
+    ema_update_cpu(es, ss, decay, fi);
+  } else {
+#ifdef FUSETRAIN_WITH_CUDA
+    TORCH_CHECK(dev.is_cuda(), op, ": tensors must be on CPU or CUDA, got ", dev);
+    ema_update_cuda(es, ss, decay, fi);
+#else
+    TORCH_CHECK(false, op, ": tensors are on ", dev, " but fusetrain was built without CUDA");
+#endif
+  }
+}
+
+}  // namespace
+}  // namespace detail
+}  // namespace fusetrain
+
+TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
+  m.set_python_module("fusetrain._ops");
+  m.def("ema_update_(Tensor(a!)[] ema, Tensor[] src, Tensor decay, Tensor? found_inf=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fusetrain, CPU, m) { m.impl("ema_update_", &fusetrain::detail::ema_update_impl); }
+#ifdef FUSETRAIN_WITH_CUDA
+TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) { m.impl("ema_update_", &fusetrain::detail::ema_update_impl); }
+#endif

@@ -1,0 +1,264 @@
+"""Exponential moving average of a model's weights, updated on the device.
+
+``ema = decay * ema + (1 - decay) * weights`` after every optimizer step, with
+the decay following a schedule of the update count. The step counter and the
+decay are device tensors: the schedule is evaluated on the device, changing it
+never recompiles, and a skipped (non-finite) step leaves the EMA and its
+counter untouched without asking the host.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import _ops
+
+__all__ = ["ModelEMA", "unwrap_model"]
+
+DECAY_TYPES = ("constant", "threshold", "exp")
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module under ``torch.compile`` (``_orig_mod``) and DDP/DataParallel
+    (``module``) wrappers, so state-dict keys carry no wrapper prefixes."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        else:
+            return model
+
+
+class ModelEMA:
+    """EMA of ``model`` (built from the unwrapped model; ``ema.module`` is a
+    plain module for evaluation, and can itself be compiled).
+
+    Args:
+      decay: the target decay, in (0, 1).
+      decay_type: ``"constant"`` (always ``decay``), ``"threshold"``
+        (``min(decay, (1 + t) / (10 + t))``) or ``"exp"``
+        (``decay * (1 - exp(-beta * t / total_steps))``), where ``t`` is the
+        1-based number of the update.
+      beta: steepness of the ``exp`` schedule.
+      total_steps: the run's number of optimizer steps (needed by ``exp``; can
+        be set later with :meth:`set_total_steps`).
+      warmup: also cap the decay at ``1 - (1 + t / warmup_gamma) ** -warmup_power``.
+      include_buffers: average floating-point buffers (e.g. BatchNorm running
+        stats) too; other buffers are always copied.
+
+    Use :meth:`update` after each optimizer step, or :meth:`attach` once to a
+    fusetrain optimizer: the parameter EMA then rides in the optimizer's update
+    pass (no extra read of the weights) and buffers follow after the step.
+    """
+
+    def __init__(self, model: nn.Module, decay: float = 0.9999, decay_type: str = "exp", beta: float = 15.0,
+                 total_steps: Optional[int] = None, warmup: bool = False, warmup_gamma: float = 1.0,
+                 warmup_power: float = 2.0 / 3.0, include_buffers: bool = True) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"ModelEMA: model must be an nn.Module, got {type(model).__name__}")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
+            raise ValueError(f"ModelEMA: decay must be in (0, 1), got {decay!r}")
+        if decay_type not in DECAY_TYPES:
+            raise ValueError(f"ModelEMA: decay_type must be one of {DECAY_TYPES}, got {decay_type!r}")
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
+            raise ValueError(f"ModelEMA: beta must be > 0, got {beta!r}")
+        if not isinstance(warmup_gamma, (int, float)) or warmup_gamma <= 0:
+            raise ValueError(f"ModelEMA: warmup_gamma must be > 0, got {warmup_gamma!r}")
+        if not isinstance(warmup_power, (int, float)) or warmup_power <= 0:
+            raise ValueError(f"ModelEMA: warmup_power must be > 0, got {warmup_power!r}")
+        base = unwrap_model(model)
+        if not any(p.is_floating_point() for p in base.parameters()):
+            raise ValueError("ModelEMA: the model has no floating-point parameters to average")
+        self.decay = float(decay)
+        self.decay_type = decay_type
+        self.beta = float(beta)
+        self.total_steps: Optional[int] = None
+        self.set_total_steps(total_steps)
+        self.warmup = bool(warmup)
+        self.warmup_gamma = float(warmup_gamma)
+        self.warmup_power = float(warmup_power)
+        self.include_buffers = bool(include_buffers)
+
+        self.module = copy.deepcopy(base).eval()
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+        device = next(self.module.parameters()).device
+        # Updates done so far, and the decay the next update uses.
+        self._step = torch.zeros((), dtype=torch.float32, device=device)
+        self._decay = torch.zeros((), dtype=torch.float32, device=device)
+        self._total = torch.full((), float(self.total_steps or 1), dtype=torch.float32, device=device)
+        self._hooks: List[Any] = []
+        self._optimizer = None
+        self._model = model  # the live model, for attach()'s buffer updates
+        self._build_index(base)
+
+    # ---- bookkeeping -----------------------------------------------------------------
+
+    def _build_index(self, base: nn.Module) -> None:
+        ema_params = dict(self.module.named_parameters())
+        ema_buffers = dict(self.module.named_buffers())
+        self._avg_names = [n for n, p in ema_params.items() if p.is_floating_point()]
+        self._copy_names = [n for n, p in ema_params.items() if not p.is_floating_point()]
+        self._buf_avg_names = [n for n, b in ema_buffers.items() if b.is_floating_point() and self.include_buffers]
+        self._buf_copy_names = [n for n, b in ema_buffers.items() if n not in self._buf_avg_names]
+        self._ema_tensors = {**ema_params, **ema_buffers}
+
+    def set_total_steps(self, total_steps: Optional[int]) -> None:
+        """Set the run length used by the ``exp`` schedule."""
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                        or total_steps <= 0):
+            raise ValueError(f"ModelEMA: total_steps must be a positive int or None, got {total_steps!r}")
+        self.total_steps = total_steps
+        if hasattr(self, "_total") and total_steps is not None:
+            self._total.fill_(float(total_steps))
+
+    @property
+    def step_tensor(self) -> Tensor:
+        """Device tensor: number of EMA updates done (skipped steps excluded)."""
+        return self._step
+
+    @property
+    def decay_tensor(self) -> Tensor:
+        """Device tensor: the decay of the most recent (or next attached) update."""
+        return self._decay
+
+    def _compute_decay(self) -> Tensor:
+        """Evaluate the schedule for update number ``step + 1`` into the decay tensor."""
+        if self.decay_type == "exp" and self.total_steps is None:
+            raise ValueError("ModelEMA: decay_type='exp' needs total_steps (pass it to the constructor or call "
+                             "set_total_steps(n)); or use decay_type='constant' or 'threshold'")
+        t = self._step + 1.0
+        if self.decay_type == "constant":
+            d = torch.full_like(t, self.decay)
+        elif self.decay_type == "threshold":
+            d = torch.clamp_max((1.0 + t) / (10.0 + t), self.decay)
+        else:
+            d = self.decay * (1.0 - torch.exp(-self.beta * t / self._total))
+        if self.warmup:
+            d = torch.minimum(d, 1.0 - torch.pow(1.0 + t / self.warmup_gamma, -self.warmup_power))
+        self._decay.copy_(d)
+        return self._decay
+
+    def _sources(self, model: nn.Module) -> Dict[str, Tensor]:
+        base = unwrap_model(model)
+        return {**dict(base.named_parameters()), **dict(base.named_buffers())}
+
+    def _advance(self, found_inf: Optional[Tensor]) -> None:
+        if found_inf is None:
+            self._step.add_(1.0)
+        else:
+            self._step.add_(1.0 - found_inf.to(self._step.device))
+
+    # ---- updates -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, found_inf: Optional[Tensor] = None) -> None:
+        """One EMA update from ``model`` (wrapped or not) in one fused
+        multi-tensor pass. With ``found_inf`` (a device flag, e.g. from the
+        optimizer's ``last_found_inf``) a non-zero value skips it on the device."""
+        src = self._sources(model)
+        decay = self._compute_decay()
+        names = self._avg_names + self._buf_avg_names
+        self._check_sources(src, names + self._copy_names + self._buf_copy_names)
+        _ops.ema_update_([self._ema_tensors[n] for n in names], [src[n].detach() for n in names], decay, found_inf)
+        self._copy_rest(src, found_inf)
+        self._advance(found_inf)
+
+    def _copy_rest(self, src: Dict[str, Tensor], found_inf: Optional[Tensor]) -> None:
+        names = self._copy_names + self._buf_copy_names
+        if not names:
+            return
+        dst = [self._ema_tensors[n] for n in names]
+        if found_inf is None:
+            torch._foreach_copy_(dst, [src[n].detach() for n in names])
+        else:
+            keep = found_inf.to(dst[0].device) != 0
+            for d, n in zip(dst, names):
+                d.copy_(torch.where(keep, d, src[n].detach()))
+
+    def _check_sources(self, src: Dict[str, Tensor], names: List[str]) -> None:
+        missing = [n for n in names if n not in src]
+        if missing:
+            raise ValueError(f"ModelEMA: the model lacks {len(missing)} tensor(s) of the EMA copy, e.g. "
+                             f"{missing[:3]}; update() needs the model the EMA was built from")
+
+    def attach(self, optimizer) -> "ModelEMA":
+        """Ride the parameter EMA in a fusetrain optimizer's update pass.
+
+        Before each step the decay is evaluated on the device; the update pass
+        writes the EMA of every param it updates; after the step buffers are
+        averaged/copied and the counter advances, all gated on the step's
+        non-finite flag. Only params updated by the step move their EMA (a
+        param without a gradient keeps its EMA)."""
+        from .optim._base import FusedOptimizer
+
+        if not isinstance(optimizer, FusedOptimizer):
+            raise TypeError(f"ModelEMA.attach: needs a fusetrain optimizer, got {type(optimizer).__name__}; "
+                            "call ema.update(model) after optimizer.step() instead")
+        self.detach()
+        by_id = {}
+        model_params: Dict[int, Tensor] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                model_params[id(p)] = p
+        # Match the optimizer's params to EMA params by name in the live model.
+        for name, p in self._sources(self._model).items():
+            if id(p) in model_params and name in self._ema_tensors:
+                by_id[p] = self._ema_tensors[name]
+        optimizer.attach_ema(by_id, self._decay)
+        buf_names = self._buf_avg_names
+
+        def pre_hook(opt, args, kwargs):
+            self._compute_decay()
+
+        def post_hook(opt, args, kwargs):
+            found_inf = opt.last_found_inf
+            srcs = self._sources(self._model)
+            if buf_names:
+                _ops.ema_update_([self._ema_tensors[n] for n in buf_names], [srcs[n].detach() for n in buf_names],
+                                 self._decay, found_inf)
+            self._copy_rest(srcs, found_inf)
+            self._advance(found_inf)
+
+        self._hooks = [optimizer.register_step_pre_hook(pre_hook), optimizer.register_step_post_hook(post_hook)]
+        self._optimizer = optimizer
+        return self
+
+    def detach(self) -> None:
+        """Undo :meth:`attach`."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._optimizer is not None:
+            self._optimizer.detach_ema()
+            self._optimizer = None
+
+    # ---- state -----------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"module": self.module.state_dict(), "step": self._step.detach().clone(), "decay": self.decay,
+                "decay_type": self.decay_type, "beta": self.beta, "total_steps": self.total_steps,
+                "warmup": self.warmup, "warmup_gamma": self.warmup_gamma, "warmup_power": self.warmup_power,
+                "include_buffers": self.include_buffers}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        for k in ("module", "step", "decay", "decay_type"):
+            if k not in state_dict:
+                raise KeyError(f"ModelEMA.load_state_dict: missing key {k!r}")
+        self.module.load_state_dict(state_dict["module"])
+        self._step.copy_(state_dict["step"])
+        self.decay = float(state_dict["decay"])
+        self.decay_type = state_dict["decay_type"]
+        self.beta = float(state_dict.get("beta", self.beta))
+        self.set_total_steps(state_dict.get("total_steps", self.total_steps))
+        self.warmup = bool(state_dict.get("warmup", self.warmup))
+        self.warmup_gamma = float(state_dict.get("warmup_gamma", self.warmup_gamma))
+        self.warmup_power = float(state_dict.get("warmup_power", self.warmup_power))
