@@ -346,6 +346,7 @@ def run_layout(shapes: List[Shape], device: torch.device, args, timer: Timer) ->
 
     out = {"num_tensors": len(shapes), "num_params": n, "agreement_after_warmup": agreement, "variants": {}}
     med = {v.name: statistics.median(v.times_ms) for v in live}
+    mins = {v.name: min(v.times_ms) for v in live}
     plain_ref = "torch_fused" if "torch_fused" in med else ("torch_foreach" if "torch_foreach" in med else None)
     for v in variants:
         entry: Dict = {"kind": v.kind, "bytes_per_param": v.bytes_per_param, "bytes": v.bytes_per_param * n}
@@ -362,6 +363,8 @@ def run_layout(shapes: List[Shape], device: torch.device, args, timer: Timer) ->
                 "gbps": v.bytes_per_param * n / (m * 1e-3) / 1e9,
                 "reference": reference,
                 "ratio": (med[reference] / m) if reference else None,
+                # Same ratio on the fastest repeats: a cross-check when the machine is busy.
+                "ratio_of_min": (mins[reference] / mins[v.name]) if reference else None,
             })
         out["variants"][v.name] = entry
     del variants, live
@@ -436,7 +439,7 @@ def print_table(results: Dict, copy: Dict, targets: List[Dict], meta: Dict) -> N
     print(f"threads {meta['num_threads']}, {meta['config']['steps']} steps x {meta['config']['repeats']} repeats "
           f"after {meta['config']['warmup']} warm-up steps; times are per step")
     hdr = f"{'layout':<9} {'variant':<15} {'params':>9} {'median ms':>10} {'min ms':>9} {'B/param':>7} " \
-          f"{'GB/s':>7} {'ratio':>6}  reference"
+          f"{'GB/s':>7} {'ratio':>6} {'(min)':>6}  reference"
     print(hdr)
     print("-" * len(hdr))
     for lay, res in results.items():
@@ -444,11 +447,12 @@ def print_table(results: Dict, copy: Dict, targets: List[Dict], meta: Dict) -> N
             params = f"{res['num_params'] / 1e6:.2f}M"
             if e["status"] != "ok":
                 print(f"{lay:<9} {name:<15} {params:>9} {'n/a':>10} {'':>9} {e['bytes_per_param']:>7} "
-                      f"{'':>7} {'':>6}  ({e['error']})")
+                      f"{'':>7} {'':>6} {'':>6}  ({e['error']})")
                 continue
             r = f"{e['ratio']:.2f}" if e["ratio"] is not None else "-"
+            rm = f"{e['ratio_of_min']:.2f}" if e["ratio_of_min"] is not None else "-"
             print(f"{lay:<9} {name:<15} {params:>9} {e['median_ms']:>10.3f} {e['min_ms']:>9.3f} "
-                  f"{e['bytes_per_param']:>7} {e['gbps']:>7.1f} {r:>6}  {e['reference'] or '-'}")
+                  f"{e['bytes_per_param']:>7} {e['gbps']:>7.1f} {r:>6} {rm:>6}  {e['reference'] or '-'}")
     if copy:
         print(f"{'copy':<9} {'dst.copy_(src)':<15} {copy['numel'] / 1e6:>8.2f}M {copy['median_ms']:>10.3f} "
               f"{copy['min_ms']:>9.3f} {BYTES_PER_PARAM['copy']:>7} {copy['gbps']:>7.1f}")

@@ -90,62 +90,90 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const Item& it, floa
   alignas(64) float gb[kBlock];
   alignas(64) float eb[kBlock];
   constexpr int64_t VS = Vec::size();
+  constexpr bool kParamF32 = std::is_same_v<P, float>;
   const Vec vgmul(gmul);
   const int64_t len = it.end - it.begin;
   for (int64_t off = 0; off < len; off += kBlock) {
     const int64_t m = std::min(kBlock, len - off);
+    // fp32 values the update works on, in place where the storage is fp32:
+    // the master, an fp32 param, or a converted copy of a low-precision param.
+    float* pw;
     if (master != nullptr) {
-      std::memcpy(pb, master + off, m * sizeof(float));
+      pw = master + off;
+    } else if constexpr (kParamF32) {
+      pw = reinterpret_cast<float*>(param) + off;
     } else {
       convert_block(param + off, pb, m);
+      pw = pb;
     }
-    convert_block(grad + off, gb, m);
+    const float* gw;
+    if constexpr (std::is_same_v<G, float>) {
+      gw = grad + off;
+    } else {
+      convert_block(grad + off, gb, m);
+      gw = gb;
+    }
+    float* m1 = s1 ? s1 + off : nullptr;
+    float* m2 = s2 ? s2 + off : nullptr;
+    float* m3 = s3 ? s3 + off : nullptr;
     for (int64_t i = 0; i < m; i += VS) {
       const int c = static_cast<int>(std::min<int64_t>(VS, m - i));
-      Vec p = Vec::loadu(pb + i, c);
-      Vec g = Vec::loadu(gb + i, c) * vgmul;
+      Vec p = Vec::loadu(pw + i, c);
+      Vec g = Vec::loadu(gw + i, c) * vgmul;
       if (h.maximize) g = g.neg();
       if constexpr (K == OptimKind::Adam) {
-        Vec mo = Vec::loadu(s1 + off + i, c);
-        Vec v = Vec::loadu(s2 + off + i, c);
-        if (s3 != nullptr) {
-          Vec vm = Vec::loadu(s3 + off + i, c);
+        Vec mo = Vec::loadu(m1 + i, c);
+        Vec v = Vec::loadu(m2 + i, c);
+        if (m3 != nullptr) {
+          Vec vm = Vec::loadu(m3 + i, c);
           adam_update(p, g, mo, v, &vm, ac);
-          vm.store(s3 + off + i, c);
+          vm.store(m3 + i, c);
         } else {
           adam_update<Vec>(p, g, mo, v, nullptr, ac);
         }
-        mo.store(s1 + off + i, c);
-        v.store(s2 + off + i, c);
+        mo.store(m1 + i, c);
+        v.store(m2 + i, c);
       } else if constexpr (K == OptimKind::SGD) {
-        if (s1 != nullptr) {
-          Vec b = Vec::loadu(s1 + off + i, c);
+        if (m1 != nullptr) {
+          Vec b = Vec::loadu(m1 + i, c);
           sgd_update(p, g, &b, sc);
-          b.store(s1 + off + i, c);
+          b.store(m1 + i, c);
         } else {
           sgd_update<Vec>(p, g, nullptr, sc);
         }
       } else {
-        Vec mo = Vec::loadu(s1 + off + i, c);
+        Vec mo = Vec::loadu(m1 + i, c);
         lion_update(p, g, mo, lc);
-        mo.store(s1 + off + i, c);
+        mo.store(m1 + i, c);
       }
-      p.store(pb + i, c);
+      p.store(pw + i, c);
     }
-    if (master != nullptr) std::memcpy(master + off, pb, m * sizeof(float));
-    convert_block(pb, param + off, m);
+    // Store the (rounded) param when the update did not run on its storage.
+    if (master != nullptr || !kParamF32) convert_block(pw, param + off, m);
     if (ema != nullptr) {
       // NOTE [ema source]: the EMA follows the value the optimizer holds at
       // full precision: the fp32 master when there is one, else the stored
       // (rounded) parameter.
-      if (master == nullptr && !std::is_same_v<P, float>) convert_block(param + off, pb, m);
-      convert_block(ema + off, eb, m);
+      const float* src = pw;
+      if constexpr (!kParamF32) {
+        if (master == nullptr) {
+          convert_block(param + off, pb, m);
+          src = pb;
+        }
+      }
+      float* ew;
+      if constexpr (kParamF32) {
+        ew = reinterpret_cast<float*>(ema) + off;
+      } else {
+        convert_block(ema + off, eb, m);
+        ew = eb;
+      }
       for (int64_t i = 0; i < m; i += VS) {
         const int c = static_cast<int>(std::min<int64_t>(VS, m - i));
-        Vec e = lerp_small_weight(Vec::loadu(eb + i, c), Vec::loadu(pb + i, c), ema_w);
-        e.store(eb + i, c);
+        Vec e = lerp_small_weight(Vec::loadu(ew + i, c), Vec::loadu(src + i, c), ema_w);
+        e.store(ew + i, c);
       }
-      convert_block(eb, ema + off, m);
+      if constexpr (!kParamF32) convert_block(eb, ema + off, m);
     }
   }
 }

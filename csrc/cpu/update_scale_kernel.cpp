@@ -9,7 +9,7 @@ namespace detail {
 void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
                       double growth_factor, double backoff_factor, int64_t growth_interval) {
   update_scale_math(scale.data_ptr<float>(), growth_tracker.data_ptr<int>(), *found_inf.const_data_ptr<float>(),
-                    static_cast<float>(growth_factor), static_cast<float>(backoff_factor),
+                    growth_factor, backoff_factor,
                     static_cast<int>(growth_interval));
 }
 

@@ -10,8 +10,8 @@ namespace fusetrain {
 namespace detail {
 namespace {
 
-__global__ void update_scale_kernel(float* scale, int* growth_tracker, const float* found_inf, float growth_factor,
-                                    float backoff_factor, int growth_interval) {
+__global__ void update_scale_kernel(float* scale, int* growth_tracker, const float* found_inf, double growth_factor,
+                                    double backoff_factor, int growth_interval) {
   update_scale_math(scale, growth_tracker, *found_inf, growth_factor, backoff_factor, growth_interval);
 }
 
@@ -22,7 +22,7 @@ void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker
   c10::cuda::CUDAGuard guard(scale.device());
   update_scale_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
       scale.data_ptr<float>(), growth_tracker.data_ptr<int>(), found_inf.const_data_ptr<float>(),
-      static_cast<float>(growth_factor), static_cast<float>(backoff_factor), static_cast<int>(growth_interval));
+      growth_factor, backoff_factor, static_cast<int>(growth_interval));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

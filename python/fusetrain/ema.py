@@ -214,7 +214,6 @@ class ModelEMA:
             if id(p) in model_params and name in self._ema_tensors:
                 by_id[p] = self._ema_tensors[name]
         optimizer.attach_ema(by_id, self._decay)
-        buf_names = self._buf_avg_names
 
         def pre_hook(opt, args, kwargs):
             self._compute_decay()
@@ -222,6 +221,7 @@ class ModelEMA:
         def post_hook(opt, args, kwargs):
             found_inf = opt.last_found_inf
             srcs = self._sources(self._model)
+            buf_names = self._buf_avg_names  # read per step: load_state_dict may change include_buffers
             if buf_names:
                 _ops.ema_update_([self._ema_tensors[n] for n in buf_names], [srcs[n].detach() for n in buf_names],
                                  self._decay, found_inf)
@@ -262,3 +262,7 @@ class ModelEMA:
         self.warmup = bool(state_dict.get("warmup", self.warmup))
         self.warmup_gamma = float(state_dict.get("warmup_gamma", self.warmup_gamma))
         self.warmup_power = float(state_dict.get("warmup_power", self.warmup_power))
+        include_buffers = bool(state_dict.get("include_buffers", self.include_buffers))
+        if include_buffers != self.include_buffers:
+            self.include_buffers = include_buffers
+            self._build_index(self.module)

@@ -322,6 +322,10 @@ class FusedOptimizer(Optimizer):
                 prepared.append((gi, group, params, grads, steps, masters, emas, (s1, s2, s3)))
                 all_grads.extend(grads)
         if not prepared:
+            # Nothing to step: no flag from this step (a stale one would make a
+            # LossScaler back off or an EMA advance for a step that did nothing).
+            self._last["grad_norm"] = None
+            self._last["found_inf"] = None
             return
         grad_norm = None
         need_norm = any(item[1]["max_grad_norm"] is not None for item in prepared)
