@@ -9,8 +9,9 @@ from . import optim
 from ._ops import build_info
 from .amp import LossScaler, Precision, resolve_precision
 from .ema import ModelEMA, unwrap_model
+from .training.trainer import Trainer
 
 __version__ = "0.1.0"
 
-__all__ = ["optim", "build_info", "LossScaler", "Precision", "resolve_precision", "ModelEMA", "unwrap_model",
+__all__ = ["optim", "build_info", "Trainer", "LossScaler", "Precision", "resolve_precision", "ModelEMA", "unwrap_model",
            "__version__"]

@@ -1,0 +1,291 @@
+"""Train from a YAML recipe.
+
+Usage::
+
+    python -m fusetrain.train_from_recipe [--config-name=NAME] [--config-dir=DIR] [--print-config] [override ...]
+
+With no arguments the ``default`` recipe runs (digits_cnn on the embedded
+digits). Shipped recipes live in ``fusetrain/recipes`` (``--list`` prints
+them): ``default``, ``seed_mnist_fp32``, ``seed_mnist_amp``, ``cifar_resnet``.
+A recipe is a Hydra config with a defaults list over three config groups
+(``training_params/``, ``dataset_params/``, ``arch_params/``) and two top-level
+keys, ``experiment_name`` and ``ckpt_root_dir``.
+
+Overrides use Hydra's syntax::
+
+    training_params.max_epochs=2          # change a key the recipe has
+    +training_params.ema=true             # add a key the recipe does not have
+    ~training_params.optimizer_params     # delete a key
+    arch_params=seed_mnist                # pick another option of a config group
+    dataset_params.root=/data/mnist ckpt_root_dir=/tmp/runs
+
+``--config-dir=DIR`` adds a folder of your own recipes. A recipe in DIR is
+composed with DIR first on the search path and the shipped recipes behind it,
+so its defaults list can name shipped group options as well as group options
+of its own (``DIR/training_params/fast.yaml``; a file in DIR with a shipped
+name shadows the shipped one). A name that is not in DIR is looked up among the
+shipped recipes, with DIR's group options still selectable
+(``arch_params=my_net``).
+
+What runs: the recipe is composed, then checked before anything is built or
+written -- ``training_params`` through
+``fusetrain.training.params.resolve_training_params``, ``dataset_params``
+and ``arch_params`` against their key sets -- then the data loaders and the
+model are built and ``fusetrain.Trainer(experiment_name,
+ckpt_root_dir=ckpt_root_dir).train(...)`` runs; its result is printed as JSON.
+Any recipe error (a Hydra composition or override error, a missing ``???``
+value, an invalid or unknown key, a missing data path) is printed to stderr
+with where it was found and the process exits with status 2, having created
+nothing under the checkpoint root.
+
+Why Hydra's compose API and not ``@hydra.main``: ``hydra.main`` changes the
+working directory per run and creates ``outputs/<date>/<time>`` folders with
+its own logs, while the Trainer already owns the run folder
+(``ckpt_root_dir/experiment_name``). Composing with
+``hydra.initialize_config_dir`` + ``hydra.compose`` keeps the working
+directory, writes nothing, and lets this module report errors itself. Relative
+paths in a recipe (``ckpt_root_dir``, ``dataset_params.root``) are therefore
+relative to the directory the command is run from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from importlib import resources
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["RecipeError", "compose_recipe", "list_recipes", "load_recipe", "main", "recipes_dir", "run_recipe"]
+
+#: The top-level keys a recipe may have once composed.
+RECIPE_KEYS = ("experiment_name", "ckpt_root_dir", "training_params", "dataset_params", "arch_params")
+
+EXIT_RECIPE_ERROR = 2
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be composed or does not validate."""
+
+
+def recipes_dir() -> str:
+    """Absolute path of the shipped recipes (``fusetrain/recipes``, package data)."""
+    # The package is installed as plain files (it holds compiled extensions), so
+    # the resource path is a real directory that Hydra can search.
+    path = resources.files("fusetrain").joinpath("recipes")
+    candidate = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    if not os.path.isdir(candidate):  # e.g. an editable install whose finder maps only modules
+        candidate = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
+    return os.path.abspath(candidate)
+
+
+def list_recipes(config_dir: Optional[str] = None) -> List[str]:
+    """Names of the top-level recipes in ``config_dir`` (default: the shipped ones)."""
+    d = config_dir or recipes_dir()
+    return sorted(os.path.splitext(f)[0] for f in os.listdir(d)
+                  if f.endswith((".yaml", ".yml")) and os.path.isfile(os.path.join(d, f)))
+
+
+def _error_text(exc: BaseException) -> str:
+    """The message of ``exc`` followed by its causes (Hydra wraps OmegaConf
+    errors, whose text names the full key)."""
+    parts: List[str] = []
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e).strip()
+        if text and text != "None" and not any(text in p for p in parts):
+            parts.append(text)
+        e = e.__cause__
+    return "\n".join(parts) if parts else type(exc).__name__
+
+
+def compose_recipe(config_name: str = "default", overrides: Sequence[str] = (), config_dir: Optional[str] = None):
+    """Compose a recipe with Hydra and return the ``DictConfig`` (values are not
+    resolved or validated yet). ``config_dir`` is searched before the shipped
+    recipes. Raises :class:`RecipeError` naming the recipe and the search path."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    shipped = recipes_dir()
+    overrides = list(overrides)
+    if config_dir is not None:
+        config_dir = os.path.abspath(os.path.expanduser(config_dir))
+        if not os.path.isdir(config_dir):
+            raise RecipeError(f"--config-dir: directory not found: {config_dir}")
+        search = [config_dir, shipped]
+        primary, extra = config_dir, shipped
+        if not any(os.path.isfile(os.path.join(config_dir, config_name + ext)) for ext in (".yaml", ".yml")):
+            # Hydra looks for the primary config only in the primary directory:
+            # a shipped recipe named with --config-dir set is composed from the
+            # shipped directory, with DIR behind it for group options.
+            primary, extra = shipped, config_dir
+        if primary != extra and not any(o.lstrip("+~").startswith("hydra.searchpath") for o in overrides):
+            quoted = extra.replace("\\", "\\\\").replace("'", "\\'")
+            overrides.append(f"hydra.searchpath=['file://{quoted}']")
+        config_dir = primary
+    else:
+        config_dir = shipped
+        search = [shipped]
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="train_from_recipe"):
+            return compose(config_name=config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError) as exc:
+        # Hydra's message for a wrong --config-name shows the search path but
+        # not the recipes in it: name them.
+        text = _error_text(exc)
+        names = sorted({n for d in search if os.path.isdir(d) for n in list_recipes(d)})
+        raise RecipeError(f"recipe {config_name!r}: {text}\n(recipe search path: {', '.join(search)}; "
+                          f"recipes there: {', '.join(names)})") from exc
+
+
+def load_recipe(config_name: str = "default", overrides: Sequence[str] = (),
+                config_dir: Optional[str] = None) -> Dict[str, Any]:
+    """Compose a recipe, resolve it to plain containers and validate every part
+    without building or writing anything. Returns ``{"experiment_name",
+    "ckpt_root_dir", "training_params", "dataset_params", "arch_params"}``
+    (plain dicts; dataset_params with defaults filled in). Raises
+    :class:`RecipeError`."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    cfg = compose_recipe(config_name, overrides, config_dir)
+    where = f"recipe {config_name!r}"
+    try:
+        recipe = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        hint = ""
+        key = getattr(exc, "full_key", None)
+        if exc.__class__.__name__ == "MissingMandatoryValue" and key:
+            hint = f"\nset it on the command line: {key}=..."
+        raise RecipeError(f"{where}: {_error_text(exc)}{hint}") from exc
+    return validate_recipe(recipe, where)
+
+
+def validate_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
+    """Validate a composed, resolved recipe (plain dict); see :func:`load_recipe`."""
+    from .training.data import validate_dataset_params
+    from .training.models import check_arch_params
+
+    if not isinstance(recipe, dict):
+        raise RecipeError(f"{where}: expected a mapping at the top level, got {type(recipe).__name__}")
+    unknown = [k for k in recipe if k not in RECIPE_KEYS]
+    if unknown:
+        raise RecipeError(f"{where}: unknown top-level key(s) {', '.join(map(repr, unknown))}; allowed: "
+                          + ", ".join(RECIPE_KEYS))
+    for key in ("experiment_name", "training_params", "dataset_params", "arch_params"):
+        if key not in recipe:
+            raise RecipeError(f"{where}: missing top-level key {key!r}")
+    name = recipe["experiment_name"]
+    if not isinstance(name, str) or not name or "/" in name or os.sep in name:
+        raise RecipeError(f"{where}: experiment_name: got {name!r}; allowed: a non-empty folder name (no '/')")
+    root = recipe.get("ckpt_root_dir")
+    if root is not None and (not isinstance(root, str) or not root):
+        raise RecipeError(f"{where}: ckpt_root_dir: got {root!r}; allowed: a directory path or null")
+    for key in ("training_params", "dataset_params", "arch_params"):
+        if not isinstance(recipe[key], dict):
+            raise RecipeError(f"{where}: {key}: expected a mapping, got {recipe[key]!r}")
+
+    try:
+        from .training.params import resolve_training_params
+    except ImportError as exc:  # pragma: no cover - only while the package is incomplete
+        raise RecipeError(f"{where}: cannot validate training_params: {exc}") from exc
+    try:
+        resolve_training_params(recipe["training_params"])
+        dataset_params = validate_dataset_params(recipe["dataset_params"])
+        arch = dict(recipe["arch_params"])
+        if "name" not in arch:
+            from .training.models import MODEL_NAMES
+            raise ValueError("arch_params.name is required; allowed: " + ", ".join(MODEL_NAMES))
+        model_name = arch.pop("name")
+        check_arch_params(model_name, arch)
+    except (ValueError, TypeError) as exc:
+        raise RecipeError(f"{where}: {_error_text(exc)}") from exc
+    out = dict(recipe)
+    out["ckpt_root_dir"] = root
+    out["dataset_params"] = dataset_params
+    return out
+
+
+def _build(recipe: Dict[str, Any], where: str):
+    """Data loaders and model of a validated recipe; errors become RecipeError."""
+    from .training.data import build_dataloaders
+    from .training.models import build_model
+
+    try:
+        train_loader, valid_loader = build_dataloaders(recipe["dataset_params"])
+        arch = dict(recipe["arch_params"])
+        model = build_model(arch.pop("name"), **arch)
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, ImportError) as exc:
+        raise RecipeError(f"{where}: {_error_text(exc)}") from exc
+    return train_loader, valid_loader, model
+
+
+def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
+    """Build the data and the model of a validated recipe and train; returns the
+    Trainer's result."""
+    train_loader, valid_loader, model = _build(recipe, where)
+    # Imported late: the Trainer pulls in the whole training stack.
+    try:
+        from . import Trainer
+    except ImportError:
+        from .training.trainer import Trainer
+
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{where}: experiment {recipe['experiment_name']!r}, model {recipe['arch_params']['name']} "
+          f"({n_params:,} parameters), data {recipe['dataset_params']['name']} "
+          f"({len(train_loader.dataset)} train / {len(valid_loader.dataset)} valid samples)", flush=True)
+    trainer = Trainer(recipe["experiment_name"], ckpt_root_dir=recipe["ckpt_root_dir"])
+    return trainer.train(model=model, training_params=recipe["training_params"], train_loader=train_loader,
+                         valid_loader=valid_loader)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fusetrain.train_from_recipe",
+        description="Train a model from a YAML recipe (Hydra config). Overrides use Hydra's syntax: "
+                    "training_params.max_epochs=2, +training_params.ema=true, arch_params=seed_mnist.")
+    p.add_argument("--config-name", "-cn", default="default",
+                   help="recipe name (a YAML file without .yaml in the recipe search path); default: default")
+    p.add_argument("--config-dir", "-cd", default=None,
+                   help="directory of your own recipes, searched before the shipped ones")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the composed recipe as YAML and exit without validating or training")
+    p.add_argument("--list", action="store_true", help="list the available recipes and exit")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. training_params.max_epochs=2")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    name = args.config_name
+    if name.endswith((".yaml", ".yml")):
+        name = os.path.splitext(name)[0]
+    try:
+        if args.list:
+            dirs = ([os.path.abspath(args.config_dir)] if args.config_dir else []) + [recipes_dir()]
+            for d in dirs:
+                if not os.path.isdir(d):
+                    raise RecipeError(f"--config-dir: directory not found: {d}")
+                print(f"{d}:")
+                for n in list_recipes(d):
+                    print(f"  {n}")
+            return 0
+        if args.print_config:
+            from omegaconf import OmegaConf
+            print(OmegaConf.to_yaml(compose_recipe(name, args.overrides, args.config_dir)), end="")
+            return 0
+        recipe = load_recipe(name, args.overrides, args.config_dir)
+        result = run_recipe(recipe, where=f"recipe {name!r}")
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_RECIPE_ERROR
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+"""Training: the Trainer and its ``training_params``."""
+
+from .params import TRAINING_PARAMS, ParamSpec, TrainingParams, TrainingParamsError, resolve_training_params

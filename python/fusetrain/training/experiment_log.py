@@ -1,0 +1,106 @@
+"""Per-epoch logs of an experiment: metrics.csv, metrics.jsonl, TensorBoard
+event files (when tensorboard is installed) and, at the end, a PNG plot of the
+loss and metrics per epoch."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import warnings
+from typing import Any, Dict, List
+
+__all__ = ["ExperimentLogger"]
+
+
+class ExperimentLogger:
+    def __init__(self, directory: str, tensorboard: bool = True) -> None:
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+        self.rows: List[Dict[str, Any]] = []
+        self._jsonl = os.path.join(directory, "metrics.jsonl")
+        self._csv = os.path.join(directory, "metrics.csv")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=os.path.join(directory, "tensorboard"))
+            except Exception as e:  # tensorboard is optional
+                warnings.warn(f"TensorBoard logging disabled: {e}", stacklevel=2)
+
+    def load_existing(self, up_to_epoch: int) -> None:
+        """On resume: keep the rows of epochs already done."""
+        if not os.path.isfile(self._jsonl):
+            return
+        with open(self._jsonl) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        self.rows = [r for r in rows if r.get("epoch", 0) <= up_to_epoch]
+        self._rewrite()
+
+    def log_epoch(self, row: Dict[str, Any]) -> None:
+        self.rows.append(dict(row))
+        self._rewrite()
+        if self._tb is not None:
+            epoch = int(row["epoch"])
+            for k, v in row.items():
+                if k != "epoch" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, epoch)
+            self._tb.flush()
+
+    def _rewrite(self) -> None:
+        with open(self._jsonl, "w") as f:
+            for r in self.rows:
+                f.write(json.dumps(r) + "\n")
+        keys: List[str] = []
+        for r in self.rows:
+            keys.extend(k for k in r if k not in keys)
+        with open(self._csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            for r in self.rows:
+                w.writerow(r)
+
+    def plot(self, filename: str = "metrics.png") -> str:
+        """Loss (left) and other metrics (right) per epoch; returns the path."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = os.path.join(self.directory, filename)
+        epochs = [r["epoch"] for r in self.rows]
+        fig, (ax_loss, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+        for key in [k for k in self._numeric_keys() if k.endswith("loss")]:
+            pts = [(r["epoch"], r[key]) for r in self.rows if key in r]
+            ax_loss.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+        for key in [k for k in self._numeric_keys() if k.startswith(("train_", "valid_")) and not k.endswith("loss")]:
+            pts = [(r["epoch"], r[key]) for r in self.rows if key in r]
+            ax_m.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+        ax_loss.set_xlabel("epoch")
+        ax_loss.set_title("loss")
+        ax_m.set_xlabel("epoch")
+        ax_m.set_title("metrics")
+        for ax in (ax_loss, ax_m):
+            if ax.lines:
+                ax.legend()
+            if epochs:
+                ax.set_xticks(sorted(set(epochs)))
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def _numeric_keys(self) -> List[str]:
+        keys: List[str] = []
+        for r in self.rows:
+            for k, v in r.items():
+                if k not in keys and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    keys.append(k)
+        return keys
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

@@ -1,0 +1,141 @@
+"""LRSchedule: the learning rate of every optimizer step for each ``lr_mode``,
+with warmup in epochs or in steps, against values computed by hand from the
+definitions in docs/training_params.md."""
+
+import math
+
+import pytest
+
+from fusetrain.training import resolve_training_params
+from fusetrain.training.schedules import LRSchedule
+
+
+def schedule(steps_per_epoch, **params):
+    return LRSchedule(resolve_training_params(params), steps_per_epoch)
+
+
+def assert_lrs(sched, expected):
+    got = sched.sample(range(len(expected)))
+    assert got == pytest.approx(expected, rel=1e-12, abs=1e-15), f"got {got}"
+
+
+def test_constant():
+    s = schedule(3, lr_mode="constant", initial_lr=0.02, max_epochs=2)
+    assert_lrs(s, [0.02] * 6)
+    assert s(100) == 0.02  # past the end
+
+
+def test_step_decays_when_the_listed_epochs_are_complete():
+    # 2 steps per epoch; epochs 0,0,1,1,2,2,3,3; decays after 2 and 3 epochs.
+    s = schedule(2, lr_mode="step", initial_lr=0.1, lr_updates=[2, 3], lr_decay_factor=0.5, max_epochs=4)
+    assert_lrs(s, [0.1, 0.1, 0.1, 0.1, 0.05, 0.05, 0.025, 0.025])
+
+
+def test_cosine_ends_at_the_final_ratio_on_the_last_step():
+    # 5 steps; t = s / 4; lr = 0.1 + 0.45 * (1 + cos(pi * t)).
+    s = schedule(5, lr_mode="cosine", initial_lr=1.0, cosine_final_lr_ratio=0.1, max_epochs=1)
+    assert_lrs(s, [1.0, 0.8681980515339464, 0.55, 0.2318019484660536, 0.1])
+    assert s(7) == pytest.approx(0.1)  # clamped after the end
+
+
+def test_cosine_default_ratio():
+    s = schedule(4, lr_mode="cosine", initial_lr=0.004, max_epochs=2)  # ratio 0.01, 8 steps
+    final = 0.004 * 0.01
+    expected = [final + 0.5 * (0.004 - final) * (1 + math.cos(math.pi * k / 7)) for k in range(8)]
+    assert_lrs(s, expected)
+    assert s(7) == pytest.approx(4e-5)
+
+
+def test_linear():
+    s = schedule(5, lr_mode="linear", initial_lr=1.0, linear_final_lr_ratio=0.2, max_epochs=1)
+    assert_lrs(s, [1.0, 0.8, 0.6, 0.4, 0.2])
+    s0 = schedule(2, lr_mode="linear", initial_lr=0.3, max_epochs=2)  # default ratio 0
+    assert_lrs(s0, [0.3, 0.2, 0.1, 0.0])
+
+
+def test_onecycle():
+    # start = 1 / 10, end = start / 100; phases split at t = 0.5, both cosine.
+    s = schedule(5, lr_mode="onecycle", initial_lr=1.0, onecycle_pct_start=0.5, onecycle_div_factor=10.0,
+                 onecycle_final_div_factor=100.0, max_epochs=1)
+    assert_lrs(s, [0.1, 0.55, 1.0, 0.5005, 0.001])
+
+
+def test_onecycle_defaults_peak_and_end():
+    s = schedule(10, lr_mode="onecycle", initial_lr=0.5, max_epochs=1)  # pct 0.3, div 25, final_div 1e4
+    lrs = s.sample(range(10))
+    assert lrs[0] == pytest.approx(0.5 / 25)
+    assert max(lrs) <= 0.5 + 1e-12
+    assert lrs[-1] == pytest.approx(0.5 / 25 / 1e4)
+    # rises, then falls
+    peak = lrs.index(max(lrs))
+    assert all(a <= b for a, b in zip(lrs[:peak], lrs[1:peak + 1]))
+    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+
+
+def test_cyclic_triangle():
+    # period = 2 epochs * 2 steps = 4 steps, between 0.2 and 1.
+    s = schedule(2, lr_mode="cyclic", initial_lr=1.0, cyclic_min_lr_ratio=0.2, cyclic_period_epochs=2.0,
+                 max_epochs=3)
+    assert_lrs(s, [0.2, 0.6, 1.0, 0.6, 0.2, 0.6])
+
+
+def test_cyclic_fractional_period():
+    # 1.5 epochs of 2 steps = a period of 3 steps: phases 0, 1/3, 2/3.
+    s = schedule(2, lr_mode="cyclic", initial_lr=1.0, cyclic_min_lr_ratio=0.5, cyclic_period_epochs=1.5,
+                 max_epochs=3)
+    tri = [0.0, 2 / 3, 2 / 3]
+    assert_lrs(s, [0.5 + 0.5 * tri[k % 3] for k in range(6)])
+
+
+def test_warmup_epochs_then_linear():
+    # 4 warmup steps from 0.2 to 1 (reaching 1 on the last warmup step), then
+    # linear to 0 over the remaining 4 steps (t = (s - 4) / 3).
+    s = schedule(4, lr_mode="linear", initial_lr=1.0, lr_warmup_epochs=1, warmup_initial_lr=0.2, max_epochs=2)
+    assert s.warmup_steps == 4
+    assert_lrs(s, [0.4, 0.6, 0.8, 1.0, 1.0, 2 / 3, 1 / 3, 0.0])
+
+
+def test_warmup_steps_default_initial_then_cosine():
+    # warmup_initial_lr None -> 0.01 * initial_lr = 0.005; 2 warmup steps, then
+    # cosine to 0 over 4 steps (t = (s - 2) / 3).
+    s = schedule(3, lr_mode="cosine", initial_lr=0.5, lr_warmup_steps=2, cosine_final_lr_ratio=0.0, max_epochs=2)
+    assert s.warmup_steps == 2
+    assert_lrs(s, [0.2525, 0.5, 0.5, 0.375, 0.125, 0.0])
+
+
+def test_warmup_then_constant_and_step():
+    s = schedule(2, lr_mode="constant", initial_lr=0.1, lr_warmup_steps=3, warmup_initial_lr=0.0, max_epochs=3)
+    assert_lrs(s, [0.1 / 3, 0.2 / 3, 0.1, 0.1, 0.1, 0.1])
+    # step mode counts epochs from the start of the run, warmup included.
+    st = schedule(2, lr_mode="step", initial_lr=0.1, lr_updates=[1], lr_decay_factor=0.1, lr_warmup_steps=1,
+                  warmup_initial_lr=0.0, max_epochs=2)
+    assert_lrs(st, [0.1, 0.1, 0.01, 0.01])
+
+
+def test_warmup_then_cyclic_starts_a_cycle_after_warmup():
+    s = schedule(2, lr_mode="cyclic", initial_lr=1.0, cyclic_min_lr_ratio=0.2, cyclic_period_epochs=1.0,
+                 lr_warmup_steps=2, warmup_initial_lr=0.0, max_epochs=3)
+    # warmup 0.5, 1.0; then period 2: 0.2, 1.0, 0.2, 1.0
+    assert_lrs(s, [0.5, 1.0, 0.2, 1.0, 0.2, 1.0])
+
+
+def test_warmup_longer_than_the_run_is_capped():
+    s = schedule(2, lr_mode="cosine", initial_lr=1.0, lr_warmup_epochs=5, warmup_initial_lr=0.0, max_epochs=2)
+    assert s.warmup_steps == 4
+    assert_lrs(s, [0.25, 0.5, 0.75, 1.0])
+
+
+@pytest.mark.parametrize("mode", ["constant", "step", "cosine", "onecycle", "cyclic", "linear"])
+def test_values_are_floats_in_range_for_every_step(mode):
+    extra = {"lr_updates": [1]} if mode == "step" else {}
+    s = schedule(7, lr_mode=mode, initial_lr=0.01, max_epochs=3, lr_warmup_epochs=1, **extra)
+    lrs = s.sample(range(21))
+    assert all(isinstance(v, float) and 0.0 <= v <= 0.01 + 1e-15 for v in lrs)
+    assert all(v > 0.0 for v in lrs[:-1])  # only linear's default final value is 0
+    assert lrs[6] == pytest.approx(0.01)  # end of warmup reaches initial_lr
+
+
+def test_steps_per_epoch_is_at_least_one():
+    s = schedule(0, lr_mode="cosine", initial_lr=1.0, cosine_final_lr_ratio=0.0, max_epochs=3)
+    assert s.steps_per_epoch == 1 and s.total_steps == 3
+    assert_lrs(s, [1.0, 0.5, 0.0])
