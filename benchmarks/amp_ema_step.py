@@ -33,9 +33,10 @@ Reported per model:
 Models
 ------
 mnist_cnn: the MNIST network of the mixed-precision notebook this project
-    started from: 14 blocks of Conv2d + BatchNorm2d + ReLU (channels
-    1 -> 32 -> 64 -> ... -> 1024, three stride-2 2x2 convs and one 2x2 stride-1
-    conv shrinking 28x28 to 3x3), AdaptiveAvgPool2d(1), then
+    started from, ``fusetrain.training.models.build_model("seed_mnist")``
+    (``--quick`` divides its widths by 8): 14 blocks of Conv2d + BatchNorm2d
+    + ReLU (channels 1 -> 32 -> 64 -> ... -> 1024, three stride-2 2x2 convs
+    and one 2x2 stride-1 conv shrinking 28x28 to 3x3), AdaptiveAvgPool2d(1), then
     Linear(1024, 1000) + ReLU + Linear(1000, 1000) + ReLU + Linear(1000, 10).
     14.7M params in 62 tensors; 42 buffers (BatchNorm running mean and var, and
     14 int64 batch counters, which are copied rather than averaged).
@@ -78,14 +79,9 @@ The table goes to stdout; the JSON to benchmarks/results/amp_ema_step_<cpu|cuda>
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime as _dt
-import json
 import math
 import os
-import platform
-import statistics
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -95,6 +91,14 @@ from torch import nn
 
 import fusetrain
 import fusetrain.optim
+from fusetrain.training.models import SEED_MNIST_CFG as MNIST_CFG
+from fusetrain.training.models import build_model as build_registered_model
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # loaded by file path rather than run as a script
+    sys.path.insert(0, _HERE)
+from _common import (Timer, choose, device_line, fill_defaults, make_parser, parse, out_path,  # noqa: E402
+                     print_header_row, print_target, rotated, run_header, summary, verdict, write_report)
 
 LR = 1e-4
 BETAS = (0.9, 0.999)
@@ -120,59 +124,38 @@ VARIANT_LABELS = {
 
 # ---------------------------------------------------------------- models
 
-# [in_channels, out_channels, kernel_size, stride, padding] of the 14 conv blocks.
-MNIST_CFG = [
-    [1, 32, 3, 1, 1],
-    [32, 64, 3, 1, 1],
-    [64, 64, 2, 2, 0],
-    [64, 128, 3, 1, 1],
-    [128, 128, 3, 1, 1],
-    [128, 128, 3, 1, 1],
-    [128, 128, 2, 2, 0],
-    [128, 256, 3, 1, 1],
-    [256, 256, 2, 1, 0],
-    [256, 512, 3, 1, 1],
-    [512, 512, 3, 1, 1],
-    [512, 512, 3, 1, 1],
-    [512, 512, 2, 2, 0],
-    [512, 1024, 3, 1, 1],
-]
+QUICK_WIDTH_DIVISOR = 8
 
 
-class ConvBlock(nn.Module):
-    """Conv2d + BatchNorm2d + ReLU."""
+def narrowed(model: nn.Module, divisor: int) -> nn.Module:
+    """``model`` with every Conv2d, BatchNorm2d and Linear layer made anew with
+    its channel and feature counts divided by ``divisor`` (at least 1), except
+    the model's input channels and its outputs (the last Linear's)."""
+    layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+              if isinstance(child, (nn.Conv2d, nn.BatchNorm2d, nn.Linear))]
+    last_linear = max(i for i, (_, _, m) in enumerate(layers) if isinstance(m, nn.Linear))
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int, padding: int):
-        super().__init__()
-        self.block = nn.Sequential(
-            nn.Conv2d(in_channels, out_channels, kernel_size, stride=stride, padding=padding),
-            nn.BatchNorm2d(out_channels),
-            nn.ReLU(),
-        )
+    def w(n: int) -> int:
+        return max(1, n // divisor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x)
+    for i, (parent, name, m) in enumerate(layers):
+        if isinstance(m, nn.Conv2d):
+            new: nn.Module = nn.Conv2d(m.in_channels if i == 0 else w(m.in_channels), w(m.out_channels),
+                                       m.kernel_size, stride=m.stride, padding=m.padding, bias=m.bias is not None)
+        elif isinstance(m, nn.BatchNorm2d):
+            new = nn.BatchNorm2d(w(m.num_features))
+        else:
+            new = nn.Linear(w(m.in_features), m.out_features if i == last_linear else w(m.out_features),
+                            bias=m.bias is not None)
+        setattr(parent, name, new)
+    return model
 
 
-class MnistCNN(nn.Module):
-    """14 conv blocks, global average pooling, three Linear layers."""
-
-    def __init__(self, cfg: Sequence[Sequence[int]] = MNIST_CFG, hidden: int = 1000, num_classes: int = NUM_CLASSES):
-        super().__init__()
-        self.features = nn.Sequential(*[ConvBlock(*layer) for layer in cfg])
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
-        width = cfg[-1][1]
-        self.classifier = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(width, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, num_classes),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.avgpool(self.features(x)))
+def mnist_cnn(quick: bool = False) -> nn.Module:
+    """The seed MNIST network (``build_model("seed_mnist")``); with ``quick``,
+    the same 14 blocks and 3 Linear layers at an eighth of the widths."""
+    model = build_registered_model("seed_mnist", num_classes=NUM_CLASSES)
+    return narrowed(model, QUICK_WIDTH_DIVISOR) if quick else model
 
 
 class TransformerStack(nn.Module):
@@ -192,17 +175,15 @@ class TransformerStack(nn.Module):
 
 def build_model(name: str, args) -> nn.Module:
     if name == "mnist_cnn":
-        if args.quick:  # same 14 blocks and 3 Linear layers, an eighth of the widths
-            cfg = [[c[0] // 8 if i else 1, c[1] // 8] + c[2:] for i, c in enumerate(MNIST_CFG)]
-            return MnistCNN(cfg, hidden=1000 // 8)
-        return MnistCNN(MNIST_CFG)
+        return mnist_cnn(args.quick)
     return TransformerStack(args.tf_d_model, args.tf_heads, args.tf_layers)
 
 
 def model_sizes(name: str, args) -> Dict[str, Any]:
     if name == "mnist_cnn":
         return {"batch": args.mnist_batch, "image": [1, 28, 28], "classes": NUM_CLASSES,
-                "conv_blocks": len(MNIST_CFG), "linear_layers": 3, "width_divisor": 8 if args.quick else 1}
+                "conv_blocks": len(MNIST_CFG), "linear_layers": 3,
+                "width_divisor": QUICK_WIDTH_DIVISOR if args.quick else 1}
     return {"batch": args.tf_batch, "seq": args.tf_seq, "d_model": args.tf_d_model, "nhead": args.tf_heads,
             "layers": args.tf_layers, "dim_feedforward": 4 * args.tf_d_model, "classes": NUM_CLASSES}
 
@@ -217,32 +198,6 @@ def make_batch(name: str, args, device: torch.device):
         x = torch.randn(args.tf_batch, args.tf_seq, args.tf_d_model, generator=gen)
         y = torch.randint(0, NUM_CLASSES, (args.tf_batch,), generator=gen)
     return x.to(device), y.to(device)
-
-
-# ---------------------------------------------------------------- timing
-
-class Timer:
-    """Markers inside a step: CUDA events on GPU (read after the repeat), perf_counter on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def mark(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def ms(self, a, b) -> float:
-        if self.cuda:
-            return a.elapsed_time(b)
-        return (b - a) * 1e3
 
 
 # ---------------------------------------------------------------- variants
@@ -345,10 +300,6 @@ def run_repeat(v: Variant, steps: int, timer: Timer) -> None:
     v.tail_ms.append(sum(timer.ms(m1, m2) for _, m1, m2 in marks) / steps)
 
 
-def summary(times: List[float]) -> Dict[str, Any]:
-    return {"times_ms": times, "median_ms": statistics.median(times), "min_ms": min(times)}
-
-
 def run_model(name: str, args, device: torch.device, amp_dtype: torch.dtype, timer: Timer) -> Dict[str, Any]:
     torch.manual_seed(1234)
     base = build_model(name, args).to(device)
@@ -379,8 +330,7 @@ def run_model(name: str, args, device: torch.device, amp_dtype: torch.dtype, tim
     timer.sync()
 
     for r in range(args.repeats):
-        k = r % len(variants)
-        for v in variants[k:] + variants[:k]:
+        for v in rotated(variants, r):
             run_repeat(v, args.steps, timer)
     timer.sync()
 
@@ -428,19 +378,6 @@ def run_model(name: str, args, device: torch.device, amp_dtype: torch.dtype, tim
 
 # ---------------------------------------------------------------- report
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def evaluate_targets(results: Dict[str, Any], on_gpu: bool) -> List[Dict[str, Any]]:
     targets = []
 
@@ -460,26 +397,16 @@ def evaluate_targets(results: Dict[str, Any], on_gpu: bool) -> List[Dict[str, An
     return targets
 
 
-def fmt_target(t: Dict[str, Any]) -> str:
-    val = f"{t['value']:.3f}x" if t["unit"] == "x" else f"{t['value']:+.2f}%"
-    thr = f"{t['threshold']:.2f}x" if t["unit"] == "x" else f"{t['threshold']:.0f}%"
-    verdict = ("MET" if t["met"] else "NOT MET") if t["applies"] else ("(met)" if t["met"] else "(not met)")
-    note = f" ({t['note']})" if t["note"] else ""
-    return f"{t['name']}: {val} (target {t['op']} {thr}): {verdict}{note}"
-
-
 def print_table(results: Dict[str, Any], targets: List[Dict[str, Any]], meta: Dict[str, Any]) -> None:
     cfg = meta["config"]
-    print(f"device: {meta['device_kind']} ({meta['device_name']}), torch {meta['torch_version']}, "
-          f"fusetrain build {meta['fusetrain_build']}")
+    print(device_line(meta))
     print(f"threads {meta['num_threads']}, autocast {cfg['autocast_dtype']}, {cfg['steps']} steps x "
           f"{cfg['repeats']} repeats after {cfg['warmup']} warm-up steps; times per step, median (min) over repeats")
     for name, label in VARIANT_LABELS.items():
         print(f"  {name:<17} {label}")
     hdr = (f"{'model':<12} {'variant':<17} {'params':>7} {'step ms':>10} {'(min)':>9} {'tail ms':>9} "
            f"{'(min)':>8} {'tail %':>7} {'loss@warm':>10} {'skipped':>7}")
-    print(hdr)
-    print("-" * len(hdr))
+    print_header_row(hdr)
     for model, res in results.items():
         for name, e in res["variants"].items():
             print(f"{model:<12} {name:<17} {res['num_params'] / 1e6:>6.2f}M {e['step']['median_ms']:>10.2f} "
@@ -489,8 +416,7 @@ def print_table(results: Dict[str, Any], targets: List[Dict[str, Any]], meta: Di
     print()
     hdr = (f"{'model':<12} {'from':<6} {'step (a)/(b)':>13} {'tail (a)/(b)':>13} {'EMA ovh (b)/(c)-1':>18} "
            f"{'EMA ovh tail-based':>19}")
-    print(hdr)
-    print("-" * len(hdr))
+    print_header_row(hdr)
     for model, res in results.items():
         for tag, r in (("median", res["ratios"]), ("min", res["ratios"]["min_based"])):
             print(f"{model:<12} {tag:<6} {r['step_torch_over_fusetrain']:>12.3f}x "
@@ -498,15 +424,16 @@ def print_table(results: Dict[str, Any], targets: List[Dict[str, Any]], meta: Di
                   f"{r['ema_overhead_tail_based_pct']:>+18.2f}%")
     print()
     for t in targets:
-        print(f"TARGET [{meta['device_kind']}] [{t['model']}] {fmt_target(t)}")
+        val = f"{t['value']:.3f}x" if t["unit"] == "x" else f"{t['value']:+.2f}%"
+        thr = f"{t['threshold']:.2f}x" if t["unit"] == "x" else f"{t['threshold']:.0f}%"
+        print_target(meta["device_kind"], t["model"], t["name"], val, t["op"], thr, verdict(t["met"], t["applies"]),
+                     t["note"])
 
 
 # ---------------------------------------------------------------- main
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
+    ap = make_parser(__doc__)
     ap.add_argument("--models", default="mnist_cnn,transformer",
                     help="comma-separated subset of: mnist_cnn,transformer")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (default cuda 10, cpu 8)")
@@ -520,31 +447,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--tf-heads", type=int, default=None, help="transformer heads (default 8)")
     ap.add_argument("--autocast", choices=("fp16", "bf16"), default=None,
                     help="autocast dtype for every variant (default cuda fp16, cpu bf16)")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes and few steps: a smoke run of a few seconds")
-    ap.add_argument("--out", default=None,
-                    help="JSON output path (default benchmarks/results/amp_ema_step_<cpu|cuda>.json)")
-    args = ap.parse_args(argv)
-
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda requested but torch.cuda.is_available() is False")
-    device = torch.device(args.device)
+    args, device = parse(ap, argv, "amp_ema_step", "tiny sizes and few steps: a smoke run of a few seconds")
     on_gpu = device.type == "cuda"
     if args.quick:
-        quick = {"repeats": 2, "steps": 1, "warmup": 1, "mnist_batch": 2, "tf_batch": 2, "tf_seq": 8,
-                 "tf_layers": 2, "tf_d_model": 32, "tf_heads": 4}
-        for k, val in quick.items():
-            if getattr(args, k) is None:
-                setattr(args, k, val)
+        fill_defaults(args, {"repeats": 2, "steps": 1, "warmup": 1, "mnist_batch": 2, "tf_batch": 2, "tf_seq": 8,
+                             "tf_layers": 2, "tf_d_model": 32, "tf_heads": 4})
     defaults = ({"repeats": 10, "steps": 10, "warmup": 10, "mnist_batch": 256, "tf_batch": 64, "tf_seq": 128}
                 if on_gpu else
                 {"repeats": 8, "steps": 1, "warmup": 2, "mnist_batch": 32, "tf_batch": 8, "tf_seq": 64})
     defaults.update({"tf_layers": 4, "tf_d_model": 512, "tf_heads": 8,
                      "autocast": "fp16" if on_gpu else "bf16"})
-    for k, val in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, val)
+    fill_defaults(args, defaults)
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--repeats and --steps must be >= 1, --warmup >= 0")
     for k in ("mnist_batch", "tf_batch", "tf_seq", "tf_layers", "tf_d_model", "tf_heads"):
@@ -552,31 +465,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
     if args.tf_d_model % args.tf_heads:
         ap.error("--tf-d-model must be divisible by --tf-heads")
-    models = [s.strip() for s in args.models.split(",") if s.strip()]
-    unknown = [m for m in models if m not in ("mnist_cnn", "transformer")]
-    if unknown or not models:
-        ap.error(f"--models: unknown model(s) {unknown}; choose from ['mnist_cnn', 'transformer']")
+    models = choose(ap, "--models", args.models, ["mnist_cnn", "transformer"], "model")
     amp_dtype = torch.float16 if args.autocast == "fp16" else torch.bfloat16
     if on_gpu:
         torch.backends.cudnn.benchmark = True
 
-    kind = "cuda" if on_gpu else "cpu"
-    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                        f"amp_ema_step_{kind}.json")
+    report_path = out_path(args, "amp_ema_step", device.type)
     timer = Timer(device)
     meta = {
-        "benchmark": "amp_ema_step",
-        "device_kind": kind,
-        "device_name": device_name(device),
-        "torch_version": torch.__version__,
-        "fusetrain_version": fusetrain.__version__,
-        "fusetrain_build": fusetrain.build_info(),
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "num_threads": torch.get_num_threads(),
-        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_count": os.cpu_count(),
-        "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **run_header("amp_ema_step", device),
         "config": {
             "quick": bool(args.quick), "models": models, "warmup": args.warmup, "repeats": args.repeats,
             "steps": args.steps, "autocast_dtype": args.autocast, "param_dtype": "float32", "lr": LR,
@@ -604,13 +501,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   all_targets_met=all(t["met"] for t in targets if t["applies"]),
                   elapsed_s=time.perf_counter() - t_start)
     print_table(results, targets, meta)
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, out_path)
-    print(f"wrote {out_path} ({report['elapsed_s']:.0f} s)")
+    write_report(report, report_path)
     return 0
 
 

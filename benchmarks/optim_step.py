@@ -91,12 +91,8 @@ The table goes to stdout; the JSON to benchmarks/results/optim_step_<cpu|cuda>.j
 
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -106,6 +102,12 @@ import torch
 
 import fusetrain
 import fusetrain.optim
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # loaded by file path rather than run as a script
+    sys.path.insert(0, _HERE)
+from _common import (Timer, choose, device_line, fill_defaults, make_parser, parse, out_path,  # noqa: E402
+                     print_header_row, print_target, rotated, run_header, summary, verdict, write_report)
 
 Shape = Tuple[int, ...]
 
@@ -178,33 +180,6 @@ def large_shapes(total_params: float, count: int = 4) -> List[Shape]:
 
 def numel(shapes: Sequence[Shape]) -> int:
     return sum(math.prod(s) for s in shapes)
-
-
-# ---------------------------------------------------------------- timing
-
-class Timer:
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def per_step_ms(self, fn: Callable[[], None], steps: int) -> float:
-        if self.device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(self.device)
-            start.record()
-            for _ in range(steps):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / steps
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / steps
 
 
 # ---------------------------------------------------------------- variants
@@ -340,8 +315,7 @@ def run_layout(shapes: List[Shape], device: torch.device, args, timer: Timer) ->
             agreement["torch_sequence_vs_fusetrain_full_ema"] = max_rel_diff(seq.ema, ref.ema)
 
         for r in range(args.repeats):
-            k = r % len(live)
-            for v in live[k:] + live[:k]:
+            for v in rotated(live, r):
                 v.times_ms.append(timer.per_step_ms(v.step, args.steps))
 
     out = {"num_tensors": len(shapes), "num_params": n, "agreement_after_warmup": agreement, "variants": {}}
@@ -357,9 +331,7 @@ def run_layout(shapes: List[Shape], device: torch.device, args, timer: Timer) ->
             reference = plain_ref if v.kind == "plain" else ("torch_sequence" if "torch_sequence" in med else None)
             entry.update({
                 "status": "ok",
-                "times_ms": v.times_ms,
-                "median_ms": m,
-                "min_ms": min(v.times_ms),
+                **summary(v.times_ms),
                 "gbps": v.bytes_per_param * n / (m * 1e-3) / 1e9,
                 "reference": reference,
                 "ratio": (med[reference] / m) if reference else None,
@@ -378,24 +350,9 @@ def copy_bandwidth(n: int, device: torch.device, args, timer: Timer) -> Dict:
     for _ in range(max(1, args.warmup)):
         fn()
     timer.sync()
-    times = [timer.per_step_ms(fn, args.steps) for _ in range(args.repeats)]
-    m = statistics.median(times)
+    stats = summary([timer.per_step_ms(fn, args.steps) for _ in range(args.repeats)])
     nbytes = BYTES_PER_PARAM["copy"] * n
-    return {"numel": n, "bytes": nbytes, "times_ms": times, "median_ms": m, "min_ms": min(times),
-            "gbps": nbytes / (m * 1e-3) / 1e9}
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return {"numel": n, "bytes": nbytes, **stats, "gbps": nbytes / (stats["median_ms"] * 1e-3) / 1e9}
 
 
 def evaluate_targets(results: Dict, copy: Dict, device: torch.device, large_full_size: bool) -> List[Dict]:
@@ -434,14 +391,12 @@ def evaluate_targets(results: Dict, copy: Dict, device: torch.device, large_full
 
 
 def print_table(results: Dict, copy: Dict, targets: List[Dict], meta: Dict) -> None:
-    print(f"device: {meta['device_kind']} ({meta['device_name']}), torch {meta['torch_version']} "
-          f"(ATen CPU capability {meta['aten_cpu_capability']}), fusetrain build {meta['fusetrain_build']}")
+    print(device_line(meta, cpu_capability=True))
     print(f"threads {meta['num_threads']}, {meta['config']['steps']} steps x {meta['config']['repeats']} repeats "
           f"after {meta['config']['warmup']} warm-up steps; times are per step")
     hdr = f"{'layout':<9} {'variant':<15} {'params':>9} {'median ms':>10} {'min ms':>9} {'B/param':>7} " \
           f"{'GB/s':>7} {'ratio':>6} {'(min)':>6}  reference"
-    print(hdr)
-    print("-" * len(hdr))
+    print_header_row(hdr)
     for lay, res in results.items():
         for name, e in res["variants"].items():
             params = f"{res['num_params'] / 1e6:.2f}M"
@@ -463,16 +418,11 @@ def print_table(results: Dict, copy: Dict, targets: List[Dict], meta: Dict) -> N
     for t in targets:
         val = "n/a" if t["value"] is None else (f"{t['value']:.2f}x" if t["unit"] == "x" else f"{t['value']:.1f}%")
         thr = f"{t['threshold']:.2f}x" if t["unit"] == "x" else f"{t['threshold']:.0f}%"
-        verdict = {True: "MET", False: "NOT MET", None: "N/A"}[t["met"]]
-        note = f" ({t['note']})" if t["note"] else ""
-        print(f"TARGET [{meta['device_kind']}] [{t['layout']}] {t['name']}: {val} (target >= {thr}): {verdict}{note}")
+        print_target(meta["device_kind"], t["layout"], t["name"], val, ">=", thr, verdict(t["met"]), t["note"])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                    help="default: cuda if available, else cpu")
+    ap = make_parser(__doc__)
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (default cpu 7, cuda 10)")
     ap.add_argument("--steps", type=int, default=None, help="steps per timed repeat (default cpu 4, cuda 20)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default cpu 2, cuda 5)")
@@ -481,27 +431,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--large-mparams", type=float, default=None,
                     help="params of the 'large' layout in millions before --scale (default cuda 100, cpu 25)")
     ap.add_argument("--layouts", default="resnet50,large", help="comma-separated subset of: resnet50,large")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes and few steps: a smoke run of a few seconds")
-    ap.add_argument("--out", default=None,
-                    help="JSON output path (default benchmarks/results/optim_step_<cpu|cuda>.json)")
-    args = ap.parse_args(argv)
-
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda requested but torch.cuda.is_available() is False")
-    device = torch.device(args.device)
+    args, device = parse(ap, argv, "optim_step", "tiny sizes and few steps: a smoke run of a few seconds")
     on_gpu = device.type == "cuda"
     if args.quick:
         args.scale = min(args.scale, 0.002)
         args.large_mparams = args.large_mparams or 20.0
-        for k, val in (("repeats", 2), ("steps", 2), ("warmup", 1)):
-            if getattr(args, k) is None:
-                setattr(args, k, val)
-    defaults = {"repeats": 10, "steps": 20, "warmup": 5} if on_gpu else {"repeats": 7, "steps": 4, "warmup": 2}
-    for k, val in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, val)
+        fill_defaults(args, {"repeats": 2, "steps": 2, "warmup": 1})
+    fill_defaults(args, {"repeats": 10, "steps": 20, "warmup": 5} if on_gpu else
+                  {"repeats": 7, "steps": 4, "warmup": 2})
     if args.large_mparams is None:
         args.large_mparams = 100.0 if on_gpu else 25.0
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.scale <= 0:
@@ -511,29 +448,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "resnet50": resnet50_shapes(width=math.sqrt(args.scale)),
         "large": large_shapes(args.large_mparams * 1e6 * args.scale),
     }
-    wanted = [s.strip() for s in args.layouts.split(",") if s.strip()]
-    unknown = [s for s in wanted if s not in all_layouts]
-    if unknown or not wanted:
-        ap.error(f"--layouts: unknown layout(s) {unknown}; choose from {list(all_layouts)}")
+    wanted = choose(ap, "--layouts", args.layouts, list(all_layouts), "layout")
     layouts = {k: all_layouts[k] for k in wanted}
 
-    kind = "cuda" if on_gpu else "cpu"
-    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                        f"optim_step_{kind}.json")
+    report_path = out_path(args, "optim_step", device.type)
     timer = Timer(device)
     meta = {
-        "benchmark": "optim_step",
-        "device_kind": kind,
-        "device_name": device_name(device),
-        "torch_version": torch.__version__,
-        "fusetrain_version": fusetrain.__version__,
-        "fusetrain_build": fusetrain.build_info(),
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "num_threads": torch.get_num_threads(),
-        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_count": os.cpu_count(),
-        "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **run_header("optim_step", device),
         "config": {
             "quick": bool(args.quick), "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup,
             "scale": args.scale, "large_mparams": args.large_mparams, "dtype": "float32", "lr": LR,
@@ -573,13 +494,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"update pass (plain fusetrain step, large): {update_pass['gbps']:.1f} GB/s = "
               f"{update_pass['pct_of_copy']:.1f}% of copy bandwidth ({copy['gbps']:.1f} GB/s)"
               + ("" if on_gpu else "; information only on CPU"))
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, out_path)
-    print(f"wrote {out_path} ({report['elapsed_s']:.0f} s)")
+    write_report(report, report_path)
     return 0
 
 

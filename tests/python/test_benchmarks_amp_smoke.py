@@ -2,37 +2,20 @@
 complete JSON report (to a temporary path, never over the committed results),
 and the three variants trained the same model on the same data."""
 
-import importlib.util
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-SCRIPT = os.path.join(REPO, "benchmarks", "amp_ema_step.py")
+from _bench_helpers import DEVICES, load_script, quick_run
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")),
-]
 VARIANTS = {"torch", "fusetrain", "fusetrain_no_ema"}
 MODELS = ("mnist_cnn", "transformer")
 
 
-def _load_module():
-    spec = importlib.util.spec_from_file_location("amp_ema_step_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_mnist_model_matches_the_seed_architecture():
-    mod = _load_module()
-    model = mod.MnistCNN()
+    mod = load_script("amp_ema_step")
+    model = mod.mnist_cnn()
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -50,14 +33,27 @@ def test_mnist_model_matches_the_seed_architecture():
     assert tuple(model(torch.rand(2, 1, 28, 28)).shape) == (2, 10)
 
 
+def test_quick_mnist_model_is_the_seed_architecture_at_an_eighth_of_the_widths():
+    mod = load_script("amp_ema_step")
+    full, quick = mod.mnist_cnn(), mod.mnist_cnn(quick=True)
+    assert [(n, type(m)) for n, m in quick.named_modules()] == [(n, type(m)) for n, m in full.named_modules()]
+
+    def convs(model):
+        return [(c.in_channels, c.out_channels, c.kernel_size, c.stride, c.padding, c.bias is not None)
+                for c in model.modules() if isinstance(c, torch.nn.Conv2d)]
+
+    assert convs(quick) == [(1 if i == 0 else cin // 8, cout // 8, k, s, p, b)
+                            for i, (cin, cout, k, s, p, b) in enumerate(convs(full))]
+    assert [m.num_features for m in quick.modules() if isinstance(m, torch.nn.BatchNorm2d)] == \
+        [c[1] for c in convs(quick)]
+    assert [(m.in_features, m.out_features) for m in quick.modules() if isinstance(m, torch.nn.Linear)] == \
+        [(128, 125), (125, 125), (125, 10)]
+    assert tuple(quick(torch.rand(2, 1, 28, 28)).shape) == (2, 10)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_amp_ema_step_quick_run_writes_report(tmp_path, device):
-    out = tmp_path / "amp_ema_step.json"
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--device", device, "--warmup", "2",
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "TARGET" in proc.stdout
-    report = json.loads(out.read_text())
+    _, report = quick_run("amp_ema_step", tmp_path, device, "--warmup", "2")
 
     for key in ("device_kind", "device_name", "torch_version", "num_threads", "config", "models", "results",
                 "targets", "all_targets_met", "elapsed_s"):

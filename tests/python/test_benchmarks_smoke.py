@@ -1,34 +1,16 @@
 """Smoke test of benchmarks/optim_step.py: a --quick run exits 0 and writes a
 complete JSON report (to a temporary path, never over the committed results)."""
 
-import importlib.util
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-SCRIPT = os.path.join(REPO, "benchmarks", "optim_step.py")
-
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")),
-]
-
-
-def _load_module():
-    spec = importlib.util.spec_from_file_location("optim_step_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from _bench_helpers import DEVICES, load_script, quick_run
 
 
 def test_resnet50_layout_matches_torchvision_counts():
-    mod = _load_module()
+    mod = load_script("optim_step")
     shapes = mod.resnet50_shapes()
     # torchvision.models.resnet50(): 161 parameter tensors, 25,557,032 params.
     assert len(shapes) == 161
@@ -44,12 +26,7 @@ def test_resnet50_layout_matches_torchvision_counts():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_optim_step_quick_run_writes_report(tmp_path, device):
-    out = tmp_path / "optim_step.json"
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--device", device, "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "TARGET" in proc.stdout
-    report = json.loads(out.read_text())
+    _, report = quick_run("optim_step", tmp_path, device)
 
     for key in ("device_kind", "device_name", "torch_version", "num_threads", "config", "layouts", "results",
                 "copy_bandwidth", "targets", "all_targets_met"):
