@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../common/update_args.h"
+#include "work_items.h"
 
 namespace fusetrain {
 namespace detail {
@@ -53,17 +54,10 @@ void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Te
   if (ema.empty()) return;
   if (found_inf.defined() && *found_inf.const_data_ptr<float>() != 0.f) return;
   const float w = 1.f - *decay.const_data_ptr<float>();
-  struct Item {
-    int64_t tensor, begin, end;
-  };
-  std::vector<Item> items;
-  for (size_t t = 0; t < ema.size(); ++t) {
-    const int64_t n = ema[t].numel();
-    for (int64_t b = 0; b < n; b += kChunk) items.push_back({static_cast<int64_t>(t), b, std::min(n, b + kChunk)});
-  }
+  const std::vector<WorkItem> items = make_work_items(ema, kChunk);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      const Item& it = items[i];
+      const WorkItem& it = items[i];
       const at::Tensor& et = ema[it.tensor];
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, et.scalar_type(), "ema_update_cpu", [&] {
         if constexpr (!std::is_same_v<scalar_t, double>) {

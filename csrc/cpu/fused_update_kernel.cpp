@@ -27,6 +27,7 @@ inline Vec vsign(Vec x) { return x.gt(Vec(0.f)) - x.lt(Vec(0.f)); }
 }  // namespace fusetrain
 
 #include "../common/update_args.h"
+#include "work_items.h"
 
 namespace fusetrain {
 namespace detail {
@@ -44,20 +45,6 @@ inline void convert_block(const S* src, D* dst, int64_t n) {
   }
 }
 
-struct Item {
-  int64_t tensor;
-  int64_t begin;
-  int64_t end;
-};
-
-std::vector<Item> make_items(const std::vector<at::Tensor>& tensors) {
-  std::vector<Item> items;
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    const int64_t n = tensors[t].numel();
-    for (int64_t b = 0; b < n; b += kChunk) items.push_back({static_cast<int64_t>(t), b, std::min(n, b + kChunk)});
-  }
-  return items;
-}
 
 template <typename T>
 T* ptr_or_null(const std::vector<at::Tensor>& v, int64_t i) {
@@ -67,7 +54,7 @@ T* ptr_or_null(const std::vector<at::Tensor>& v, int64_t i) {
 const float* scalar_ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
 
 template <OptimKind K, typename P, typename G>
-void update_item(const UpdateLists& l, const OptimHyper& h, const Item& it, float lr, float gmul, float ema_w,
+void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, float lr, float gmul, float ema_w,
                  bool has_ema) {
   const int64_t t = it.tensor;
   P* param = l.params[t].data_ptr<P>() + it.begin;
@@ -180,7 +167,7 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const Item& it, floa
 
 template <OptimKind K, typename P, typename G>
 void update_bucket(const UpdateLists& l, const OptimHyper& h, float lr, float gmul, float ema_w, bool has_ema) {
-  const std::vector<Item> items = make_items(l.params);
+  const std::vector<WorkItem> items = make_work_items(l.params, kChunk);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) update_item<K, P, G>(l, h, items[i], lr, gmul, ema_w, has_ema);
   });

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../common/update_args.h"
+#include "work_items.h"
 
 namespace fusetrain {
 namespace detail {
@@ -71,19 +72,12 @@ void partial_stats(const G* g, int64_t n, double* sumsq_out, bool* nonfinite_out
 
 void grad_stats_cpu(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale, const at::Tensor& norm_out,
                     const at::Tensor& found_inf_out) {
-  struct Item {
-    int64_t tensor, begin, end;
-  };
-  std::vector<Item> items;
-  for (size_t t = 0; t < grads.size(); ++t) {
-    const int64_t n = grads[t].numel();
-    for (int64_t b = 0; b < n; b += kChunk) items.push_back({static_cast<int64_t>(t), b, std::min(n, b + kChunk)});
-  }
+  const std::vector<WorkItem> items = make_work_items(grads, kChunk);
   std::vector<double> sums(items.size(), 0.0);
   std::vector<char> nonfinite(items.size(), 0);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      const Item& it = items[i];
+      const WorkItem& it = items[i];
       const at::Tensor& g = grads[it.tensor];
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "grad_stats_cpu", [&] {
         if constexpr (std::is_same_v<scalar_t, double>) {
