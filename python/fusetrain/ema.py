@@ -180,9 +180,21 @@ class ModelEMA:
         if found_inf is None:
             torch._foreach_copy_(dst, [src[n].detach() for n in names])
         else:
+            # Gated copy: one select per group of same-shaped tensors (e.g. the
+            # num_batches_tracked counter of every BatchNorm) instead of one per
+            # tensor, so a skipped-step-aware copy costs a handful of launches.
             keep = found_inf.to(dst[0].device) != 0
-            for d, n in zip(dst, names):
-                d.copy_(torch.where(keep, d, src[n].detach()))
+            groups: Dict[Any, List[int]] = {}
+            for i, d in enumerate(dst):
+                groups.setdefault((d.dtype, d.device, tuple(d.shape)), []).append(i)
+            for idx in groups.values():
+                ds = [dst[i] for i in idx]
+                ss = [src[names[i]].detach() for i in idx]
+                if len(idx) == 1:
+                    ds[0].copy_(torch.where(keep, ds[0], ss[0]))
+                    continue
+                chosen = torch.where(keep, torch.stack(ds), torch.stack(ss))
+                torch._foreach_copy_(ds, list(chosen.unbind(0)))
 
     def _check_sources(self, src: Dict[str, Tensor], names: List[str]) -> None:
         missing = [n for n in names if n not in src]
