@@ -13,5 +13,23 @@ from .training.trainer import Trainer
 
 __version__ = "0.1.0"
 
+
+def _cmake_prefix_path() -> str:
+    # The CMake package (include/, lib/cmake/fusetrain) is installed next to the
+    # native libraries, which is the package dir of a regular install and the
+    # build's install dir of an editable one.
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("fusetrain._C")
+    if spec is not None and spec.origin:
+        return os.path.dirname(os.path.abspath(spec.origin))
+    return os.path.dirname(os.path.abspath(__file__))
+
+
+#: Prefix for CMake's CMAKE_PREFIX_PATH: ``find_package(fusetrain CONFIG)`` then
+#: gives the imported target ``fusetrain::core`` (C++ API, see docs/cpp.md).
+cmake_prefix_path: str = _cmake_prefix_path()
+
 __all__ = ["optim", "build_info", "Trainer", "LossScaler", "Precision", "resolve_precision", "ModelEMA", "unwrap_model",
-           "__version__"]
+           "cmake_prefix_path", "__version__"]

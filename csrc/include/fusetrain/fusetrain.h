@@ -3,3 +3,5 @@
 
 #include <fusetrain/build_info.h>
 #include <fusetrain/ops.h>
+#include <fusetrain/optim.h>
+#include <fusetrain/amp.h>

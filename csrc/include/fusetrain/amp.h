@@ -1,0 +1,129 @@
+// Dynamic loss scaling and EMA for LibTorch programs, plus the one-call fused
+// tail of a training step.
+#pragma once
+
+#include <fusetrain/optim.h>
+
+#include <torch/nn/module.h>
+#include <torch/serialize/archive.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace fusetrain {
+
+struct LossScalerOptions {
+  TORCH_ARG(double, init_scale) = 65536.0;
+  TORCH_ARG(double, growth_factor) = 2.0;
+  TORCH_ARG(double, backoff_factor) = 0.5;
+  TORCH_ARG(int64_t, growth_interval) = 2000;
+  TORCH_ARG(bool, enabled) = true;
+};
+
+// torch.amp.GradScaler semantics with the scale and growth tracker kept in
+// device memory. step(optimizer) hands the inverse scale to a fusetrain
+// optimizer, which detects non-finite gradients and skips the update on the
+// device; update() adjusts the scale on the device. No host sync.
+class LossScaler {
+ public:
+  explicit LossScaler(LossScalerOptions options = {});
+
+  // loss * scale (the scale tensor is created on the loss's device).
+  at::Tensor scale(const at::Tensor& loss);
+  // Unscaled, non-finite-checked fused step of a fusetrain optimizer.
+  void step(FusedOptimizer& optimizer);
+  // Scale update from the found_inf flags of the steps since the last update.
+  void update();
+
+  double get_scale() const;                 // host sync
+  at::Tensor get_scale_tensor() const { return scale_; }
+  at::Tensor growth_tracker() const { return growth_tracker_; }
+  // 0-d float32 device tensor, 1.0 when the last step() was skipped.
+  at::Tensor last_step_skipped() const { return last_found_inf_; }
+  bool is_enabled() const { return options_.enabled(); }
+  const LossScalerOptions& options() const { return options_; }
+
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
+
+ private:
+  void lazy_init(const at::Device& device);
+  LossScalerOptions options_;
+  at::Tensor scale_, growth_tracker_, last_found_inf_, pending_found_inf_;
+};
+
+struct ModelEMAOptions {
+  TORCH_ARG(double, decay) = 0.9999;
+  TORCH_ARG(std::string, decay_type) = "exp";  // "constant", "threshold" or "exp"
+  TORCH_ARG(double, beta) = 15.0;
+  TORCH_ARG(int64_t, total_steps) = 0;  // needed by "exp" (0 = not set)
+  TORCH_ARG(bool, warmup) = false;
+  TORCH_ARG(double, warmup_gamma) = 1.0;
+  TORCH_ARG(double, warmup_power) = 2.0 / 3.0;
+  TORCH_ARG(bool, include_buffers) = true;
+};
+
+// Exponential moving average of a module's parameters (and float buffers).
+// The EMA copy is made with module->clone() (the module must be Cloneable, as
+// all torch::nn modules and torch::nn::Cloneable subclasses are). Schedules,
+// with t the 1-based number of non-skipped updates, evaluated with float32
+// device ops:
+//   constant: decay;  threshold: min(decay, (1+t)/(10+t));
+//   exp: decay * (1 - exp(-beta * t / total_steps));
+//   warmup additionally caps at 1 - (1 + t/gamma)^-power.
+class ModelEMA {
+ public:
+  ModelEMA(std::shared_ptr<torch::nn::Module> model, ModelEMAOptions options = {});
+  template <typename M>
+  ModelEMA(const torch::nn::ModuleHolder<M>& model, ModelEMAOptions options = {})
+      : ModelEMA(std::static_pointer_cast<torch::nn::Module>(model.ptr()), std::move(options)) {}
+  ~ModelEMA();
+  ModelEMA(const ModelEMA&) = delete;
+  ModelEMA& operator=(const ModelEMA&) = delete;
+
+  // Standalone update from the source model (skipped on the device when
+  // found_inf is non-zero).
+  void update(const std::optional<at::Tensor>& found_inf = std::nullopt);
+
+  // Ride the parameter EMA inside the optimizer's fused update pass. Params of
+  // the model that the optimizer does not own, and buffers, are updated right
+  // after the optimizer's step, gated by its found_inf.
+  void attach(FusedOptimizer& optimizer);
+  void detach();
+  bool attached_to(const FusedOptimizer& optimizer) const { return optimizer_ == &optimizer; }
+
+  std::shared_ptr<torch::nn::Module> module() const { return ema_; }
+  at::Tensor step_tensor() const { return step_; }     // float32, non-skipped updates
+  at::Tensor decay_tensor() const { return decay_; }   // last decay used
+  void set_total_steps(int64_t total_steps);
+  const ModelEMAOptions& options() const { return options_; }
+
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
+
+  // Used by FusedOptimizer: decay for the next update, and the EMA tensor of a
+  // param of the source model (undefined if none).
+  const at::Tensor& prepare_decay();
+  at::Tensor ema_for(const at::Tensor& param) const;
+  void finish_step(const std::optional<at::Tensor>& found_inf, const std::vector<at::Tensor>& covered_params);
+
+ private:
+  void lazy_init();
+  std::vector<std::pair<at::Tensor, at::Tensor>> float_pairs(bool params, bool buffers) const;
+  std::shared_ptr<torch::nn::Module> model_, ema_;
+  ModelEMAOptions options_;
+  at::Tensor step_, decay_;
+  FusedOptimizer* optimizer_ = nullptr;
+};
+
+// The fused tail of a training step for C++ loops: unscale + non-finite check
+// + clipping + update + EMA in one pass (when the EMA is attached; otherwise
+// a standalone EMA update follows, gated by the same flag) and the loss-scale
+// update. scaler and ema may be null.
+void fused_step(FusedOptimizer& optimizer, LossScaler* scaler = nullptr, ModelEMA* ema = nullptr);
+inline void fused_step(FusedOptimizer& optimizer, LossScaler& scaler, ModelEMA& ema) {
+  fused_step(optimizer, &scaler, &ema);
+}
+
+}  // namespace fusetrain

@@ -1,0 +1,188 @@
+// fusetrain's fused optimizers for LibTorch programs.
+//
+// fusetrain::Adam, AdamW, SGD and Lion derive from torch::optim::Optimizer, so
+// they plug into LibTorch loops, LR schedulers (which go through
+// options().get_lr()/set_lr()) and torch::save/torch::load of optimizer state.
+// Each step runs fusetrain's multi-tensor kernels (one pass over all params of
+// a group); clipping, the skip on non-finite gradients, loss unscaling and an
+// attached EMA are folded into the same pass without any host-device sync.
+#pragma once
+
+#include <fusetrain/ops.h>
+
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/serialize.h>
+
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace fusetrain {
+
+class ModelEMA;
+
+// Per-parameter state shared by all fusetrain optimizers. `step` is a 0-d
+// float32 tensor on the param's device (incremented on the device by the
+// kernels); the other tensors are float32 and undefined when unused.
+struct FusedParamState : public torch::optim::OptimizerCloneableParamState<FusedParamState> {
+  TORCH_ARG(torch::Tensor, step);
+  TORCH_ARG(torch::Tensor, exp_avg);
+  TORCH_ARG(torch::Tensor, exp_avg_sq);
+  TORCH_ARG(torch::Tensor, max_exp_avg_sq);
+  TORCH_ARG(torch::Tensor, momentum_buffer);
+  TORCH_ARG(torch::Tensor, master);  // fp32 master copy of an fp16/bf16 param
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+};
+using AdamParamState = FusedParamState;
+using AdamWParamState = FusedParamState;
+using SGDParamState = FusedParamState;
+using LionParamState = FusedParamState;
+
+// Options. Common to all: lr, weight_decay, maximize, max_grad_norm (global L2
+// norm clipping over all groups; 0 = off) and master_weights (keep an fp32
+// master copy of fp16/bf16 params in the state).
+struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions> {
+  AdamOptions(double lr = 1e-3);
+  typedef std::tuple<double, double> betas_t;
+  TORCH_ARG(double, lr) = 1e-3;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(bool, amsgrad) = false;
+  TORCH_ARG(bool, maximize) = false;
+  TORCH_ARG(double, max_grad_norm) = 0.0;
+  TORCH_ARG(bool, master_weights) = false;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+struct AdamWOptions : public torch::optim::OptimizerCloneableOptions<AdamWOptions> {
+  AdamWOptions(double lr = 1e-3);
+  typedef std::tuple<double, double> betas_t;
+  TORCH_ARG(double, lr) = 1e-3;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, weight_decay) = 1e-2;
+  TORCH_ARG(bool, amsgrad) = false;
+  TORCH_ARG(bool, maximize) = false;
+  TORCH_ARG(double, max_grad_norm) = 0.0;
+  TORCH_ARG(bool, master_weights) = false;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
+  SGDOptions(double lr = 1e-3);
+  TORCH_ARG(double, lr) = 1e-3;
+  TORCH_ARG(double, momentum) = 0.0;
+  TORCH_ARG(double, dampening) = 0.0;
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(bool, nesterov) = false;
+  TORCH_ARG(bool, maximize) = false;
+  TORCH_ARG(double, max_grad_norm) = 0.0;
+  TORCH_ARG(bool, master_weights) = false;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+struct LionOptions : public torch::optim::OptimizerCloneableOptions<LionOptions> {
+  LionOptions(double lr = 1e-4);
+  typedef std::tuple<double, double> betas_t;
+  TORCH_ARG(double, lr) = 1e-4;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.99);
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(bool, maximize) = false;
+  TORCH_ARG(double, max_grad_norm) = 0.0;
+  TORCH_ARG(bool, master_weights) = false;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+// Lists handed to one fused kernel call (params of one group, one device).
+struct FusedLists {
+  std::vector<at::Tensor> params, grads, steps, masters, emas, state1, state2, state3;
+};
+
+// Common base: lazy state, clipping, loss-scale entry, EMA attachment.
+class FusedOptimizer : public torch::optim::Optimizer {
+ public:
+  using torch::optim::Optimizer::Optimizer;
+
+  // Plain step (no loss scaling). Returns the closure's loss if given.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+
+  // Entry used by fusetrain::LossScaler: gradients are multiplied by
+  // inv_scale (0-d float32); when found_inf is non-zero on the device, nothing
+  // changes. With inv_scale and no found_inf, the flag is computed here (one
+  // grad_stats pass, also giving the clipping norm).
+  void step_with(const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf);
+
+  // Device tensors from the last step (undefined when not computed).
+  const at::Tensor& last_grad_norm() const { return last_grad_norm_; }
+  const at::Tensor& last_found_inf() const { return last_found_inf_; }
+
+  // Used by ModelEMA::attach / detach.
+  void attach_ema(ModelEMA* ema) { ema_ = ema; }
+  ModelEMA* attached_ema() const { return ema_; }
+
+ protected:
+  virtual double group_max_grad_norm(const torch::optim::OptimizerOptions& o) const = 0;
+  virtual bool group_master_weights(const torch::optim::OptimizerOptions& o) const = 0;
+  virtual void init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& o) const = 0;
+  // state1..3 of FusedLists in the order the kernel expects.
+  virtual void collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& o) const = 0;
+  virtual void run_update(FusedLists& l, const at::Tensor& lr, const torch::optim::OptimizerOptions& o,
+                          const FusedTail& tail) const = 0;
+
+ private:
+  at::Tensor last_grad_norm_, last_found_inf_;
+  ModelEMA* ema_ = nullptr;
+};
+
+#define FUSETRAIN_DECLARE_OPTIMIZER(Name)                                                                     \
+  class Name : public FusedOptimizer {                                                                          \
+   public:                                                                                                      \
+    explicit Name(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Name##Options defaults = {}); \
+    explicit Name(std::vector<at::Tensor> params, Name##Options defaults = {})                                 \
+        : Name(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))}, \
+               std::move(defaults)) {}                                                                          \
+    void save(torch::serialize::OutputArchive& archive) const override;                                         \
+    void load(torch::serialize::InputArchive& archive) override;                                                \
+                                                                                                                \
+   protected:                                                                                                   \
+    double group_max_grad_norm(const torch::optim::OptimizerOptions& o) const override;                         \
+    bool group_master_weights(const torch::optim::OptimizerOptions& o) const override;                          \
+    void init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& o) const override; \
+    void collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& o) const override; \
+    void run_update(FusedLists& l, const at::Tensor& lr, const torch::optim::OptimizerOptions& o,              \
+                    const FusedTail& tail) const override;                                                      \
+  };
+
+FUSETRAIN_DECLARE_OPTIMIZER(Adam)
+FUSETRAIN_DECLARE_OPTIMIZER(AdamW)
+FUSETRAIN_DECLARE_OPTIMIZER(SGD)
+FUSETRAIN_DECLARE_OPTIMIZER(Lion)
+#undef FUSETRAIN_DECLARE_OPTIMIZER
+
+}  // namespace fusetrain

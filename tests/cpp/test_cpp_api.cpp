@@ -1,0 +1,337 @@
+// Tests of the C++ API (fusetrain/optim.h, fusetrain/amp.h): fused optimizers
+// against torch::optim, state round trips, skipped steps, EMA schedules and
+// option validation.
+#include <gtest/gtest.h>
+
+#include <fusetrain/fusetrain.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <functional>
+#include <sstream>
+
+namespace {
+
+std::vector<torch::Tensor> make_params(int64_t seed) {
+  torch::manual_seed(seed);
+  return {torch::randn({7}), torch::randn({33, 5}), torch::randn({1}), torch::randn({1031})};
+}
+std::vector<torch::Tensor> clone_params(const std::vector<torch::Tensor>& ps) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : ps) out.push_back(p.detach().clone().set_requires_grad(true));
+  return out;
+}
+void set_grads(std::vector<torch::Tensor>& a, std::vector<torch::Tensor>& b, int64_t step) {
+  torch::manual_seed(1000 + step);
+  for (size_t i = 0; i < a.size(); ++i) {
+    auto g = torch::randn_like(a[i]);
+    a[i].mutable_grad() = g.clone();
+    b[i].mutable_grad() = g.clone();
+  }
+}
+void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, double rtol = 1e-5,
+                  double atol = 1e-6) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_TRUE(torch::allclose(a[i], b[i], rtol, atol)) << "param " << i << " max diff "
+                                                         << (a[i] - b[i]).abs().max().item<double>();
+}
+
+template <typename Ours, typename Ref>
+void compare(Ours& ours, Ref& ref, std::vector<torch::Tensor>& a, std::vector<torch::Tensor>& b, int steps = 20) {
+  for (int s = 0; s < steps; ++s) {
+    set_grads(a, b, s);
+    ours.step();
+    ref.step();
+  }
+  expect_close(a, b);
+}
+
+}  // namespace
+
+TEST(CppApiOptim, AdamWMatchesTorch) {
+  for (bool amsgrad : {false, true}) {
+    auto init = make_params(1);
+    auto a = clone_params(init), b = clone_params(init);
+    fusetrain::AdamW ours(a, fusetrain::AdamWOptions(1e-2).weight_decay(0.1).amsgrad(amsgrad));
+    torch::optim::AdamW ref(b, torch::optim::AdamWOptions(1e-2).weight_decay(0.1).amsgrad(amsgrad));
+    compare(ours, ref, a, b);
+  }
+}
+
+TEST(CppApiOptim, AdamMatchesTorch) {
+  auto init = make_params(2);
+  auto a = clone_params(init), b = clone_params(init);
+  fusetrain::Adam ours(a, fusetrain::AdamOptions(3e-3).betas({0.8, 0.95}).weight_decay(0.05));
+  torch::optim::Adam ref(b, torch::optim::AdamOptions(3e-3).betas({0.8, 0.95}).weight_decay(0.05));
+  compare(ours, ref, a, b);
+}
+
+TEST(CppApiOptim, SGDMatchesTorch) {
+  struct Case {
+    double momentum, dampening, wd;
+    bool nesterov;
+  };
+  for (auto c : {Case{0, 0, 0, false}, Case{0.9, 0, 1e-2, false}, Case{0.9, 0, 0, true}, Case{0.5, 0.1, 0, false}}) {
+    auto init = make_params(3);
+    auto a = clone_params(init), b = clone_params(init);
+    fusetrain::SGD ours(a, fusetrain::SGDOptions(0.05).momentum(c.momentum).dampening(c.dampening)
+                               .weight_decay(c.wd).nesterov(c.nesterov));
+    torch::optim::SGD ref(b, torch::optim::SGDOptions(0.05).momentum(c.momentum).dampening(c.dampening)
+                                 .weight_decay(c.wd).nesterov(c.nesterov));
+    compare(ours, ref, a, b);
+  }
+}
+
+TEST(CppApiOptim, LionMatchesHandWrittenReference) {
+  auto init = make_params(4);
+  auto a = clone_params(init), b = clone_params(init);
+  const double lr = 1e-3, b1 = 0.9, b2 = 0.99, wd = 0.1;
+  fusetrain::Lion ours(a, fusetrain::LionOptions(lr).weight_decay(wd));
+  std::vector<torch::Tensor> m;
+  for (auto& p : b) m.push_back(torch::zeros_like(p));
+  for (int s = 0; s < 20; ++s) {
+    set_grads(a, b, s);
+    ours.step();
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < b.size(); ++i) {
+      auto g = b[i].grad();
+      auto u = m[i] * b1 + g * (1 - b1);
+      b[i].mul_(1 - lr * wd);
+      b[i].sub_(u.sign() * lr);
+      m[i].mul_(b2).add_(g * (1 - b2));
+    }
+  }
+  expect_close(a, b);
+}
+
+TEST(CppApiOptim, ClippingMatchesClipGradNorm) {
+  auto init = make_params(5);
+  auto a = clone_params(init), b = clone_params(init);
+  fusetrain::SGD ours(a, fusetrain::SGDOptions(0.1).max_grad_norm(0.5));
+  torch::optim::SGD ref(b, torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < 5; ++s) {
+    set_grads(a, b, s);
+    double total = torch::nn::utils::clip_grad_norm_(b, 0.5);
+    ours.step();
+    ref.step();
+    EXPECT_NEAR(ours.last_grad_norm().item<double>(), total, 1e-4 * total);
+  }
+  expect_close(a, b);
+}
+
+TEST(CppApiOptim, LrSchedulerAndSetLrApply) {
+  auto init = make_params(6);
+  auto a = clone_params(init), b = clone_params(init);
+  fusetrain::AdamW ours(a, fusetrain::AdamWOptions(1e-2));
+  torch::optim::AdamW ref(b, torch::optim::AdamWOptions(1e-2));
+  torch::optim::StepLR s1(ours, 3, 0.5), s2(ref, 3, 0.5);
+  for (int s = 0; s < 10; ++s) {
+    set_grads(a, b, s);
+    ours.step();
+    ref.step();
+    s1.step();
+    s2.step();
+  }
+  EXPECT_DOUBLE_EQ(ours.param_groups()[0].options().get_lr(), ref.param_groups()[0].options().get_lr());
+  expect_close(a, b);
+}
+
+TEST(CppApiOptim, StateSaveLoadRoundTrip) {
+  auto init = make_params(7);
+  auto a = clone_params(init), b = clone_params(init);
+  auto opts = fusetrain::AdamWOptions(5e-3).amsgrad(true).weight_decay(0.02);
+  fusetrain::AdamW first(a, opts);
+  for (int s = 0; s < 5; ++s) {
+    set_grads(a, b, s);
+    first.step();
+  }
+  // b continues from a's params with a fresh optimizer loaded from the archive.
+  for (size_t i = 0; i < a.size(); ++i) b[i].detach().copy_(a[i].detach());
+  std::stringstream buf;
+  torch::save(first, buf);
+  fusetrain::AdamW second(b, fusetrain::AdamWOptions(1.0));  // options come from the archive
+  torch::load(second, buf);
+  const auto& lo = static_cast<const fusetrain::AdamWOptions&>(second.param_groups()[0].options());
+  EXPECT_DOUBLE_EQ(lo.lr(), 5e-3);
+  EXPECT_TRUE(lo.amsgrad());
+  auto& st = static_cast<fusetrain::FusedParamState&>(*second.state().at(b[1].unsafeGetTensorImpl()));
+  EXPECT_EQ(st.step().item<float>(), 5.0f);
+  EXPECT_TRUE(st.max_exp_avg_sq().defined());
+  for (int s = 5; s < 12; ++s) {
+    set_grads(a, b, s);
+    first.step();
+    second.step();
+  }
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "param " << i;
+}
+
+TEST(CppApiOptim, InfGradientSkipsStep) {
+  auto init = make_params(8);
+  auto a = clone_params(init), b = clone_params(init);
+  fusetrain::AdamW opt(a, fusetrain::AdamWOptions(1e-2).max_grad_norm(1.0));
+  set_grads(a, b, 0);
+  opt.step();
+  std::vector<torch::Tensor> before;
+  for (auto& p : a) before.push_back(p.detach().clone());
+  auto& st = static_cast<fusetrain::FusedParamState&>(*opt.state().at(a[0].unsafeGetTensorImpl()));
+  auto m_before = st.exp_avg().clone();
+  set_grads(a, b, 1);
+  a[3].mutable_grad()[17] = std::numeric_limits<float>::infinity();
+  opt.step();
+  EXPECT_EQ(opt.last_found_inf().item<float>(), 1.0f);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], before[i]));
+  EXPECT_TRUE(torch::equal(st.exp_avg(), m_before));
+  EXPECT_EQ(st.step().item<float>(), 1.0f);
+}
+
+TEST(CppApiOptim, BadOptionsRaise) {
+  auto ps = clone_params(make_params(9));
+  auto expect_msg = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << "no error, expected: " << needle;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_msg([&] { fusetrain::AdamW(ps, fusetrain::AdamWOptions(-1.0)); }, "fusetrain::AdamW: invalid learning rate");
+  expect_msg([&] { fusetrain::Adam(ps, fusetrain::AdamOptions().betas({1.0, 0.9})); },
+             "invalid beta parameter at index 0");
+  expect_msg([&] { fusetrain::Lion(ps, fusetrain::LionOptions().betas({0.9, -0.1})); },
+             "invalid beta parameter at index 1");
+  expect_msg([&] { fusetrain::SGD(ps, fusetrain::SGDOptions(-0.1)); }, "fusetrain::SGD: invalid learning rate");
+  expect_msg([&] { fusetrain::SGD(ps, fusetrain::SGDOptions(0.1).nesterov(true)); }, "nesterov");
+  expect_msg([&] { fusetrain::LossScaler(fusetrain::LossScalerOptions().backoff_factor(2.0)); }, "backoff_factor");
+  // mismatched dtype between a param and its grad's shape is rejected by the op
+  auto p = torch::randn({4}).set_requires_grad(true);
+  p.mutable_grad() = torch::randn({5});
+  fusetrain::SGD bad({p}, fusetrain::SGDOptions(0.1));
+  EXPECT_THROW(bad.step(), c10::Error);
+}
+
+TEST(CppApiAmp, LossScalerMatchesUnscaledStepAndBacksOff) {
+  auto init = make_params(10);
+  auto a = clone_params(init), b = clone_params(init);
+  fusetrain::AdamW ours(a, fusetrain::AdamWOptions(1e-2));
+  torch::optim::AdamW ref(b, torch::optim::AdamWOptions(1e-2));
+  fusetrain::LossScaler scaler(fusetrain::LossScalerOptions().init_scale(1024.0).growth_interval(2));
+  for (int s = 0; s < 6; ++s) {
+    set_grads(a, b, s);
+    auto loss = scaler.scale(torch::ones({}));
+    const float sc = loss.item<float>();
+    for (auto& p : a) p.mutable_grad().mul_(sc);  // as if backward ran on the scaled loss
+    fusetrain::fused_step(ours, &scaler, nullptr);
+    ref.step();
+  }
+  expect_close(a, b);
+  EXPECT_DOUBLE_EQ(scaler.get_scale(), 1024.0 * 8);  // grew every 2 steps
+  // an inf step: skipped, scale halves
+  std::vector<torch::Tensor> before;
+  for (auto& p : a) before.push_back(p.detach().clone());
+  set_grads(a, b, 99);
+  a[0].mutable_grad()[0] = std::nan("");
+  scaler.scale(torch::ones({}));
+  scaler.step(ours);
+  EXPECT_EQ(scaler.last_step_skipped().item<float>(), 1.0f);
+  scaler.update();
+  EXPECT_DOUBLE_EQ(scaler.get_scale(), 1024.0 * 4);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], before[i]));
+  // save / load
+  std::stringstream buf;
+  {
+    torch::serialize::OutputArchive ar;
+    scaler.save(ar);
+    ar.save_to(buf);
+  }
+  fusetrain::LossScaler other;
+  torch::serialize::InputArchive in;
+  in.load_from(buf);
+  other.load(in);
+  EXPECT_DOUBLE_EQ(other.get_scale(), 1024.0 * 4);
+  EXPECT_EQ(other.growth_tracker().item<int>(), 0);
+}
+
+namespace {
+double ref_decay(const fusetrain::ModelEMAOptions& o, double t) {
+  double d = o.decay();
+  if (o.decay_type() == "threshold") d = std::min(d, (1 + t) / (10 + t));
+  if (o.decay_type() == "exp") d = d * (1 - std::exp(-o.beta() * t / o.total_steps()));
+  if (o.warmup()) d = std::min(d, 1 - std::pow(1 + t / o.warmup_gamma(), -o.warmup_power()));
+  return d;
+}
+}  // namespace
+
+TEST(CppApiEma, SchedulesStandaloneAndAttached) {
+  std::vector<fusetrain::ModelEMAOptions> cases = {
+      fusetrain::ModelEMAOptions().decay(0.9).decay_type("constant"),
+      fusetrain::ModelEMAOptions().decay(0.99).decay_type("threshold"),
+      fusetrain::ModelEMAOptions().decay(0.999).decay_type("exp").total_steps(10).beta(5),
+      fusetrain::ModelEMAOptions().decay(0.99).decay_type("threshold").warmup(true).warmup_gamma(2.0)};
+  for (const auto& o : cases) {
+    for (bool attached : {false, true}) {
+      torch::manual_seed(11);
+      torch::nn::Linear model(5, 3);
+      fusetrain::ModelEMA ema(model, o);
+      fusetrain::SGD opt(model->parameters(), fusetrain::SGDOptions(0.1));
+      if (attached) ema.attach(opt);
+      std::vector<torch::Tensor> ref;
+      for (auto& p : model->parameters()) ref.push_back(p.detach().clone().to(torch::kDouble));
+      for (int t = 1; t <= 6; ++t) {
+        opt.zero_grad();
+        model(torch::randn({4, 5})).pow(2).sum().backward();
+        std::optional<torch::Tensor> inf;
+        const bool skip = t == 3;
+        if (skip) inf = torch::ones({});
+        if (attached) {
+          if (skip) {
+            opt.step_with(std::nullopt, inf);
+          } else {
+            opt.step();
+          }
+        } else {
+          opt.step_with(std::nullopt, inf);
+          ema.update(inf);
+        }
+        if (!skip) {
+          const double tt = t > 3 ? t - 1 : t;  // counts non-skipped updates
+          const double d = ref_decay(o, tt);
+          EXPECT_NEAR(ema.decay_tensor().item<double>(), d, 1e-6) << o.decay_type() << " t=" << tt;
+          auto ps = model->parameters();
+          for (size_t i = 0; i < ps.size(); ++i) ref[i] += (1 - d) * (ps[i].detach().to(torch::kDouble) - ref[i]);
+        }
+      }
+      EXPECT_EQ(ema.step_tensor().item<float>(), 5.0f);
+      auto eps = ema.module()->parameters();
+      for (size_t i = 0; i < eps.size(); ++i)
+        EXPECT_TRUE(torch::allclose(eps[i].to(torch::kDouble), ref[i], 1e-5, 1e-6)) << o.decay_type() << " " << i;
+    }
+  }
+  torch::nn::Linear m(2, 2);
+  EXPECT_THROW(fusetrain::ModelEMA(m, fusetrain::ModelEMAOptions().decay_type("linear")), c10::Error);
+}
+
+TEST(CppApiEma, FusedStepWithScalerAndAttachedEma) {
+  torch::manual_seed(12);
+  torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 1));
+  fusetrain::AdamW opt(model->parameters(), fusetrain::AdamWOptions(1e-2));
+  fusetrain::LossScaler scaler;
+  fusetrain::ModelEMA ema(model.ptr(), fusetrain::ModelEMAOptions().decay(0.9).decay_type("constant"));
+  ema.attach(opt);
+  auto x = torch::randn({64, 8});
+  auto y = x.sum(1, true);
+  double first = 0, last = 0;
+  for (int s = 0; s < 50; ++s) {
+    opt.zero_grad();
+    auto loss = torch::mse_loss(model->forward(x), y);
+    if (s == 0) first = loss.item<double>();
+    last = loss.item<double>();
+    scaler.scale(loss).backward();
+    fusetrain::fused_step(opt, scaler, ema);
+  }
+  EXPECT_LT(last, 0.5 * first);
+  EXPECT_EQ(ema.step_tensor().item<float>(), 50.0f);
+  auto a = ema.module()->parameters();
+  auto b = model->parameters();
+  EXPECT_FALSE(torch::equal(a[0], b[0]));
+}
