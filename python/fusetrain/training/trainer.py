@@ -194,7 +194,7 @@ class Trainer:
 
         start_epoch, global_step = 0, 0
         # Steps skipped by the loss scaler in earlier sessions of a resumed run
-        # (the scaler's own counter starts at 0 in each session).
+        # (the scaler's own counter starts at 0 in each process).
         self._skipped_before = 0.0
         best = {"metric": p.metric_to_watch, "value": None, "epoch": None}
         stale_epochs = 0
