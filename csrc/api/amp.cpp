@@ -225,11 +225,15 @@ void ModelEMA::detach() {
 }
 
 at::Tensor ModelEMA::ema_for(const at::Tensor& param) const {
-  auto src = model_->parameters();
-  auto dst = ema_->parameters();
-  for (size_t i = 0; i < src.size() && i < dst.size(); ++i)
-    if (src[i].unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return dst[i];
-  return at::Tensor();
+  // One map per EMA (module parameters keep their tensors for the model's life;
+  // load/copy_ write into them), so the per-step lookup is O(1).
+  if (ema_by_param_.empty()) {
+    auto src = model_->parameters();
+    auto dst = ema_->parameters();
+    for (size_t i = 0; i < src.size() && i < dst.size(); ++i) ema_by_param_[src[i].unsafeGetTensorImpl()] = dst[i];
+  }
+  auto it = ema_by_param_.find(param.unsafeGetTensorImpl());
+  return it == ema_by_param_.end() ? at::Tensor() : it->second;
 }
 
 void ModelEMA::finish_step(const std::optional<at::Tensor>& found_inf, const std::vector<at::Tensor>& covered) {

@@ -234,10 +234,20 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
     tail.max_grad_norm = group_max_grad_norm(opts);
     if (tail.max_grad_norm > 0) tail.grad_norm = last_grad_norm_.to(dev);
     if (std::get<3>(key)) tail.ema_decay = decay->to(dev);
-    at::Tensor lr = at::full({}, opts.get_lr(), at::TensorOptions().dtype(at::kFloat).device(dev));
-    run_update(l, lr, opts, tail);
+    run_update(l, lr_tensor(std::get<0>(key), dev, opts.get_lr()), opts, tail);
   }
   if (ema_ != nullptr) ema_->finish_step(found_inf, covered);
+}
+
+const at::Tensor& FusedOptimizer::lr_tensor(size_t group, const at::Device& dev, double lr) {
+  auto& entry = lr_cache_[{group, dev.str()}];
+  if (!entry.second.defined()) {
+    entry = {lr, at::full({}, lr, at::TensorOptions().dtype(at::kFloat).device(dev))};
+  } else if (entry.first != lr) {
+    entry.second.fill_(lr);
+    entry.first = lr;
+  }
+  return entry.second;
 }
 
 // ---- concrete optimizers -------------------------------------------------------

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 
 namespace fusetrain {
 
@@ -115,6 +116,8 @@ class ModelEMA {
   ModelEMAOptions options_;
   at::Tensor step_, decay_;
   FusedOptimizer* optimizer_ = nullptr;
+  // Source param (TensorImpl) -> EMA param, built once on first use.
+  mutable std::unordered_map<const void*, at::Tensor> ema_by_param_;
 };
 
 // The fused tail of a training step for C++ loops: unscale + non-finite check

@@ -14,7 +14,9 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/serialize.h>
 
+#include <map>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -156,8 +158,12 @@ class FusedOptimizer : public torch::optim::Optimizer {
                           const FusedTail& tail) const = 0;
 
  private:
+  // The lr of (group, device) as a device tensor, refilled only when the
+  // group's lr changes (no allocation per step).
+  const at::Tensor& lr_tensor(size_t group, const at::Device& dev, double lr);
   at::Tensor last_grad_norm_, last_found_inf_;
   ModelEMA* ema_ = nullptr;
+  std::map<std::pair<size_t, std::string>, std::pair<double, at::Tensor>> lr_cache_;
 };
 
 #define FUSETRAIN_DECLARE_OPTIMIZER(Name)                                                                     \
