@@ -96,3 +96,63 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, grow
     ``scale *= backoff_factor`` on a non-finite step, ``scale *= growth_factor``
     after ``growth_interval`` consecutive clean steps."""
     _ops.update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+
+
+# ---- batch norm (fusetrain.nn.SyncBatchNorm) -----------------------------------------
+
+
+def _bn_check_input(x, op):
+    torch._check(x.dim() >= 2, lambda: f"{op}: x must have shape (N, C, *), got {tuple(x.shape)}")
+
+
+@torch.library.register_fake("fusetrain::bn_stats")
+def _bn_stats_fake(x):
+    _bn_check_input(x, "bn_stats")
+    c = x.shape[1]
+    return (x.new_empty((), dtype=torch.float32), x.new_empty((c,), dtype=torch.float32),
+            x.new_empty((c,), dtype=torch.float32))
+
+
+@torch.library.register_fake("fusetrain::bn_backward_reduce")
+def _bn_backward_reduce_fake(dy, x, mean):
+    _bn_check_input(x, "bn_backward_reduce")
+    c = x.shape[1]
+    return x.new_empty((c,), dtype=torch.float32), x.new_empty((c,), dtype=torch.float32)
+
+
+@torch.library.register_fake("fusetrain::bn_elemt")
+def _bn_elemt_fake(x, mean, invstd, weight=None, bias=None):
+    _bn_check_input(x, "bn_elemt")
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("fusetrain::bn_backward_elemt")
+def _bn_backward_elemt_fake(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+    _bn_check_input(x, "bn_backward_elemt")
+    return torch.empty_like(x)
+
+
+def bn_stats(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-channel (dim 1) statistics of ``x`` (N, C, *): the element count per
+    channel (0-d float32), the mean and M2 (sum of squared deviations from the
+    mean), float32 of shape (C,). One pass over ``x``; zeros for an empty batch."""
+    return _ops.bn_stats(x)
+
+
+def bn_backward_reduce(dy: Tensor, x: Tensor, mean: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel ``sum(dy)`` and ``sum(dy * (x - mean))`` in float32."""
+    return _ops.bn_backward_reduce(dy, x, mean)
+
+
+def bn_elemt(x: Tensor, mean: Tensor, invstd: Tensor, weight: Optional[Tensor] = None,
+             bias: Optional[Tensor] = None) -> Tensor:
+    """``(x - mean) * invstd * weight + bias`` per channel, in the dtype and
+    memory format of ``x``."""
+    return _ops.bn_elemt(x, mean, invstd, weight, bias)
+
+
+def bn_backward_elemt(dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Optional[Tensor], sum_dy: Tensor,
+                      sum_dy_xmu: Tensor, count: Tensor) -> Tensor:
+    """Input gradient of batch norm from the global per-channel sums and count:
+    ``invstd * weight * (dy - sum_dy/count - (x - mean) * invstd^2 * sum_dy_xmu/count)``."""
+    return _ops.bn_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
