@@ -250,6 +250,17 @@ const at::Tensor& FusedOptimizer::lr_tensor(size_t group, const at::Device& dev,
   return entry.second;
 }
 
+void FusedOptimizer::refresh_lr_tensors() {
+  for (auto& [key, entry] : lr_cache_) {
+    if (key.first >= param_groups_.size() || !entry.second.defined()) continue;
+    const double lr = param_groups_[key.first].options().get_lr();
+    if (entry.first != lr) {
+      entry.second.fill_(lr);
+      entry.first = lr;
+    }
+  }
+}
+
 // ---- concrete optimizers -------------------------------------------------------
 #define FT_SERIALIZE_METHODS(Name)                                                   \
   void Name::save(torch::serialize::OutputArchive& archive) const {                 \

@@ -5,3 +5,4 @@
 #include <fusetrain/ops.h>
 #include <fusetrain/optim.h>
 #include <fusetrain/amp.h>
+#include <fusetrain/step.h>

@@ -144,6 +144,12 @@ class FusedOptimizer : public torch::optim::Optimizer {
   const at::Tensor& last_grad_norm() const { return last_grad_norm_; }
   const at::Tensor& last_found_inf() const { return last_found_inf_; }
 
+  // Refills the cached per-group lr device tensors whose group lr changed
+  // since the last step (step() does this itself). fusetrain::TrainStep calls
+  // it before replaying a captured step, so set_lr and LR schedulers apply
+  // without a recapture. Not to be called while a CUDA graph is being captured.
+  void refresh_lr_tensors();
+
   // Used by ModelEMA::attach / detach.
   void attach_ema(ModelEMA* ema) { ema_ = ema; }
   ModelEMA* attached_ema() const { return ema_; }
