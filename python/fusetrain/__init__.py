@@ -5,10 +5,11 @@ host-device synchronisation."""
 import torch  # noqa: F401  (loads libtorch before the native core)
 
 from . import _ops  # registers the fake kernels of the native ops
-from . import optim
+from . import nn, optim
 from ._ops import build_info
 from .amp import LossScaler, Precision, resolve_precision
 from .ema import ModelEMA, unwrap_model
+from .training.step import TrainStep
 from .training.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -31,5 +32,5 @@ def _cmake_prefix_path() -> str:
 #: gives the imported target ``fusetrain::core`` (C++ API, see docs/cpp.md).
 cmake_prefix_path: str = _cmake_prefix_path()
 
-__all__ = ["optim", "build_info", "Trainer", "LossScaler", "Precision", "resolve_precision", "ModelEMA", "unwrap_model",
-           "cmake_prefix_path", "__version__"]
+__all__ = ["nn", "optim", "build_info", "Trainer", "TrainStep", "LossScaler", "Precision", "resolve_precision", "ModelEMA",
+           "unwrap_model", "cmake_prefix_path", "__version__"]

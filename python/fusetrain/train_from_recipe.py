@@ -224,9 +224,26 @@ def _build(recipe: Dict[str, Any], where: str):
     return train_loader, valid_loader, model
 
 
+def _recipe_worker(recipe: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """What each worker started for ``multi_gpu: ddp`` runs: the whole recipe,
+    data and model built in the worker."""
+    return run_recipe(recipe, where)
+
+
 def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
     """Build the data and the model of a validated recipe and train; returns the
-    Trainer's result."""
+    Trainer's result. With ``multi_gpu: ddp`` outside a launcher, starts the
+    workers (each builds the data and the model itself) and returns rank 0's
+    result; under a launcher (torchrun) each process trains its shard."""
+    from .training import distributed
+
+    try:
+        n_workers = distributed.workers_to_launch(_training_params(recipe, where))
+    except ValueError as exc:  # num_gpus above the visible devices, multi_gpu 'ddp' without workers
+        raise RecipeError(f"{where}: {_error_text(exc)}") from exc
+    if n_workers > 1:
+        print(f"{where}: starting {n_workers} worker processes (multi_gpu: ddp)", flush=True)
+        return distributed.launch(_recipe_worker, (recipe, where), n_workers)
     train_loader, valid_loader, model = _build(recipe, where)
     # Imported late: the Trainer pulls in the whole training stack.
     try:
@@ -235,12 +252,24 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
         from .training.trainer import Trainer
 
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{where}: experiment {recipe['experiment_name']!r}, model {recipe['arch_params']['name']} "
-          f"({n_params:,} parameters), data {recipe['dataset_params']['name']} "
-          f"({len(train_loader.dataset)} train / {len(valid_loader.dataset)} valid samples)", flush=True)
+    rank, world, _ = distributed.env_world()
+    if rank == 0:
+        size = f" (world size {world})" if world > 1 else ""
+        print(f"{where}{size}: experiment {recipe['experiment_name']!r}, model {recipe['arch_params']['name']} "
+              f"({n_params:,} parameters), data {recipe['dataset_params']['name']} "
+              f"({len(train_loader.dataset)} train / {len(valid_loader.dataset)} valid samples)", flush=True)
     trainer = Trainer(recipe["experiment_name"], ckpt_root_dir=recipe["ckpt_root_dir"])
     return trainer.train(model=model, training_params=recipe["training_params"], train_loader=train_loader,
                          valid_loader=valid_loader)
+
+
+def _training_params(recipe: Dict[str, Any], where: str):
+    from .training.params import resolve_training_params
+
+    try:
+        return resolve_training_params(recipe["training_params"])
+    except (ValueError, TypeError) as exc:
+        raise RecipeError(f"{where}: {_error_text(exc)}") from exc
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -283,9 +312,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RECIPE_ERROR
-    print(json.dumps(result, indent=2, default=str))
+    except Exception as exc:
+        from .training.distributed import DistributedTrainingError
+
+        if not isinstance(exc, DistributedTrainingError):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if os.environ.get("RANK", "0") == "0":  # under a launcher only rank 0 prints the result
+        print(json.dumps(result, indent=2, default=str))
     return 0
 
 
+def _entry() -> int:
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        # Started by torchrun: an exception is recorded for the launcher's failure summary.
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(main)()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_entry())

@@ -465,8 +465,9 @@ def test_cifar_resnet_depth_and_parameters():
 
 
 def test_build_model_errors():
-    assert MODEL_NAMES == ("cifar_resnet", "digits_cnn", "seed_mnist")
-    with pytest.raises(ValueError, match="unknown model 'resnet50'; allowed: cifar_resnet, digits_cnn, seed_mnist"):
+    assert MODEL_NAMES == ("cifar_resnet", "ddrnet", "digits_cnn", "pplite_seg", "seed_mnist", "yolo_csp")
+    with pytest.raises(ValueError, match="unknown model 'resnet50'; allowed: cifar_resnet, ddrnet, digits_cnn, "
+                                         "pplite_seg, seed_mnist, yolo_csp"):
         build_model("resnet50")
     with pytest.raises(ValueError, match="unknown key 'depth' for model 'digits_cnn'; allowed keys: name, "
                                          "num_classes, in_channels, width, dropout"):

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf  # noqa: E402
 import fusetrain  # noqa: E402
 import fusetrain.train_from_recipe as tfr  # noqa: E402
 from fusetrain.training.data import validate_dataset_params  # noqa: E402
-from fusetrain.training.models import build_model, check_arch_params  # noqa: E402
+from fusetrain.training.models import MODEL_NAMES, build_model, check_arch_params  # noqa: E402
 
 SHIPPED = ["cifar_resnet", "default", "seed_mnist_amp", "seed_mnist_fp32"]
 # Values a recipe leaves missing (???) on purpose.
@@ -171,7 +171,7 @@ def test_cli_broken_override_exits_2(tmp_path, override, needs_params, expected)
     (["+batch=3"], ["unknown top-level key(s) 'batch'"]),
     (["+dataset_params.bs=3"], ["dataset_params: unknown key 'bs' for dataset 'digits'"]),
     (["arch_params.name=vgg"],
-     ["arch_params.name: unknown model 'vgg'; allowed: cifar_resnet, digits_cnn, seed_mnist"]),
+     ["arch_params.name: unknown model 'vgg'; allowed: " + ", ".join(MODEL_NAMES)]),
     (["+arch_params.depth=20"], ["arch_params: unknown key 'depth' for model 'digits_cnn'"]),
     (["experiment_name=a/b"], ["experiment_name: got 'a/b'"]),
     (["training_params.max_epochs=[1"], ["no viable alternative at input '[1'"]),

@@ -29,12 +29,14 @@ EXPECTED_DEFAULTS = {
     "cyclic_min_lr_ratio": 0.1, "cyclic_period_epochs": 2.0, "lr_warmup_epochs": 0, "lr_warmup_steps": 0,
     "warmup_initial_lr": None, "zero_weight_decay_on_bias_and_bn": False, "mixed_precision": False,
     "scaler_params": {}, "torch_compile": False, "torch_compile_mode": "default", "torch_compile_options": {},
+    "compile_step": "off",
     "ema": False, "ema_params": {}, "clip_grad_norm": None, "batch_accumulate": 1, "sync_bn": False,
     "channels_last": False, "loss": "cross_entropy", "loss_params": {}, "train_metrics": ["accuracy"],
     "valid_metrics": ["accuracy"], "metric_to_watch": "accuracy", "greater_metric_to_watch_is_better": True,
     "run_validation_freq": 1, "max_train_batches": None, "max_valid_batches": None, "save_ckpt_epoch_list": [],
     "resume": False, "resume_path": None, "seed": 42, "cudnn_benchmark": True, "early_stopping": None,
-    "log_interval": 0, "device": "auto", "progress_bar": True,
+    "log_interval": 0, "device": "auto", "multi_gpu": "auto", "num_gpus": None, "num_processes": None,
+    "dist_backend": "auto", "dist_timeout_s": 300.0, "find_unused_parameters": False, "progress_bar": True,
 }
 
 BOOL = "a bool (true or false)"
@@ -92,6 +94,8 @@ CASES = [
      _msg("torch_compile_mode", "fast", "one of 'default', 'reduce-overhead', 'max-autotune'")),
     ("torch_compile_options", {"fullgraph": True, "dynamic": None, "backend": "eager"}, {"fullgraph": 1},
      "training_params.torch_compile_options.fullgraph: got 1 (int); allowed: " + BOOL),
+    ("compile_step", "compile", "Compile",
+     _msg("compile_step", "Compile", "one of 'off', 'compile', 'cuda_graph' (false means 'off')")),
     ("ema", True, 0, _msg("ema", 0, BOOL)),
     ("ema_params", {"decay": 0.999, "decay_type": "threshold"}, {"decya": 0.9},
      "training_params.ema_params: unknown key 'decya'; did you mean 'decay'?"),
@@ -124,6 +128,13 @@ CASES = [
      "training_params.early_stopping.patience: got 0 (int); allowed: an int >= 1"),
     ("log_interval", 10, -1, _msg("log_interval", -1, "an int >= 0")),
     ("device", "cuda:1", "gpu", _msg("device", "gpu", "'auto', 'cpu', 'cuda' or 'cuda:N' (N a device index)")),
+    ("multi_gpu", "ddp", "mpi", _msg("multi_gpu", "mpi", "one of 'off', 'auto', 'ddp' (case-insensitive; false "
+                                                         "means 'off', true 'ddp')")),
+    ("num_gpus", 1, 0, _msg("num_gpus", 0, "an int >= 1 or None")),
+    ("num_processes", 1, 2.0, _msg("num_processes", 2.0, "an int >= 1 or None")),
+    ("dist_backend", "gloo", "mpi", _msg("dist_backend", "mpi", "one of 'auto', 'nccl', 'gloo'")),
+    ("dist_timeout_s", 60.0, 0, _msg("dist_timeout_s", 0, "a float > 0")),
+    ("find_unused_parameters", True, "yes", _msg("find_unused_parameters", "yes", BOOL)),
     ("progress_bar", False, "off", _msg("progress_bar", "off", BOOL)),
 ]
 

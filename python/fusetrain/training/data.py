@@ -385,6 +385,12 @@ def build_dataloaders(dataset_params: Mapping[str, Any]) -> Tuple[DataLoader, Da
       [false] (train only), ``pin_memory`` [false; only used when CUDA is
       available], ``seed`` [0]: seed of the
       train loader's shuffling generator (``train_loader.generator``).
+
+    In one process of a distributed run (``WORLD_SIZE > 1`` in the
+    environment, as set by torchrun) the train loader samples this rank's shard
+    with a ``DistributedSampler`` (``shuffle``, ``seed`` and ``drop_last`` as
+    above; ``batch_size`` is per process) and the valid loader reads an exact
+    shard (every ``WORLD_SIZE``-th sample).
     * ``digits``: ``image_size`` [28].
     * ``image_folder``: ``image_size`` [null: keep the stored size],
       ``channels`` [3].
@@ -398,6 +404,22 @@ def build_dataloaders(dataset_params: Mapping[str, Any]) -> Tuple[DataLoader, Da
     generator.manual_seed(p["seed"])
     # Pinned memory only helps copies to a GPU; without one DataLoader would warn.
     pin = p["pin_memory"] and torch.cuda.is_available()
+    from .distributed import ShardSampler, env_world
+
+    rank, world, _ = env_world()
+    if world > 1:
+        # One process of a distributed run (torchrun): this rank's shard of the training data, reshuffled
+        # each epoch by the Trainer's set_epoch; validation on an exact shard (sums added up across ranks).
+        from torch.utils.data.distributed import DistributedSampler
+
+        sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=p["shuffle"], seed=p["seed"],
+                                     drop_last=p["drop_last"])
+        train_loader = DataLoader(train_ds, batch_size=p["batch_size"], sampler=sampler, drop_last=p["drop_last"],
+                                  num_workers=p["num_workers"], pin_memory=pin, generator=generator)
+        valid_loader = DataLoader(valid_ds, batch_size=p["valid_batch_size"], drop_last=False,
+                                  sampler=ShardSampler(valid_ds, world, rank), num_workers=p["num_workers"],
+                                  pin_memory=pin)
+        return train_loader, valid_loader
     train_loader = DataLoader(train_ds, batch_size=p["batch_size"], shuffle=p["shuffle"], drop_last=p["drop_last"],
                               num_workers=p["num_workers"], pin_memory=pin, generator=generator)
     valid_loader = DataLoader(valid_ds, batch_size=p["valid_batch_size"], shuffle=False, drop_last=False,

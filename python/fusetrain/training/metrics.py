@@ -29,6 +29,11 @@ class Metric:
     def update(self, outputs: Tensor, targets: Tensor, loss: Tensor) -> None:
         raise NotImplementedError
 
+    def state_tensors(self) -> List[Tensor]:
+        """The running sums (``[sum, count]``, float64 device tensors) that
+        define the metric; a distributed run all-reduces them."""
+        return [self._sum, self._count]
+
     def compute(self) -> float:
         count = float(self._count.item())
         return float(self._sum.item()) / count if count > 0 else float("nan")

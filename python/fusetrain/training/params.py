@@ -51,6 +51,7 @@ __all__ = [
     "LR_MODES",
     "METRIC_NAMES",
     "TORCH_COMPILE_MODES",
+    "COMPILE_STEP_MODES",
 ]
 
 #: The built-in optimizers by canonical name (names are matched case-insensitively).
@@ -431,6 +432,33 @@ _V_EARLY_STOPPING = _optional(_record({"patience": _int(min=1), "min_delta": _fl
                                       defaults={"min_delta": 0.0}))
 
 
+def _multi_gpu_check(v: Any, path: str) -> str:
+    if isinstance(v, bool):  # YAML 1.1 reads a bare off/on as a boolean
+        return "ddp" if v else "off"
+    if isinstance(v, str) and v.lower() in ("off", "auto", "ddp"):
+        return v.lower()
+    _reject(path, v, _MULTI_GPU_DESC)
+
+
+_MULTI_GPU_DESC = "one of 'off', 'auto', 'ddp' (case-insensitive; false means 'off', true 'ddp')"
+_V_MULTI_GPU = _Validator(_MULTI_GPU_DESC, _multi_gpu_check)
+
+
+COMPILE_STEP_MODES = ("off", "compile", "cuda_graph")
+_COMPILE_STEP_DESC = "one of 'off', 'compile', 'cuda_graph' (false means 'off')"
+
+
+def _compile_step_check(v: Any, path: str) -> str:
+    if v is False:  # YAML 1.1 reads a bare off as a boolean
+        return "off"
+    if isinstance(v, str) and v in COMPILE_STEP_MODES:
+        return v
+    _reject(path, v, _COMPILE_STEP_DESC)
+
+
+_V_COMPILE_STEP = _Validator(_COMPILE_STEP_DESC, _compile_step_check)
+
+
 def _p(name: str, validator: _Validator, default: Any, doc: str) -> ParamSpec:
     return ParamSpec(name, validator.description, default, " ".join(doc.split()), validator)
 
@@ -524,11 +552,28 @@ _SPECS = [
         (and the EMA model for validation). The first steps then include the compilation time."""),
     _p("torch_compile_mode", _choice(*TORCH_COMPILE_MODES), "default", """
         The `mode` argument of `torch.compile`; `reduce-overhead` uses CUDA graphs, `max-autotune` searches for the
-        fastest kernels (long compilation). Used only when `torch_compile` is true."""),
+        fastest kernels (long compilation). Used when `torch_compile` is true or `compile_step` is `compile`."""),
     _p("torch_compile_options", _V_COMPILE_OPTIONS, {}, """
         Further keyword arguments of `torch.compile`: `fullgraph` (bool), `dynamic` (bool or None), `backend` (a
         backend name or, from Python, a callable), `options` (a dict of backend options) and `disable` (bool). The
-        mode comes from `torch_compile_mode`. Used only when `torch_compile` is true."""),
+        mode comes from `torch_compile_mode`. Used when `torch_compile` is true or `compile_step` is `compile`."""),
+    _p("compile_step", _V_COMPILE_STEP, "off", """
+        How each training step runs (`fusetrain.TrainStep`). `off`: eagerly. `compile`: the whole step (autocast
+        forward, loss, scaled backward, the fused optimizer step with clipping and EMA, the loss-scale update) under
+        `torch.compile` with `torch_compile_mode` and `torch_compile_options`; dynamo splits it at `backward()` into
+        a forward graph (its backward compiled by AOTAutograd) and a tail graph, and with a `torch.optim`
+        optimizer only forward and backward are compiled. `cuda_graph`: the step captured as CUDA graphs and
+        replayed for every batch (a GPU and a fusetrain optimizer are required; the first 3 optimizer steps run
+        eagerly as warm-up, then the batch is copied into static buffers, gradients stay allocated and are zeroed
+        in place; with `batch_accumulate` > 1 a micro-step graph and a step graph share one memory pool). Both are
+        built for the shapes of the first batch: a smaller last batch of an epoch runs eagerly (exact, nothing
+        dropped, nothing recompiled); any other shape, dtype or device change also runs eagerly with a one-time
+        warning. The learning rate and the EMA decay are device tensors, so schedules never recompile or
+        recapture; a resumed run builds a fresh step. The model must not synchronise with the host in its
+        forward (no `.item()`, no `if` on a tensor) for `cuda_graph`; capture fails with an explanation
+        otherwise. With `torch_compile` also true, `compile_step` compiles the training step (the model is not
+        compiled a second time) and `torch_compile` compiles the model used for validation. `false` means `off`.
+        Not available in distributed runs with `cuda_graph`."""),
     _p("ema", _bool(), False, """
         Keep an exponential moving average of the weights (`fusetrain.ModelEMA`, configured by `ema_params`). With
         a fusetrain optimizer the EMA update rides in the fused optimizer step, and a skipped (non-finite) step
@@ -607,6 +652,38 @@ _SPECS = [
                          description="'auto', 'cpu', 'cuda' or 'cuda:N' (N a device index)"), "auto", """
         Where to train: `auto` picks CUDA when available, else the CPU; `cuda` is the current CUDA device,
         `cuda:N` a given one."""),
+    _p("multi_gpu", _V_MULTI_GPU, "auto", """
+        Data-parallel training over several processes (`torch.nn.parallel.DistributedDataParallel`, one process
+        per GPU, or per CPU worker with gloo). `auto`: distributed when the process was started by a launcher
+        (`torchrun --nproc_per_node=N ...`, one node or several: `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in the
+        environment) or when `num_gpus` / `num_processes` asks for more than one process, else a single process.
+        `ddp`: the same under a launcher; otherwise the Trainer starts the workers itself on this node with
+        torch's elastic launcher, `num_gpus` GPUs (default: all visible) or `num_processes` CPU processes, each
+        running the same training (from Python the model, loaders and
+        params are pickled to the workers; a recipe rebuilds them in each worker). `off`: a single process, and
+        an error when started by a launcher with `WORLD_SIZE > 1`. Each process loads its shard of the training
+        data (`DistributedSampler`), so the effective batch size is `batch_size * batch_accumulate * world_size`.
+        Case-insensitive; `false` (YAML's bare `off`) means `off`, `true` means `ddp`. See the README's
+        "Distributed training" section."""),
+    _p("num_gpus", _optional(_int(min=1)), None, """
+        With `multi_gpu: ddp` or `auto` outside a launcher, the number of GPUs (worker processes) to start on this node;
+        None: all visible CUDA devices. Asking for more GPUs than are visible is an error. Ignored under a
+        launcher (the launcher chose the processes)."""),
+    _p("num_processes", _optional(_int(min=1)), None, """
+        With `multi_gpu: ddp` or `auto` outside a launcher on the CPU, the number of worker processes to start
+        (gloo backend); required for `ddp` there. Not allowed for a CUDA run (use `num_gpus`)."""),
+    _p("dist_backend", _choice("auto", "nccl", "gloo"), "auto", """
+        The `torch.distributed` backend when the Trainer initialises the process group: `auto` is NCCL for CUDA
+        devices and gloo for the CPU. A process group the caller initialised is used as it is."""),
+    _p("dist_timeout_s", _float(min=0, min_inclusive=False), 300.0, """
+        Timeout in seconds of the process group's collectives and of the barrier after each epoch's checkpoint:
+        if a rank dies or hangs, the others stop with an error after at most this long instead of waiting
+        forever (a launcher such as torchrun usually stops them sooner, as soon as a worker exits with an
+        error). Raise it when one rank may legitimately wait long for the others, e.g. a long first
+        compilation."""),
+    _p("find_unused_parameters", _bool(), False, """
+        `DistributedDataParallel(find_unused_parameters=...)`: set it when some parameters get no gradient in a
+        step (conditional branches); it costs a traversal of the autograd graph per step."""),
     _p("progress_bar", _bool(), True, """
         Show a progress bar for each epoch on stderr (when tqdm is installed)."""),
 ]
@@ -685,6 +762,44 @@ def _check_loss_params(values: Dict[str, Any]) -> List[str]:
     return []
 
 
+def _check_distributed(values: Dict[str, Any]) -> List[str]:
+    errors: List[str] = []
+    mg, ng, npr, dev = values["multi_gpu"], values["num_gpus"], values["num_processes"], values["device"]
+    if ng is not None and npr is not None:
+        errors.append(f"{_ROOT}.num_gpus / num_processes: got {ng!r} and {npr!r}; allowed: at most one of them "
+                      f"(num_gpus for CUDA runs, num_processes for CPU runs)")
+    if ng is not None and dev == "cpu":
+        errors.append(f"{_ROOT}.num_gpus: got {ng!r} with device 'cpu'; allowed: None on the CPU (use "
+                      f"num_processes)")
+    if npr is not None and dev.startswith("cuda"):
+        errors.append(f"{_ROOT}.num_processes: got {npr!r} with device {dev!r}; allowed: None for a CUDA run (use "
+                      f"num_gpus)")
+    for key, n in (("num_gpus", ng), ("num_processes", npr)):
+        if n is not None and n > 1 and mg == "off":
+            errors.append(f"{_ROOT}.{key}: got {n!r} with multi_gpu 'off'; allowed: 1 or None with multi_gpu 'off' "
+                          f"(set multi_gpu to 'ddp' or 'auto' to start {n} processes)")
+    if values["dist_backend"] == "nccl" and dev == "cpu":
+        errors.append(f"{_ROOT}.dist_backend: got 'nccl' with device 'cpu'; allowed: 'gloo' or 'auto' on the CPU")
+    if mg != "off" and dev.startswith("cuda:") and ng is not None and ng > 1:
+        errors.append(f"{_ROOT}.device: got {dev!r} with num_gpus {ng!r}; allowed: 'auto' or 'cuda' (each process "
+                      f"uses cuda:LOCAL_RANK)")
+    return errors
+
+
+def _check_compile_step(values: Dict[str, Any]) -> List[str]:
+    if values["compile_step"] != "cuda_graph":
+        return []
+    errors: List[str] = []
+    if values["device"] == "cpu":
+        errors.append(f"{_ROOT}.compile_step: got 'cuda_graph' with device 'cpu'; CUDA graphs need a GPU; allowed "
+                      f"on the CPU: 'off' or 'compile'")
+    opt = values["optimizer"]
+    if not isinstance(opt, str) and not issubclass(opt, FusedOptimizer):
+        errors.append(f"{_ROOT}.compile_step: got 'cuda_graph' with optimizer {opt.__name__}; allowed: a fusetrain "
+                      f"optimizer (its step never reads the host), or compile_step 'off' / 'compile'")
+    return errors
+
+
 def _cross_checks(values: Dict[str, Any]) -> List[str]:
     errors: List[str] = []
     we, ws = values["lr_warmup_epochs"], values["lr_warmup_steps"]
@@ -701,8 +816,10 @@ def _cross_checks(values: Dict[str, Any]) -> List[str]:
             errors.append(f"{_ROOT}.lr_updates: got {_show(ups)} (list); allowed: for lr_mode 'step', a non-empty "
                           f"list of epochs in increasing order without duplicates, each >= 1 and < max_epochs "
                           f"({max_epochs})")
+    errors += _check_distributed(values)
     errors += _check_optimizer(values)
     errors += _check_loss_params(values)
+    errors += _check_compile_step(values)
     return errors
 
 

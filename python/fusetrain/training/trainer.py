@@ -27,9 +27,11 @@ from torch import Tensor, nn
 from ..amp import LossScaler, Precision, resolve_precision
 from ..ema import ModelEMA, unwrap_model
 from ..optim._base import FusedOptimizer
+from . import distributed as _dist
 from .checkpoints import atomic_save, load_checkpoint
 from .experiment_log import ExperimentLogger
 from .metrics import Metric, build_metrics, compute_all
+from .step import TrainStep
 from .params import LOSSES, TrainingParams, optimizer_class, resolve_training_params
 from .schedules import LRSchedule
 
@@ -99,6 +101,7 @@ class Trainer:
         self.ckpt_root_dir = ckpt_root_dir or os.path.join(os.getcwd(), "checkpoints")
         self.experiment_dir = os.path.join(self.ckpt_root_dir, experiment_name)
         self.params: Optional[TrainingParams] = None
+        self._dist_state = _dist.SINGLE  # this process's place in a distributed run (set by train)
 
     # ---- building blocks -----------------------------------------------------------
 
@@ -131,6 +134,15 @@ class Trainer:
             lr = p.initial_lr
         return cls(groups, lr=lr, **kwargs), fused
 
+    def _build_step(self, model, loss_fn, opt, fused: bool, scaler: LossScaler, precision: Precision, ema,
+                    p: TrainingParams) -> TrainStep:
+        """The per-batch step (``compile_step``); ``model`` is what it runs:
+        the DDP wrapper, or the torch.compile'd model when ``compile_step`` is off."""
+        options = dict(p.torch_compile_options, mode=p.torch_compile_mode)
+        return TrainStep(model, loss_fn, opt, scaler, precision, mode=p.compile_step, accumulate=p.batch_accumulate,
+                         ema=ema, compile_options=options, channels_last=p.channels_last,
+                         clip_grad_norm=None if fused else p.clip_grad_norm)
+
     def _set_lr(self, opt, value: float, fused: bool) -> None:
         seen = set()
         for g in opt.param_groups:
@@ -159,8 +171,32 @@ class Trainer:
             resume_path = p.resume_path or os.path.join(self.experiment_dir, "ckpt_latest.pth")
             if not os.path.isfile(resume_path):
                 raise FileNotFoundError(f"training_params.resume: no checkpoint at {resume_path}")
-        device = _pick_device(p.device)
+        n_workers = _dist.workers_to_launch(p)
+        if n_workers > 1:  # multi_gpu 'ddp' outside a launcher: start the workers, each runs this method
+            return _dist.launch_training(self, model, p, train_loader, valid_loader, n_workers)
+        dist_state, device = _dist.setup(p)
+        self._dist_state = dist_state
+        failed = True
+        try:
+            result = self._train_in_process(model, p, train_loader, valid_loader, resume_path, dist_state, device)
+            failed = False
+            return result
+        except BaseException as exc:
+            other_rank_failed = _dist.on_failure(dist_state, exc, "during training")
+            if other_rank_failed is not None:
+                raise other_rank_failed from exc
+            raise
+        finally:
+            _dist.teardown(dist_state, failed)
+            self._dist_state = _dist.SINGLE
 
+    def _train_in_process(self, model: nn.Module, p: TrainingParams, train_loader, valid_loader,
+                          resume_path: Optional[str], dist_state: "_dist.DistState",
+                          device: torch.device) -> Dict[str, Any]:
+        if p.compile_step == "cuda_graph" and (device.type != "cuda" or dist_state.enabled):
+            raise ValueError(f"training_params.compile_step: got 'cuda_graph' "
+                             + (f"but the device is {device}; CUDA graphs need a GPU" if device.type != "cuda" else
+                                "in a distributed run") + "; allowed here: 'off' or 'compile'")
         # Reproducibility and speed switches.
         torch.manual_seed(p.seed)
         random.seed(p.seed)
@@ -174,10 +210,15 @@ class Trainer:
         if p.channels_last:
             model = model.to(memory_format=torch.channels_last)
         if p.sync_bn:
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            if dist_state.enabled:
+                model = _dist.convert_sync_batchnorm(model)
             else:
                 warnings.warn("training_params.sync_bn: not a distributed run, BatchNorm stays local", stacklevel=2)
+        # DDP broadcasts rank 0's weights: built before the optimizer (master weights) and the EMA copy them.
+        ddp_model = (_dist.wrap_model(model, dist_state, device, p.find_unused_parameters) if dist_state.enabled
+                     else model)
+        train_loader = _dist.shard_train_loader(train_loader, dist_state, p.seed)
+        valid_loader = _dist.shard_valid_loader(valid_loader, dist_state)
         precision = resolve_precision(p.mixed_precision, device)
         scaler = precision.make_scaler(**p.scaler_params)
         opt, fused = self._build_optimizer(model, p, device)
@@ -198,7 +239,7 @@ class Trainer:
         self._skipped_before = 0.0
         best = {"metric": p.metric_to_watch, "value": None, "epoch": None}
         stale_epochs = 0
-        logger = ExperimentLogger(self.experiment_dir)
+        logger = ExperimentLogger(self.experiment_dir) if dist_state.is_main else _dist.NullLogger()
         if resume_path is not None:
             ck = load_checkpoint(resume_path)
             unwrap_model(model).load_state_dict(ck["model"])
@@ -219,12 +260,20 @@ class Trainer:
         if ema is not None and fused:
             ema.attach(opt)
 
-        train_model = model
+        # Distributed: the DDP-wrapped module is compiled, so Dynamo's DDPOptimizer can split the graph at the
+        # gradient buckets and overlap the all-reduces with the backward (docs/design.md).
+        train_model = ddp_model
         if p.torch_compile:
-            train_model = torch.compile(model, mode=p.torch_compile_mode, **p.torch_compile_options)
+            train_model = torch.compile(ddp_model, mode=p.torch_compile_mode, **p.torch_compile_options)
         eval_model = ema.module if ema is not None else train_model
+        if ema is None and ddp_model is not model:  # validate without DDP: no collectives, shards may differ
+            eval_model = (torch.compile(model, mode=p.torch_compile_mode, **p.torch_compile_options)
+                          if p.torch_compile else model)
         if p.torch_compile and ema is not None:
             eval_model = torch.compile(ema.module, mode=p.torch_compile_mode, **p.torch_compile_options)
+        # Built after a resume has loaded the state (a captured step reads it at fixed addresses).
+        train_step = self._build_step(ddp_model if p.compile_step != "off" else train_model, loss_fn, opt, fused,
+                                      scaler, precision, ema, p)
 
         train_metrics = build_metrics(p.train_metrics, device)
         valid_metrics = build_metrics(p.valid_metrics, device)
@@ -232,30 +281,38 @@ class Trainer:
         last: Dict[str, Any] = {}
         try:
             for epoch in range(start_epoch, p.max_epochs):
-                row, global_step = self._train_epoch(epoch, p, train_model, model, opt, fused, scaler, ema, loss_fn,
+                if dist_state.enabled:  # per rank and epoch, so a resumed run re-derives it
+                    _dist.seed_everything(_dist.epoch_seed(p.seed, dist_state.rank, epoch))
+                _dist.set_epoch(train_loader, epoch)
+                row, global_step = self._train_epoch(epoch, p, train_step, model, opt, fused, scaler, ema, loss_fn,
                                                      precision, schedule, train_loader, train_metrics, running_loss,
                                                      device, global_step, steps_per_epoch)
+                _dist.broadcast_buffers(dist_state, [model, ema.module if ema is not None else None])
                 if valid_loader is not None and ((epoch + 1) % p.run_validation_freq == 0 or
                                                  epoch + 1 == p.max_epochs):
                     row.update({f"valid_{k}": v for k, v in self._evaluate(
                         eval_model, valid_loader, loss_fn, precision, valid_metrics, device,
-                        p.max_valid_batches, p.channels_last).items()})
+                        p.max_valid_batches, p.channels_last, dist_state=dist_state).items()})
                 row.update(_memory_mb(device))
                 improved = self._update_best(best, row, p, epoch)
                 stale_epochs = 0 if improved else stale_epochs + (1 if f"valid_{p.metric_to_watch}" in row else 0)
                 logger.log_epoch(row)
-                self._print_epoch(row)
+                if dist_state.is_main:
+                    self._print_epoch(row)
                 last = row
-                state = self._checkpoint(model, opt, scaler, ema, epoch + 1, global_step, best, stale_epochs, p,
-                                         train_loader)
-                atomic_save(state, os.path.join(self.experiment_dir, "ckpt_latest.pth"))
-                if improved:
-                    atomic_save(state, os.path.join(self.experiment_dir, "ckpt_best.pth"))
-                if epoch + 1 in p.save_ckpt_epoch_list:
-                    atomic_save(state, os.path.join(self.experiment_dir, f"ckpt_epoch_{epoch + 1}.pth"))
+                if dist_state.is_main:  # logs and checkpoints on rank 0; the others wait at the barrier
+                    state = self._checkpoint(model, opt, scaler, ema, epoch + 1, global_step, best, stale_epochs,
+                                             p, train_loader)
+                    atomic_save(state, os.path.join(self.experiment_dir, "ckpt_latest.pth"))
+                    if improved:
+                        atomic_save(state, os.path.join(self.experiment_dir, "ckpt_best.pth"))
+                    if epoch + 1 in p.save_ckpt_epoch_list:
+                        atomic_save(state, os.path.join(self.experiment_dir, f"ckpt_epoch_{epoch + 1}.pth"))
+                _dist.barrier(dist_state)
                 if p.early_stopping and stale_epochs >= p.early_stopping["patience"]:
-                    print(f"Early stopping after epoch {epoch + 1}: no improvement of {p.metric_to_watch} "
-                          f"for {stale_epochs} validation(s)")
+                    if dist_state.is_main:
+                        print(f"Early stopping after epoch {epoch + 1}: no improvement of {p.metric_to_watch} "
+                              f"for {stale_epochs} validation(s)")
                     break
         finally:
             if ema is not None:
@@ -295,7 +352,7 @@ class Trainer:
             n = min(n, p.max_train_batches)
         return max(1, -(-n // p.batch_accumulate))
 
-    def _train_epoch(self, epoch, p, train_model, model, opt, fused, scaler: LossScaler, ema, loss_fn,
+    def _train_epoch(self, epoch, p, train_step: TrainStep, model, opt, fused, scaler: LossScaler, ema, loss_fn,
                      precision: Precision, schedule, loader, metrics: List[Metric], running_loss: Tensor,
                      device, global_step: int, steps_per_epoch: int):
         model.train()
@@ -305,8 +362,9 @@ class Trainer:
         n_batches = len(loader) if hasattr(loader, "__len__") else None
         if p.max_train_batches:
             n_batches = min(n_batches or p.max_train_batches, p.max_train_batches)
-        progress = _Progress(p.progress_bar, n_batches or 0, f"epoch {epoch + 1}/{p.max_epochs}")
-        samples, micro = 0, 0
+        progress = _Progress(p.progress_bar and self._dist_state.is_main, n_batches or 0,
+                             f"epoch {epoch + 1}/{p.max_epochs}")
+        samples = 0
         t0 = time.perf_counter()
         warmup_time = None
         for i, (x, y) in enumerate(loader):
@@ -314,34 +372,16 @@ class Trainer:
                 break
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
-            if p.channels_last and x.dim() == 4:
-                x = x.contiguous(memory_format=torch.channels_last)
-            with precision.autocast():
-                out = train_model(x)
-                loss = loss_fn(out, y)
-            micro += 1
+            # The step (channels_last conversion, forward, loss, backward and, on
+            # the last micro-batch of a group, the optimizer tail: TrainStep).
             last_micro = n_batches is not None and i + 1 == n_batches
-            do_step = micro % p.batch_accumulate == 0 or last_micro
-            scaler.scale(loss / p.batch_accumulate if p.batch_accumulate > 1 else loss).backward()
+            do_step = train_step.will_step(last_micro)
             if do_step:
                 self._set_lr(opt, schedule(global_step), fused)
-                skip = False
-                if not fused and p.clip_grad_norm is not None:
-                    scaler.unscale_(opt)
-                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p.clip_grad_norm)
-                    # As in the fused step: with clipping on, a step whose gradients
-                    # are not finite is skipped (under fp16 the scaler skips it).
-                    # One host read, on the torch-optimizer path only.
-                    skip = not scaler.is_enabled() and not bool(torch.isfinite(norm))
-                if not skip:
-                    scaler.step(opt)
-                    scaler.update()
-                    if ema is not None and not fused:
-                        ema.update(model, found_inf=scaler.last_step_skipped if scaler.is_enabled() else None)
-                opt.zero_grad(set_to_none=True)
+            with _dist.grad_sync(train_step.model, do_step):  # DDP: all-reduce only on the micro-batch that steps
+                out_d, loss_d = train_step(x, y, last=last_micro)
+            if do_step:
                 global_step += 1
-                micro = 0
-            out_d, loss_d = out.detach(), loss.detach()
             running_loss += loss_d.double() * x.shape[0]
             for m in metrics:
                 m.update(out_d.float(), y, loss_d)
@@ -360,13 +400,15 @@ class Trainer:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
         steady = time.perf_counter() - t_steady if warmup_time is not None else 0.0
+        first_batch = x.shape[0] * self._dist_state.world_size if samples else 0
+        samples = int(_dist.reduce_epoch(self._dist_state, running_loss, metrics, samples))  # all ranks' sums
         row: Dict[str, Any] = {"epoch": epoch + 1}
         row["train_loss"] = running_loss.item() / max(1, samples)
         row.update({f"train_{k}": v for k, v in compute_all(metrics).items() if k != "loss"})
         row["lr"] = schedule(max(0, global_step - 1))
         row["epoch_time_s"] = elapsed
         row["warmup_time_s"] = warmup_time or 0.0
-        row["samples_per_s"] = (samples - (x.shape[0] if samples else 0)) / steady if steady > 0 else 0.0
+        row["samples_per_s"] = (samples - first_batch) / steady if steady > 0 else 0.0
         if scaler.is_enabled() and scaler.skipped_steps is not None:
             row["skipped_steps"] = self._skipped_before + float(scaler.skipped_steps.item())
             row["loss_scale"] = scaler.get_scale()
@@ -374,7 +416,7 @@ class Trainer:
 
     @staticmethod
     def _evaluate(model, loader, loss_fn, precision: Precision, metrics: List[Metric], device, max_batches,
-                  channels_last: bool) -> Dict[str, float]:
+                  channels_last: bool, dist_state: Optional["_dist.DistState"] = None) -> Dict[str, float]:
         was_training = model.training
         model.eval()
         for m in metrics:
@@ -396,6 +438,8 @@ class Trainer:
                 for m in metrics:
                     m.update(out.float(), y, loss)
         model.train(was_training)
+        if dist_state is not None and dist_state.enabled:  # each rank validated its shard
+            n = _dist.reduce_epoch(dist_state, loss_sum, metrics, n)
         res = {"loss": loss_sum.item() / max(1, n)}
         res.update({k: v for k, v in compute_all(metrics).items() if k != "loss"})
         return res
@@ -456,5 +500,6 @@ class Trainer:
                 "scaler": scaler.state_dict(), "ema": ema.state_dict() if ema is not None else None,
                 "epoch": epoch, "global_step": global_step, "best": dict(best), "stale_epochs": stale_epochs,
                 "rng": self._rng_state(loader), "training_params": p.to_dict(json_safe=True),
+                "world_size": self._dist_state.world_size,
                 "skipped_steps": self._skipped_before + (float(scaler.skipped_steps.item()) if scaler.is_enabled()
                                                          and scaler.skipped_steps is not None else 0.0)}

@@ -1,0 +1,477 @@
+"""The whole training step as one callable: forward, loss, backward and the
+optimizer tail (loss scaling, fused update with clipping, attached EMA, scale
+update, gradient reset), run eagerly, compiled with ``torch.compile`` or
+captured as CUDA graphs and replayed for every batch.
+
+fusetrain's step never asks the host anything (lr, step counters, loss scale,
+non-finite flag and EMA decay are device tensors), which is what makes the
+step compilable as a whole and capturable.
+
+Modes
+-----
+``"off"``
+    Plain eager execution (the Trainer's loop).
+``"compile"``
+    ``torch.compile`` of the step. Dynamo stops at ``loss.backward()`` (see
+    NOTE [compile split] below), so a step is a compiled forward/loss graph
+    whose backward is compiled by AOTAutograd, plus a compiled tail graph:
+    ``scaler.step(opt)``, ``scaler.update()``, the EMA and ``zero_grad``
+    trace with no break. With a ``torch.optim`` optimizer only the
+    forward/backward part is compiled; its tail (which reads the non-finite
+    flag on the host) runs eagerly.
+``"cuda_graph"``
+    CUDA graphs (fusetrain optimizers on CUDA only). The first
+    ``warmup_steps`` optimizer steps run eagerly on a side stream (they are
+    ordinary training steps; they create the optimizer state, the loss scale
+    and the gradients), then the step is captured and replayed: the batch is
+    copied into static input buffers, gradients live in persistent ``.grad``
+    tensors (zeroed in place rather than set to None). With ``accumulate > 1``
+    two graphs share one memory pool: a micro-step (forward + backward
+    accumulating into ``.grad``) and a full step (the same + tail).
+
+Batches whose shape differs from the first one
+----------------------------------------------
+The compiled/captured step is built for the shapes, dtypes and devices of the
+first batch. A *smaller last batch* (same trailing dims, fewer samples, e.g. the
+end of an epoch without ``drop_last``) runs eagerly with the same step
+semantics: exact, no sample dropped, one eager step per epoch, nothing
+recompiled or recaptured. Any other mismatch (a different image size, dtype
+or device, or a smaller batch not followed by a full one) also runs eagerly,
+with a one-time warning that names the expected and received shapes.
+``compile_options={"dynamic": True}`` sends every shape through the compiled
+step instead.
+
+What stays fixed after compilation/capture
+------------------------------------------
+Anything read on the host when the step was built: Python hyperparameters of
+the optimizer (betas, weight decay, momentum, max_grad_norm), the loss-scaler
+factors, the model's train/eval mode and its structure. Device tensors may
+change freely: fill the optimizer's lr tensor in place between calls (an LR
+schedule), the EMA decay and the loss scale change on the device. After
+``load_state_dict`` of the model/optimizer/scaler or any structural change,
+call :meth:`TrainStep.invalidate` (or build a new step).
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..amp import LossScaler, Precision
+from ..ema import ModelEMA
+from ..optim._base import FusedOptimizer
+
+__all__ = ["TrainStep", "MODES"]
+
+#: The step modes, in order of increasing capture.
+MODES = ("off", "compile", "cuda_graph")
+_COMPILE_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options", "disable")
+
+
+def _fresh(fn: Callable) -> Callable:
+    # NOTE [fresh code object]: dynamo keeps its compiled code (and counts its
+    # recompilations) per code object. The step functions are closures defined
+    # in one place, so every TrainStep would share one cache: a second model
+    # would count as a recompilation of the first, and after
+    # torch._dynamo.config.recompile_limit of them dynamo would silently run the
+    # step eagerly. A copy of the code object gives each TrainStep (and each
+    # rebuild after invalidate()) a cache of its own, freed with it.
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+
+
+def _describe(x: Tensor, y: Tensor) -> str:
+    return f"x {tuple(x.shape)} {x.dtype} on {x.device}, y {tuple(y.shape)} {y.dtype} on {y.device}"
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The first exception of a chain (capture_end's error hides the one that
+    broke the capture)."""
+    seen = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        nxt = e.__cause__ or e.__context__
+        if nxt is None:
+            break
+        e = nxt
+    return e
+
+
+class TrainStep:
+    """One training step (forward, loss, backward, optimizer tail), run
+    eagerly, compiled or captured as CUDA graphs; see the module docstring.
+
+    Args:
+      model: the model being trained (in train mode).
+      loss_fn: ``loss_fn(outputs, targets) -> loss`` (a scalar tensor).
+      optimizer: a fusetrain optimizer (any mode) or a ``torch.optim``
+        optimizer (modes ``"off"`` and ``"compile"``).
+      scaler: a :class:`fusetrain.LossScaler` (default: a disabled one).
+      precision: a :class:`fusetrain.Precision` (default: fp32 on the model's
+        device type).
+      mode: ``"off"``, ``"compile"`` or ``"cuda_graph"``.
+      accumulate: micro-batches per optimizer step; each loss is divided by it.
+      ema: a :class:`fusetrain.ModelEMA`. With a fusetrain optimizer it is
+        attached to it (its update rides in the fused pass); otherwise it is
+        updated after each step, skipped on non-finite fp16 steps.
+      compile_options: ``torch.compile`` keyword arguments (``mode``,
+        ``fullgraph``, ``dynamic``, ``backend``, ``options``, ``disable``) for
+        mode ``"compile"``.
+      warmup_steps: eager optimizer steps before capture (``"cuda_graph"``).
+      channels_last: convert 4-d inputs to the channels-last memory format.
+      clip_grad_norm: global gradient-norm clipping for a ``torch.optim``
+        optimizer (unscaled gradients, eager tail; a step with non-finite
+        gradients is skipped). fusetrain optimizers clip in their fused step
+        (their ``max_grad_norm``).
+
+    Call ``step(x, y)`` with one micro-batch already on the device; the tail runs
+    on every ``accumulate``-th call, or when ``last=True`` (the end of an epoch
+    whose micro-batch count is not a multiple). Returns the detached output and
+    (undivided) loss. In ``"cuda_graph"`` mode these are the graph's static
+    buffers, overwritten by the next call: use them before it, or clone them.
+    No call synchronises with the host (with a fusetrain optimizer).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], optimizer: torch.optim.Optimizer,
+                 scaler: Optional[LossScaler] = None, precision: Optional[Precision] = None, *, mode: str = "off",
+                 accumulate: int = 1, ema: Optional[ModelEMA] = None, compile_options: Optional[Dict[str, Any]] = None,
+                 warmup_steps: int = 3, channels_last: bool = False, clip_grad_norm: Optional[float] = None) -> None:
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ValueError(f"TrainStep: mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"TrainStep: model must be an nn.Module, got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"TrainStep: loss_fn must be callable (outputs, targets) -> loss, got "
+                            f"{type(loss_fn).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"TrainStep: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"TrainStep: accumulate must be an int >= 1, got {accumulate!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"TrainStep: warmup_steps must be an int >= 1, got {warmup_steps!r}")
+        if scaler is not None and not isinstance(scaler, LossScaler):
+            raise TypeError(f"TrainStep: scaler must be a fusetrain.LossScaler or None, got {type(scaler).__name__}")
+        if ema is not None and not isinstance(ema, ModelEMA):
+            raise TypeError(f"TrainStep: ema must be a fusetrain.ModelEMA or None, got {type(ema).__name__}")
+        compile_options = dict(compile_options or {})
+        bad = sorted(k for k in compile_options if k not in _COMPILE_KEYS)
+        if bad:
+            raise ValueError(f"TrainStep: compile_options has unknown key(s) {bad}; allowed: {list(_COMPILE_KEYS)}")
+        self.fused = isinstance(optimizer, FusedOptimizer)
+        if clip_grad_norm is not None:
+            if self.fused:
+                raise ValueError("TrainStep: clip_grad_norm is for torch.optim optimizers; a fusetrain optimizer "
+                                 "clips inside its fused step (construct it with max_grad_norm=...)")
+            if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) or clip_grad_norm <= 0:
+                raise ValueError(f"TrainStep: clip_grad_norm must be a number > 0 or None, got {clip_grad_norm!r}")
+        first = next(model.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        if mode == "cuda_graph":
+            self._check_capturable(optimizer)
+        if mode == "compile" and self.fused and any(not isinstance(g["lr"], Tensor) for g in optimizer.param_groups):
+            warnings.warn("TrainStep(mode='compile'): the optimizer's lr is a Python number, so every new value "
+                          "recompiles the step; pass lr=torch.tensor(value, device=...) and change it in place "
+                          "(lr.fill_(v))", stacklevel=2)
+
+        self.model = model
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.precision = precision if precision is not None else Precision("fp32", self.device.type)
+        self.scaler = scaler if scaler is not None else LossScaler(enabled=False)
+        self.ema = ema
+        if ema is not None and self.fused and ema._optimizer is not optimizer:
+            ema.attach(optimizer)
+        self.accumulate = accumulate
+        self.compile_options = compile_options
+        self.warmup_steps = warmup_steps
+        self.channels_last = bool(channels_last)
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self._mode = mode
+        self._micro = 0  # micro-batches since the last optimizer step
+        self.invalidate()
+
+    def _check_capturable(self, optimizer) -> None:
+        if self.device.type != "cuda":
+            raise ValueError(f"TrainStep: compile_step='cuda_graph' needs the model on a CUDA device, found "
+                             f"{self.device}; CUDA graphs need a GPU. Use compile_step='compile' or 'off' here")
+        if not isinstance(optimizer, FusedOptimizer):
+            raise ValueError(f"TrainStep: compile_step='cuda_graph' needs a fusetrain optimizer (lr, step counters "
+                             f"and loss scale in device memory, no host sync), got {type(optimizer).__name__}; "
+                             "use a fusetrain.optim optimizer, or compile_step='compile' or 'off'")
+        for gi, g in enumerate(optimizer.param_groups):
+            lr = g["lr"]
+            if not isinstance(lr, Tensor) or lr.device != self.device:
+                raise ValueError(f"TrainStep: compile_step='cuda_graph' needs each param group's lr as a tensor on "
+                                 f"{self.device} (a captured graph cannot see a new Python float); group {gi} has "
+                                 f"lr={lr!r}. Construct the optimizer with lr=torch.tensor(value, device='cuda') and "
+                                 "change it with lr.fill_(new_value)")
+
+    # ---- introspection -------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def captured(self) -> bool:
+        """Whether a compiled or captured step exists (and runs the matching batches)."""
+        if self._mode == "cuda_graph":
+            return bool(self._graphs)
+        return self._mode == "compile" and self._compiled_used
+
+    def will_step(self, last: bool = False) -> bool:
+        """Whether the next call (with this ``last``) runs the optimizer tail."""
+        return last or self._micro + 1 >= self.accumulate
+
+    # ---- building --------------------------------------------------------------------
+
+    def invalidate(self) -> None:
+        """Drop compiled/captured state; the next calls rebuild it (after
+        load_state_dict, a resume, or a change of the model or optimizer). For
+        ``"cuda_graph"`` the warm-up steps run again."""
+        self._graphs: Dict[bool, Any] = {}
+        self._outs: Dict[bool, Tuple[Tensor, Tensor]] = {}
+        self._graph_last: Dict[str, Any] = {}
+        self._pool = None
+        self._static_x: Optional[Tensor] = None
+        self._static_y: Optional[Tensor] = None
+        self._side_stream = None
+        self._failed_graphs = getattr(self, "_failed_graphs", [])
+        self._warm = 0  # eager optimizer steps done towards the warm-up
+        self._sig: Optional[Tuple] = None
+        self._prev_mismatch = False
+        self._warned_shape = False
+        self._compiled_used = False
+        self._dynamic = self._mode == "compile" and self.compile_options.get("dynamic") is True
+        self._build()
+
+    def _build(self) -> None:
+        model, loss_fn, opt, scaler, precision = self.model, self.loss_fn, self.optimizer, self.scaler, self.precision
+        acc, ema = self.accumulate, self.ema
+        # Persistent .grad tensors under capture: the graph reads them at fixed addresses.
+        set_to_none = self._mode != "cuda_graph"
+
+        # The outputs are detached before backward(): only detached tensors live
+        # across dynamo's graph break there.
+        def fwd_bwd(x, y):
+            with precision.autocast():
+                out = model(x)
+                loss = loss_fn(out, y)
+            res = (out.detach(), loss.detach())
+            scaler.scale(loss / acc if acc > 1 else loss).backward()
+            return res
+
+        if self.fused:
+            def tail():
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=set_to_none)
+
+            def step_no_zero(x, y):
+                # fwd_bwd and tail written out, not called: one frame for dynamo.
+                # Optimizer.zero_grad is on dynamo's skip list (a graph break), so
+                # the compiled step calls it after the compiled function.
+                with precision.autocast():
+                    out = model(x)
+                    loss = loss_fn(out, y)
+                res = (out.detach(), loss.detach())
+                scaler.scale(loss / acc if acc > 1 else loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                return res
+
+            def full(x, y):
+                out, loss = step_no_zero(x, y)
+                opt.zero_grad(set_to_none=set_to_none)
+                return out, loss
+        else:
+            clip = self.clip_grad_norm
+
+            def tail():
+                skip = False
+                if clip is not None:
+                    scaler.unscale_(opt)
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                    # As in the fused step: with clipping on, a step whose gradients
+                    # are not finite is skipped (under fp16 the scaler skips it).
+                    # One host read, on the torch-optimizer path only.
+                    skip = not scaler.is_enabled() and not bool(torch.isfinite(norm))
+                if not skip:
+                    scaler.step(opt)
+                    scaler.update()
+                    if ema is not None:
+                        ema.update(model, found_inf=scaler.last_step_skipped if scaler.is_enabled() else None)
+                opt.zero_grad(set_to_none=True)
+
+            def full(x, y):
+                out, loss = fwd_bwd(x, y)
+                tail()
+                return out, loss
+
+        self._fwd_bwd, self._tail, self._full = fwd_bwd, tail, full
+        if self._mode == "compile":
+            # NOTE [compile split]: dynamo breaks the graph at loss.backward();
+            # AOTAutograd still compiles the backward of the forward graph, and
+            # the code after backward() (the fused tail) is a second graph.
+            # Compiled autograd (torch._dynamo.config.compiled_autograd) would
+            # trace the backward at run time instead: on this project's models it
+            # was slower to compile and no faster per step (docs/design.md,
+            # "Whole-step capture"), so it is left to the user's global setting.
+            c_micro = torch.compile(_fresh(fwd_bwd), **self.compile_options)
+            if self.fused:
+                c_step = torch.compile(_fresh(step_no_zero), **self.compile_options)
+
+                def c_full(x, y):
+                    out, loss = c_step(x, y)
+                    opt.zero_grad(set_to_none=True)
+                    return out, loss
+            else:
+                def c_full(x, y):
+                    out, loss = c_micro(x, y)
+                    tail()
+                    return out, loss
+            self._c = {False: c_micro, True: c_full}
+            self._run = self._run_compiled
+        elif self._mode == "cuda_graph":
+            self._run = self._run_graphed
+        else:
+            self._run = self._run_eager
+
+    # ---- calling ---------------------------------------------------------------------
+
+    def __call__(self, x: Tensor, y: Any, last: bool = False) -> Tuple[Tensor, Tensor]:
+        self._micro += 1
+        do_step = last or self._micro >= self.accumulate
+        if do_step:
+            self._micro = 0
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self._run(x, y, do_step)
+
+    def _run_eager(self, x, y, do_step: bool):
+        out, loss = self._fwd_bwd(x, y)
+        if do_step:
+            self._tail()
+        return out, loss
+
+    def _matches(self, x, y) -> bool:
+        sig = self._sig
+        if sig is None:
+            self._sig = (x.shape, x.dtype, x.device, y.shape, y.dtype, y.device)
+            return True
+        return (x.shape == sig[0] and y.shape == sig[3] and x.dtype == sig[1] and y.dtype == sig[4]
+                and x.device == sig[2] and y.device == sig[5])
+
+    def _is_partial(self, x, y) -> bool:
+        sx, dx, devx, sy, dy, devy = self._sig
+        return (x.dtype == dx and y.dtype == dy and x.device == devx and y.device == devy
+                and x.dim() == len(sx) and y.dim() == len(sy) and x.dim() > 0 and y.dim() > 0
+                and x.shape[1:] == sx[1:] and y.shape[1:] == sy[1:]
+                and 0 < x.shape[0] < sx[0] and x.shape[0] == y.shape[0] and sx[0] == sy[0])
+
+    def _mismatch(self, x, y, do_step: bool):
+        """A batch the compiled/captured step was not built for: run it eagerly."""
+        if (not self._is_partial(x, y) or self._prev_mismatch) and not self._warned_shape:
+            self._warned_shape = True
+            sx, dx, devx, sy, dy, devy = self._sig
+            built = "captured" if self._mode == "cuda_graph" else "compiled"
+            warnings.warn(
+                f"TrainStep(mode={self._mode!r}): the step was {built} for x {tuple(sx)} {dx} on {devx}, "
+                f"y {tuple(sy)} {dy} on {devy}, but got {_describe(x, y)}; such batches run eagerly (slower). Only "
+                f"a smaller last batch of an epoch runs eagerly without this warning. Call invalidate() to "
+                f"rebuild the step for new shapes" + ("" if self._mode == "cuda_graph" else
+                                                      ", or pass compile_options={'dynamic': True}"),
+                stacklevel=3)
+        self._prev_mismatch = True
+        return self._run_eager(x, y, do_step)
+
+    def _run_compiled(self, x, y, do_step: bool):
+        if not self._dynamic and not self._matches(x, y):
+            return self._mismatch(x, y, do_step)
+        self._prev_mismatch = False
+        self._compiled_used = True
+        return self._c[do_step](x, y)
+
+    # ---- CUDA graphs -------------------------------------------------------------------
+
+    def _run_graphed(self, x, y, do_step: bool):
+        matches = self._matches(x, y)
+        if self._warm < self.warmup_steps:
+            # Eager warm-up steps on a side stream (what capture needs: lazily
+            # created state, cuBLAS workspaces, ... exist before it).
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=self.device)
+            cur = torch.cuda.current_stream(self.device)
+            self._side_stream.wait_stream(cur)
+            with torch.cuda.stream(self._side_stream):
+                res = self._run_eager(x, y, do_step)
+            cur.wait_stream(self._side_stream)
+            if do_step:
+                self._warm += 1
+            return res
+        if not matches:
+            return self._mismatch(x, y, do_step)
+        self._prev_mismatch = False
+        graph = self._graphs.get(do_step)
+        if graph is None:
+            return self._capture(x, y, do_step)
+        self._static_x.copy_(x)
+        self._static_y.copy_(y)
+        graph.replay()
+        if do_step:
+            # Eager steps (mismatching batches) point these at their own tensors.
+            self.optimizer._last.update(self._graph_last)
+        return self._outs[do_step]
+
+    def _capture(self, x, y, do_step: bool):
+        if self._static_x is None:
+            self._static_x = torch.empty_like(x)
+            self._static_y = torch.empty_like(y)
+        self._static_x.copy_(x)
+        self._static_y.copy_(y)
+        if self._pool is None:
+            # Both graphs (micro-step and full step) allocate from one pool.
+            self._pool = torch.cuda.graph_pool_handle()
+        opt, scaler = self.optimizer, self.scaler
+        saved_last = dict(opt._last)
+        cur = torch.cuda.current_stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        fn = self._full if do_step else self._fwd_bwd
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                outs = fn(self._static_x, self._static_y)
+        except Exception as e:
+            # Capture records kernels without running them, so no weight, state or
+            # gradient changed; discard what the Python side recorded meanwhile.
+            torch.cuda.set_stream(cur)  # capture_end may have failed before leaving the capture stream
+            # Kept alive: if capture_end failed early, the caching allocator may
+            # still hold a routing filter that refers to this graph object.
+            self._failed_graphs.append(graph)
+            scaler._per_optimizer.clear()
+            opt._set_amp(None, None)
+            opt._last.clear()
+            opt._last.update(saved_last)
+            self._graphs.clear()
+            self._outs.clear()
+            self._pool = None
+            torch.cuda.synchronize(self.device)
+            cause = _root_cause(e)
+            raise RuntimeError(
+                "TrainStep: the training step could not be captured as a CUDA graph "
+                f"({type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}). "
+                "The likely cause is a host synchronisation or data-dependent control flow in the model or the loss "
+                "(.item(), .tolist(), bool/float/int of a tensor, printing a tensor value, an `if` on a tensor, "
+                "nonzero()/masked indexing, .cpu()). Use compile_step='compile' or 'off' for this model, or find the "
+                "sync by running an eager step under torch.cuda.set_sync_debug_mode('warn'). The weights and "
+                "optimizer state are unchanged") from e
+        self._graphs[do_step] = graph
+        self._outs[do_step] = outs
+        if do_step:
+            self._graph_last = dict(opt._last)
+        # Capture ran nothing: this batch is trained by the first replay.
+        graph.replay()
+        return outs
