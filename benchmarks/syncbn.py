@@ -63,7 +63,11 @@ class _TorchAlgorithmSyncBN(torch.autograd.Function):
         shape = [1, c] + [1] * (x.dim() - 2)
         xhat = (x - g_mean.view(shape)) * invstd.view(shape)
         ctx.save_for_backward(x, weight, g_mean, invstd, n)
-        return (xhat * weight.view(shape) + bias.view(shape)).to(x.dtype)
+        y = xhat * weight.view(shape) + bias.view(shape)
+        # No ``.to()`` when the dtype already matches: with torch 2.11 a no-op
+        # ``.to()`` on the value returned here makes the compiled graph feed the
+        # backward a zero gradient (every parameter below it gets grad 0).
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -147,14 +151,22 @@ def _worker(rank, world, cfg, result_path):
                 return loss
 
             t0 = time.perf_counter()
-            first = step().item()
+            loss = compiled(x)
+            loss.backward()
+            # Norm of the first step's gradients: both variants must agree.
+            grad_norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()])).item()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            first = loss.item()
             compile_s = time.perf_counter() - t0
             for _ in range(cfg["warmup"]):
                 step()
             steps[variant] = step
             out[variant] = {"graph_breaks": explained.graph_break_count, "graphs": explained.graph_count,
                             "break_reasons": [str(r.reason)[:200] for r in explained.break_reasons][:5],
-                            "first_step_s_incl_compile": compile_s, "loss_first_step": first, "times_ms": []}
+                            "first_step_s_incl_compile": compile_s, "loss_first_step": first,
+                            "grad_norm_first_step": grad_norm, "times_ms": []}
         for r in range(cfg["repeats"]):
             for variant in C.rotated(VARIANTS, r):
                 dist.barrier()
@@ -193,7 +205,17 @@ def main(argv=None):
            "blocks": 6, "threads_per_rank": max(1, (os.cpu_count() or 2) // world), "port": _free_port()}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rank0.json")
-        mp.spawn(_worker, args=(world, cfg, path), nprocs=world, join=True)
+        # A fresh inductor cache for the run (unless one is chosen): its keys do
+        # not cover custom ops' layout tags, so graphs cached before a change of
+        # them would be reused; both variants compile cold.
+        own_cache = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+        if own_cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor_cache")
+        try:
+            mp.spawn(_worker, args=(world, cfg, path), nprocs=world, join=True)
+        finally:
+            if own_cache:
+                del os.environ["TORCHINDUCTOR_CACHE_DIR"]
         with open(path) as f:
             res = json.load(f)
     for v in VARIANTS:
@@ -206,6 +228,7 @@ def main(argv=None):
     for v, label in (("torch", torch_label), ("fusetrain", "fusetrain.nn.SyncBatchNorm")):
         r = res[v]
         print(f"{v + ' (' + label + ')':<44} {r['graph_breaks']:>12} {r['median_ms']:>15.3f} {r['min_ms']:>12.3f}")
+    print("first-step gradient norm: " + ", ".join(f"{v} {res[v]['grad_norm_first_step']:.6g}" for v in VARIANTS))
     ratio = res["torch"]["median_ms"] / res["fusetrain"]["median_ms"]
     print(f"step time torch / fusetrain: {ratio:.3f}x")
     targets = [

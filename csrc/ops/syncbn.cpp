@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <vector>
 
 #include "../common/syncbn.h"
 #include "../common/update_args.h"
@@ -215,14 +216,21 @@ at::Tensor bn_backward_elemt_impl(const at::Tensor& dy_in, const at::Tensor& x_i
 }  // namespace detail
 }  // namespace fusetrain
 
+// NOTE [flexible layout]: the kernels read (N, C, *) inputs contiguous or
+// channels-last in place and return empty_like(x)-strided outputs (as the fake
+// kernels do), so the ops are tagged flexible_layout: inductor, which lays
+// convolution outputs out channels-last, then passes its layout through
+// instead of copying every input to NCHW and every output back.
 TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
   m.set_python_module("fusetrain._ops");
-  m.def("bn_stats(Tensor x) -> (Tensor count, Tensor mean, Tensor m2)");
-  m.def("bn_backward_reduce(Tensor dy, Tensor x, Tensor mean) -> (Tensor sum_dy, Tensor sum_dy_xmu)");
-  m.def("bn_elemt(Tensor x, Tensor mean, Tensor invstd, Tensor? weight=None, Tensor? bias=None) -> Tensor");
+  const std::vector<at::Tag> tags{at::Tag::flexible_layout};
+  m.def("bn_stats(Tensor x) -> (Tensor count, Tensor mean, Tensor m2)", tags);
+  m.def("bn_backward_reduce(Tensor dy, Tensor x, Tensor mean) -> (Tensor sum_dy, Tensor sum_dy_xmu)", tags);
+  m.def("bn_elemt(Tensor x, Tensor mean, Tensor invstd, Tensor? weight=None, Tensor? bias=None) -> Tensor", tags);
   m.def(
       "bn_backward_elemt(Tensor dy, Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor sum_dy, "
-      "Tensor sum_dy_xmu, Tensor count) -> Tensor");
+      "Tensor sum_dy_xmu, Tensor count) -> Tensor",
+      tags);
 }
 
 TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {

@@ -51,6 +51,10 @@ def test_syncbn_quick_run_writes_report(tmp_path):
     # Same model, data and weights: the first losses agree.
     assert report["results"]["fusetrain"]["loss_first_step"] == pytest.approx(
         report["results"]["torch"]["loss_first_step"], rel=1e-4)
+    # ... and so do the first step's gradients (a compiled variant that dropped
+    # the gradient flowing through its batch norms would differ here).
+    gn = [report["results"][v]["grad_norm_first_step"] for v in ("torch", "fusetrain")]
+    assert gn[0] > 0 and gn[1] == pytest.approx(gn[0], rel=1e-3)
     assert report["results"]["fusetrain"]["graph_breaks"] == 0
     assert report["ratios"]["step_torch_over_fusetrain"] > 0
     assert os.path.exists(os.path.splitext(str(tmp_path / "syncbn.json"))[0] + ".png")

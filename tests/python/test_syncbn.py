@@ -281,3 +281,12 @@ def test_convert_sync_batchnorm_keeps_state_and_eval_output():
     assert isinstance(out, SyncBatchNorm) and out.weight is bn.weight
     with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
         convert_sync_batchnorm("not a module")
+
+
+def test_bn_ops_are_flexible_layout_for_inductor():
+    # The kernels read contiguous and channels-last inputs in place, so
+    # inductor may hand them its own layouts instead of copying to NCHW.
+    import fusetrain.nn.syncbn  # noqa: F401
+
+    for name in ("bn_stats", "bn_elemt", "bn_backward_reduce", "bn_backward_elemt"):
+        assert torch.Tag.flexible_layout in getattr(torch.ops.fusetrain, name).default.tags, name
