@@ -258,9 +258,14 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
         print(f"{where}{size}: experiment {recipe['experiment_name']!r}, model {recipe['arch_params']['name']} "
               f"({n_params:,} parameters), data {recipe['dataset_params']['name']} "
               f"({len(train_loader.dataset)} train / {len(valid_loader.dataset)} valid samples)", flush=True)
+    from .training.params import TrainingParamsError
+
     trainer = Trainer(recipe["experiment_name"], ckpt_root_dir=recipe["ckpt_root_dir"])
-    return trainer.train(model=model, training_params=recipe["training_params"], train_loader=train_loader,
-                         valid_loader=valid_loader)
+    try:
+        return trainer.train(model=model, training_params=recipe["training_params"], train_loader=train_loader,
+                             valid_loader=valid_loader)
+    except TrainingParamsError as exc:  # checks that need the run's device (compile_step: cuda_graph on a CPU)
+        raise RecipeError(f"{where}: {_error_text(exc)}") from exc
 
 
 def _training_params(recipe: Dict[str, Any], where: str):

@@ -32,7 +32,7 @@ from .checkpoints import atomic_save, load_checkpoint
 from .experiment_log import ExperimentLogger
 from .metrics import Metric, build_metrics, compute_all
 from .step import TrainStep
-from .params import LOSSES, TrainingParams, optimizer_class, resolve_training_params
+from .params import LOSSES, TrainingParams, TrainingParamsError, optimizer_class, resolve_training_params
 from .schedules import LRSchedule
 
 __all__ = ["Trainer"]
@@ -194,9 +194,9 @@ class Trainer:
                           resume_path: Optional[str], dist_state: "_dist.DistState",
                           device: torch.device) -> Dict[str, Any]:
         if p.compile_step == "cuda_graph" and (device.type != "cuda" or dist_state.enabled):
-            raise ValueError(f"training_params.compile_step: got 'cuda_graph' "
+            raise TrainingParamsError([f"training_params.compile_step: got 'cuda_graph' "
                              + (f"but the device is {device}; CUDA graphs need a GPU" if device.type != "cuda" else
-                                "in a distributed run") + "; allowed here: 'off' or 'compile'")
+                                "in a distributed run") + "; allowed here: 'off' or 'compile'"])
         # Reproducibility and speed switches.
         torch.manual_seed(p.seed)
         random.seed(p.seed)
