@@ -218,3 +218,49 @@ def write_report(report: Mapping[str, Any], path: str) -> None:
         f.write("\n")
     os.replace(tmp, path)
     print(f"wrote {path} ({report['elapsed_s']:.0f} s)")
+
+
+# ---- the seed's MNIST loops (shared by seed_mnist_amp.py and trainer_overhead.py)
+
+
+def seed_train(data_loader, model, optimizer, criterion, num_epochs: int, device: torch.device, epoch_start,
+               epoch_end) -> None:
+    """The seed's ``train()``, statement for statement, but for the epoch clock:
+    ``epoch_start()`` returns a token that ``epoch_end(epoch, losses, token)``
+    receives when the epoch's batches are done (each benchmark's own clock)."""
+    for epoch in range(num_epochs):
+        token = epoch_start()
+        losses = []
+        for img, label in data_loader:
+            img = img.to(device)
+            label = label.to(device)
+            optimizer.zero_grad()
+            prediction = model(img)
+            loss = criterion(prediction, label)
+            losses.append(loss.item())
+            loss.backward()
+            optimizer.step()
+        epoch_end(epoch, losses, token)
+
+
+def seed_optimized_train(data_loader, model, optimizer, criterion, num_epochs: int, device: torch.device,
+                         amp_dtype: torch.dtype, epoch_start, epoch_end) -> None:
+    """The seed's ``optimized_train()`` (``torch.amp.GradScaler`` is the current
+    name of its ``torch.cuda.amp.GradScaler()``); epoch clock as in
+    :func:`seed_train`."""
+    scaler = torch.amp.GradScaler(device.type)
+    for epoch in range(num_epochs):
+        token = epoch_start()
+        losses = []
+        for img, label in data_loader:
+            img = img.to(device)
+            label = label.to(device)
+            optimizer.zero_grad()
+            with torch.amp.autocast(device_type=device.type, dtype=amp_dtype):
+                prediction = model(img)
+                loss = criterion(prediction, label)
+            losses.append(loss.item())
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        epoch_end(epoch, losses, token)

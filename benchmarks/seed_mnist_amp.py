@@ -69,7 +69,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # loaded by file path rather than run as a script
     sys.path.insert(0, _HERE)
 from _common import (choose, device_line, fill_defaults, loadavg, make_parser, out_path, parse,  # noqa: E402
-                     print_header_row, print_target, run_header, verdict, write_report)
+                     print_header_row, print_target, run_header, seed_optimized_train, seed_train, verdict,
+                     write_report)
 from _steps import (DeviceBatches, EpochClock, RowUnavailable, bar_chart, make_fusetrain_step,  # noqa: E402
                     median, memory_figures, memory_mb, png_path_for, reset_memory)
 
@@ -142,45 +143,6 @@ def make_data(images: int):
 
 # ---------------------------------------------------------------- the seed's loops
 
-def seed_train(data_loader, model, optimizer, criterion, num_epochs, device, clock, record):
-    """The seed's ``train()``, statement for statement (the clock is the
-    benchmark's: CUDA events on GPU)."""
-    for epoch in range(num_epochs):
-        start_time = clock.start()
-        losses = []
-        for img, label in data_loader:
-            img = img.to(device)
-            label = label.to(device)
-            optimizer.zero_grad()
-            prediction = model(img)
-            loss = criterion(prediction, label)
-            losses.append(loss.item())
-            loss.backward()
-            optimizer.step()
-        record(epoch, sum(losses) / len(losses), clock.stop_s(start_time))
-
-
-def seed_optimized_train(data_loader, model, optimizer, criterion, num_epochs, device, clock, record, amp_dtype):
-    """The seed's ``optimized_train()`` (``torch.amp.GradScaler`` is the current
-    name of its ``torch.cuda.amp.GradScaler()``)."""
-    scaler = torch.amp.GradScaler(device.type)
-    for epoch in range(num_epochs):
-        start_time = clock.start()
-        losses = []
-        for img, label in data_loader:
-            img = img.to(device)
-            label = label.to(device)
-            optimizer.zero_grad()
-            with torch.amp.autocast(device_type=device.type, dtype=amp_dtype):
-                prediction = model(img)
-                loss = criterion(prediction, label)
-            losses.append(loss.item())
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        record(epoch, sum(losses) / len(losses), clock.stop_s(start_time))
-
-
 def fusetrain_train(data_loader, step, num_epochs, device, clock, record):
     """fusetrain's loop: one call of the step per batch, the loss summed on
     the device and read once per epoch (after the epoch's clock stops)."""
@@ -212,16 +174,20 @@ def run_row(row: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
         epochs.append({"epoch": epoch + 1, "loss": loss, "wall_s": seconds, "warmup": epoch == 0})
         print(f"[{BENCH}] {row} epoch {epoch + 1}: loss {loss:.4f}, {seconds:.3f} s", file=sys.stderr, flush=True)
 
+    def seed_epoch_end(epoch, losses, start_time):
+        record(epoch, sum(losses) / len(losses), clock.stop_s(start_time))
+
     out: Dict[str, Any] = {"row": row}
     reset_memory(device)
     if row.startswith("seed_"):
         torch.backends.cudnn.benchmark = cfg["seed_cudnn_benchmark"]
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         if row == "seed_fp32":
-            seed_train(data, model, optimizer, criterion, cfg["epochs"], device, clock, record)
+            seed_train(data, model, optimizer, criterion, cfg["epochs"], device, clock.start, seed_epoch_end)
         else:
             amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-            seed_optimized_train(data, model, optimizer, criterion, cfg["epochs"], device, clock, record, amp_dtype)
+            seed_optimized_train(data, model, optimizer, criterion, cfg["epochs"], device, amp_dtype, clock.start,
+                                 seed_epoch_end)
             out["autocast"] = str(amp_dtype).replace("torch.", "")
         out["impl"] = "the seed's loop"
     else:

@@ -134,7 +134,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # loaded by file path rather than run as a script
     sys.path.insert(0, _HERE)
 from _common import (csv_list, device_line, fill_defaults, loadavg, make_parser, parse, out_path,  # noqa: E402
-                     print_header_row, print_target, rotated, run_header, verdict, write_report)
+                     print_header_row, print_target, rotated, run_header, seed_optimized_train, seed_train, verdict,
+                     write_report)
 
 LR = 1e-4  # the example's LR
 NUM_CLASSES = 10
@@ -163,49 +164,14 @@ def variant_labels(on_gpu: bool) -> Dict[str, str]:
 
 # ---------------------------------------------------------------- the example's loops
 
-def handwritten_train(data_loader, model, optimizer, criterion, num_epochs: int, device: torch.device,
-                      losses_out: List[float]) -> None:
-    """The example's ``train()``, statement for statement, but for the epoch
-    clock: the line it prints shows the gate's time of the epoch (its slices
-    without the waits, see Gate)."""
-    for epoch in range(num_epochs):
-        losses = []
-        for img, label in data_loader:
-            img = img.to(device)
-            label = label.to(device)
-            optimizer.zero_grad()
-            prediction = model(img)
-            loss = criterion(prediction, label)
-            losses.append(loss.item())
-            loss.backward()
-            optimizer.step()
-
+def handwritten_epoch_end(data_loader, device: torch.device, losses_out: List[float]):
+    """The example's end of epoch, but for the clock: the line it prints shows
+    the gate's time of the epoch (its slices without the waits, see Gate)."""
+    def end(epoch: int, losses: List[float], _token) -> None:
         end_time = time.perf_counter()
         losses_out.append(sum(losses) / len(losses))
         print(epoch_line(epoch, losses, data_loader.epoch_elapsed(end_time), device), flush=True)
-
-
-def handwritten_optimized_train(data_loader, model, optimizer, criterion, num_epochs: int, device: torch.device,
-                                amp_dtype: torch.dtype, losses_out: List[float]) -> None:
-    """The example's ``optimized_train()`` (GradScaler + autocast)."""
-    scaler = torch.amp.GradScaler(device.type)
-    for epoch in range(num_epochs):
-        losses = []
-        for img, label in data_loader:
-            img = img.to(device)
-            label = label.to(device)
-            optimizer.zero_grad()
-            with torch.amp.autocast(device_type=device.type, dtype=amp_dtype):
-                prediction = model(img)
-                loss = criterion(prediction, label)
-            losses.append(loss.item())
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-
-        end_time = time.perf_counter()
-        losses_out.append(sum(losses) / len(losses))
-        print(epoch_line(epoch, losses, data_loader.epoch_elapsed(end_time), device), flush=True)
+    return end
 
 
 def epoch_line(epoch: int, losses: List[float], elapsed: float, device: torch.device) -> str:
@@ -366,12 +332,14 @@ class Run:
                 self.model.to(self.device)
                 criterion = nn.CrossEntropyLoss()
                 optimizer = torch.optim.Adam(self.model.parameters(), lr=LR)
+                # The example's train() / optimized_train() (_common.seed_train / seed_optimized_train).
+                epoch_end = handwritten_epoch_end(self.gate, self.device, self.losses)
                 if self.amp:
-                    handwritten_optimized_train(self.gate, self.model, optimizer, criterion, self.cfg["epochs"],
-                                                self.device, self.cfg["amp_dtype"], self.losses)
+                    seed_optimized_train(self.gate, self.model, optimizer, criterion, self.cfg["epochs"], self.device,
+                                         self.cfg["amp_dtype"], lambda: None, epoch_end)
                 else:
-                    handwritten_train(self.gate, self.model, optimizer, criterion, self.cfg["epochs"], self.device,
-                                      self.losses)
+                    seed_train(self.gate, self.model, optimizer, criterion, self.cfg["epochs"], self.device,
+                               lambda: None, epoch_end)
         except BaseException:
             self.error = traceback.format_exc()
         finally:

@@ -34,6 +34,8 @@ from fusetrain.training.data import build_dataloaders
 from fusetrain.training.models import build_model
 from fusetrain.training.trainer import Trainer
 
+from _train_helpers import InterruptingLoader
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 LR = 1e-2
 LOSS = nn.CrossEntropyLoss()
@@ -360,26 +362,6 @@ def digits(batch_size=256):
     return build_dataloaders({"name": "digits", "batch_size": batch_size, "image_size": 8})
 
 
-class StopAtEpoch:
-    """A train loader that raises at the start of epoch ``epoch`` (1-based), like a Ctrl-C."""
-
-    def __init__(self, loader, epoch):
-        self.loader, self.epoch, self.started = loader, epoch, 0
-
-    @property
-    def generator(self):
-        return self.loader.generator
-
-    def __len__(self):
-        return len(self.loader)
-
-    def __iter__(self):
-        self.started += 1
-        if self.started == self.epoch:
-            raise KeyboardInterrupt("interrupted")
-        yield from self.loader
-
-
 def train(tmp_path, name, stop_at_epoch=None, **params):
     torch.manual_seed(0)
     model = build_model("digits_cnn", num_classes=10, width=8)
@@ -388,7 +370,7 @@ def train(tmp_path, name, stop_at_epoch=None, **params):
                 lr_mode="cosine", max_valid_batches=1)
     tl, vl = digits()
     if stop_at_epoch is not None:
-        tl = StopAtEpoch(tl, stop_at_epoch)
+        tl = InterruptingLoader(tl, epoch=stop_at_epoch)  # raises at the start of that epoch
     result = Trainer(name, ckpt_root_dir=str(tmp_path)).train(model, {**base, **params}, tl, vl)
     return result, model
 

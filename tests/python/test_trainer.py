@@ -24,6 +24,8 @@ from fusetrain.training.models import build_model
 from fusetrain.training.schedules import LRSchedule
 from fusetrain.training.trainer import Trainer
 
+from _train_helpers import InterruptingLoader
+
 # Small, fast runs: 12x12 digits, a narrow digits_cnn, a few batches per epoch.
 FAST = dict(max_epochs=2, max_train_batches=4, max_valid_batches=2, progress_bar=False, device="cpu")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -628,29 +630,6 @@ def test_device_cpu_and_bad_device(tmp_path):
 
 
 # ---- resume ------------------------------------------------------------------------------------------------
-
-class InterruptingLoader:
-    """A train loader that raises after ``after`` batches of epoch ``epoch``
-    (1-based), like a Ctrl-C in the middle of an epoch."""
-
-    def __init__(self, loader, epoch=None, after=0, exc=KeyboardInterrupt):
-        self.loader, self.epoch, self.after, self.exc = loader, epoch, after, exc
-        self.epochs_started = 0
-
-    @property
-    def generator(self):
-        return self.loader.generator
-
-    def __len__(self):
-        return len(self.loader)
-
-    def __iter__(self):
-        self.epochs_started += 1
-        for i, batch in enumerate(self.loader):
-            if self.epochs_started == self.epoch and i == self.after:
-                raise self.exc("interrupted")
-            yield batch
-
 
 RESUME_PARAMS = dict(max_epochs=4, max_train_batches=4, max_valid_batches=2, lr_mode="cosine", ema=True,
                      ema_params={"decay_type": "exp", "decay": 0.999, "beta": 10.0}, mixed_precision="fp16",
