@@ -33,7 +33,7 @@ Reported per model:
 Models
 ------
 mnist_cnn: the MNIST network of the mixed-precision notebook this project
-    started from, ``fusetrain.training.models.build_model("seed_mnist")``
+    started from, ``fusetrain.models.build_model("seed_mnist")``
     (``--quick`` divides its widths by 8): 14 blocks of Conv2d + BatchNorm2d
     + ReLU (channels 1 -> 32 -> 64 -> ... -> 1024, three stride-2 2x2 convs
     and one 2x2 stride-1 conv shrinking 28x28 to 3x3), AdaptiveAvgPool2d(1), then
@@ -91,8 +91,8 @@ from torch import nn
 
 import fusetrain
 import fusetrain.optim
-from fusetrain.training.models import SEED_MNIST_CFG as MNIST_CFG
-from fusetrain.training.models import build_model as build_registered_model
+from fusetrain.models import SEED_MNIST_CFG as MNIST_CFG
+from fusetrain.models import build_model as build_registered_model
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # loaded by file path rather than run as a script

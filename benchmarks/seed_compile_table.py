@@ -6,7 +6,7 @@ training loop, the same with ``torch.compile`` of the model, and the
 improvement (baseline - compiled) / baseline (single GPU: PP-LiteSeg 56%,
 STDC-Seg 63.9%, DDRNet 23.1%, ...; 8x RTX 3090, PyTorch 2.0, AMP on, EMA
 and SyncBN off). This script measures the same columns on three models of
-``fusetrain.training.models`` at reduced width and resolution, and adds
+``fusetrain.models`` at reduced width and resolution, and adds
 fusetrain's training step (``fusetrain.training.step.TrainStep``) in its
 modes, each compared with the same baseline:
 
@@ -100,7 +100,7 @@ def make_seg_data(n: int, h: int, w: int):
 def make_det_data(n: int, h: int, w: int, boxes_per_image: int = 4):
     """Images with ``boxes_per_image`` filled boxes of class colours on noise,
     and their dense targets (``dense_detection_targets``)."""
-    from fusetrain.training.models import dense_detection_targets
+    from fusetrain.models import dense_detection_targets
 
     g = torch.Generator().manual_seed(DATA_SEED)
     palette = torch.rand(DET_CLASSES, 3, generator=g)
@@ -118,7 +118,7 @@ def make_det_data(n: int, h: int, w: int, boxes_per_image: int = 4):
 
 
 def build(name: str, width: int):
-    from fusetrain.training.models import DenseDetectionLoss, build_model
+    from fusetrain.models import DenseDetectionLoss, build_model
 
     torch.manual_seed(MODEL_SEED)
     if name == "yolo_csp":

@@ -119,7 +119,7 @@ def seed_numbers() -> Dict[str, Any]:
 
 def seed_model(quick: bool) -> nn.Module:
     """``build_model("seed_mnist")``; with ``quick``, the same layers at an eighth of the widths."""
-    from fusetrain.training.models import build_model
+    from fusetrain.models import build_model
 
     torch.manual_seed(MODEL_SEED)
     model = build_model("seed_mnist", num_classes=NUM_CLASSES)

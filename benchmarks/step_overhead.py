@@ -62,7 +62,7 @@ def build(name: str) -> nn.Module:
     if name == "mlp":
         return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                              nn.Linear(256, NUM_CLASSES))
-    from fusetrain.training.models import build_model
+    from fusetrain.models import build_model
 
     return build_model("digits_cnn", width=16)
 

@@ -21,7 +21,7 @@ Verdict: Trainer / hand-written median epoch time, for fp32 ((2)/(1)) and AMP
 
 Model and data
 --------------
-``fusetrain.training.models.build_model("seed_mnist")``: 14 Conv2d +
+``fusetrain.models.build_model("seed_mnist")``: 14 Conv2d +
 BatchNorm2d + ReLU blocks, AdaptiveAvgPool2d, Linear(1024, 1000) + ReLU +
 Linear(1000, 1000) + ReLU + Linear(1000, 10); 14.7M params. Every variant
 starts from a copy of the same initial weights. Data: random 1x28x28 images in
@@ -126,7 +126,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fusetrain.training.trainer as trainer_mod
-from fusetrain.training.models import build_model
+from fusetrain.models import build_model
 from fusetrain.training.params import resolve_training_params
 from fusetrain.training.trainer import Trainer
 

@@ -9,6 +9,9 @@ from . import nn, optim
 from ._ops import build_info
 from .amp import LossScaler, Precision, resolve_precision
 from .ema import ModelEMA, unwrap_model
+from .training.callbacks import Callback, TrainerState, register_callback
+from .training.losses import register_loss
+from .training.metrics import register_metric
 from .training.step import TrainStep
 from .training.trainer import Trainer
 
@@ -32,5 +35,6 @@ def _cmake_prefix_path() -> str:
 #: gives the imported target ``fusetrain::core`` (C++ API, see docs/cpp.md).
 cmake_prefix_path: str = _cmake_prefix_path()
 
-__all__ = ["nn", "optim", "build_info", "Trainer", "TrainStep", "LossScaler", "Precision", "resolve_precision", "ModelEMA",
+__all__ = ["nn", "optim", "build_info", "Trainer", "TrainStep", "Callback", "TrainerState", "register_loss",
+           "register_metric", "register_callback", "LossScaler", "Precision", "resolve_precision", "ModelEMA",
            "unwrap_model", "cmake_prefix_path", "__version__"]

@@ -168,7 +168,7 @@ def load_recipe(config_name: str = "default", overrides: Sequence[str] = (),
 def validate_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
     """Validate a composed, resolved recipe (plain dict); see :func:`load_recipe`."""
     from .training.data import validate_dataset_params
-    from .training.models import check_arch_params
+    from .models import check_arch_params
 
     if not isinstance(recipe, dict):
         raise RecipeError(f"{where}: expected a mapping at the top level, got {type(recipe).__name__}")
@@ -198,7 +198,7 @@ def validate_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, 
         dataset_params = validate_dataset_params(recipe["dataset_params"])
         arch = dict(recipe["arch_params"])
         if "name" not in arch:
-            from .training.models import MODEL_NAMES
+            from .models import MODEL_NAMES
             raise ValueError("arch_params.name is required; allowed: " + ", ".join(MODEL_NAMES))
         model_name = arch.pop("name")
         check_arch_params(model_name, arch)
@@ -213,7 +213,7 @@ def validate_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, 
 def _build(recipe: Dict[str, Any], where: str):
     """Data loaders and model of a validated recipe; errors become RecipeError."""
     from .training.data import build_dataloaders
-    from .training.models import build_model
+    from .models import build_model
 
     try:
         train_loader, valid_loader = build_dataloaders(recipe["dataset_params"])
@@ -235,7 +235,7 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
     Trainer's result. With ``multi_gpu: ddp`` outside a launcher, starts the
     workers (each builds the data and the model itself) and returns rank 0's
     result; under a launcher (torchrun) each process trains its shard."""
-    from .training import distributed
+    from .training import distributed, launcher
 
     try:
         n_workers = distributed.workers_to_launch(_training_params(recipe, where))
@@ -243,7 +243,7 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
         raise RecipeError(f"{where}: {_error_text(exc)}") from exc
     if n_workers > 1:
         print(f"{where}: starting {n_workers} worker processes (multi_gpu: ddp)", flush=True)
-        return distributed.launch(_recipe_worker, (recipe, where), n_workers)
+        return launcher.launch(_recipe_worker, (recipe, where), n_workers)
     train_loader, valid_loader, model = _build(recipe, where)
     # Imported late: the Trainer pulls in the whole training stack.
     try:

@@ -82,7 +82,7 @@ def test_seed_mnist_amp_quick_run(tmp_path, device):
 
 def test_seed_mnist_amp_model_is_the_seed_network():
     mod = load_script("seed_mnist_amp")
-    from fusetrain.training.models import SEED_MNIST_CFG
+    from fusetrain.models import SEED_MNIST_CFG
 
     model = mod.seed_model(quick=False)
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]

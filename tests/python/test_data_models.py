@@ -15,7 +15,7 @@ from torch import nn
 from fusetrain.training import data as data_mod
 from fusetrain.training.data import (ImageFolderDataset, MNISTIdx, build_dataloaders, digits_dataset, read_idx,
                                      validate_dataset_params)
-from fusetrain.training.models import MODEL_NAMES, SEED_MNIST_CFG, build_model
+from fusetrain.models import MODEL_NAMES, SEED_MNIST_CFG, build_model
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------
@@ -411,7 +411,7 @@ def test_seed_mnist_is_the_document_network():
     ref = _DocModel()
     assert [(k, v.shape) for k, v in model.state_dict().items()] == \
         [(k, v.shape) for k, v in ref.state_dict().items()]
-    from fusetrain.training.models import BasicBlock
+    from fusetrain.models import BasicBlock
     as_doc = {BasicBlock: _DocBlock}
     assert [as_doc.get(type(m), type(m)) for m in model.modules()][1:] == [type(m) for m in ref.modules()][1:]
     model.load_state_dict(ref.state_dict(), strict=True)

@@ -26,9 +26,10 @@ from torch import nn
 
 from fusetrain.training import TrainingParamsError, resolve_training_params
 from fusetrain.training import distributed as D
+from fusetrain.training.data import sharding
 from fusetrain.training.checkpoints import load_checkpoint
 from fusetrain.training.data import build_dataloaders
-from fusetrain.training.models import build_model
+from fusetrain.models import build_model
 from fusetrain.training.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -198,7 +199,7 @@ import os, sys
 import torch.nn.functional as F
 from torch import nn
 from fusetrain.training.data import build_dataloaders
-from fusetrain.training.models import build_model
+from fusetrain.models import build_model
 from fusetrain.training.trainer import Trainer
 
 
@@ -331,9 +332,9 @@ def test_unpicklable_payload_names_the_problem_and_the_recipe_path(tmp_path):
 
 def test_shard_sampler_covers_the_dataset_once():
     data = list(range(11))
-    shards = [list(D.ShardSampler(data, 3, r)) for r in range(3)]
+    shards = [list(sharding.ShardSampler(data, 3, r)) for r in range(3)]
     assert sorted(i for s in shards for i in s) == data
-    assert [len(D.ShardSampler(data, 3, r)) for r in range(3)] == [len(s) for s in shards] == [4, 4, 3]
+    assert [len(sharding.ShardSampler(data, 3, r)) for r in range(3)] == [len(s) for s in shards] == [4, 4, 3]
 
 
 def test_train_loader_is_rewrapped_keeping_its_settings():
@@ -345,19 +346,19 @@ def test_train_loader_is_rewrapped_keeping_its_settings():
     def collate(batch):
         return torch.stack([b[0] for b in batch]) * 2, torch.stack([b[1] for b in batch])
 
-    state = D.DistState(rank=1, world_size=2)
+    state = D.DistContext(rank=1, world_size=2)
     for shuffle in (False, True):
         loader = DataLoader(ds, batch_size=3, shuffle=shuffle, drop_last=True, collate_fn=collate)
-        sharded = D.shard_train_loader(loader, state, seed=7)
+        sharded = sharding.shard_train_loader(loader, state, seed=7)
         assert isinstance(sharded.sampler, DistributedSampler) and sharded.sampler.shuffle == shuffle
         assert (sharded.batch_size, sharded.drop_last, sharded.collate_fn) == (3, True, collate)
-        D.set_epoch(sharded, 1)
+        sharding.set_epoch(sharded, 1)
         seen = torch.cat([y for _, y in sharded])
         assert len(seen) == 9  # 10 samples for rank 1, batches of 3, last partial batch dropped
         if not shuffle:
             assert seen.tolist() == list(range(1, 19, 2))
             assert torch.equal(next(iter(sharded))[0].view(-1), torch.tensor([2.0, 6.0, 10.0]))  # collate kept
-    assert D.shard_train_loader(loader, D.SINGLE, seed=0) is loader
+    assert sharding.shard_train_loader(loader, D.SINGLE, seed=0) is loader
 
 
 def test_epoch_seeds_differ_per_rank_and_epoch():

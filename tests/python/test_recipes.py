@@ -14,7 +14,7 @@ from omegaconf import OmegaConf  # noqa: E402
 import fusetrain  # noqa: E402
 import fusetrain.train_from_recipe as tfr  # noqa: E402
 from fusetrain.training.data import validate_dataset_params  # noqa: E402
-from fusetrain.training.models import MODEL_NAMES, build_model, check_arch_params  # noqa: E402
+from fusetrain.models import MODEL_NAMES, build_model, check_arch_params  # noqa: E402
 
 SHIPPED = ["cifar_resnet", "default", "seed_mnist_amp", "seed_mnist_fp32"]
 # Values a recipe leaves missing (???) on purpose.

@@ -1,4 +1,4 @@
-"""The segmentation and detection models of fusetrain.training.models
+"""The segmentation and detection models of fusetrain.models
 (pplite_seg, ddrnet, yolo_csp): structure, output shapes on odd sizes, the
 dense detection targets and loss against direct computations, and a training
 step with fusetrain's fused optimizer."""
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusetrain
-import fusetrain.training.models
-from fusetrain.training.models import (DDRNet, DenseDetectionLoss, PPLiteSeg, STDCBlock, YoloCSP, build_model,
+import fusetrain.models
+from fusetrain.models import (DDRNet, DenseDetectionLoss, PPLiteSeg, STDCBlock, YoloCSP, build_model,
                                        dense_detection_points, dense_detection_targets)
 
 
@@ -176,7 +176,7 @@ def test_a_few_fused_training_steps_reduce_the_loss(name):
 
 
 def test_registry_and_arch_params():
-    assert {"pplite_seg", "ddrnet", "yolo_csp"} <= set(fusetrain.training.models.MODEL_NAMES)
+    assert {"pplite_seg", "ddrnet", "yolo_csp"} <= set(fusetrain.models.MODEL_NAMES)
     assert _n_params(build_model("pplite_seg", width=8)) < _n_params(build_model("pplite_seg", width=16))
     with pytest.raises(ValueError, match="width must be an int >= 1"):
         build_model("ddrnet", width=0)

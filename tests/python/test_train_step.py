@@ -31,7 +31,7 @@ from fusetrain.optim import SGD, AdamW
 from fusetrain.training import TrainingParamsError
 from fusetrain.training.checkpoints import load_checkpoint
 from fusetrain.training.data import build_dataloaders
-from fusetrain.training.models import build_model
+from fusetrain.models import build_model
 from fusetrain.training.trainer import Trainer
 
 from _train_helpers import InterruptingLoader

@@ -20,7 +20,7 @@ from fusetrain.training import checkpoints as ckpt_module
 from fusetrain.training import trainer as trainer_module
 from fusetrain.training.checkpoints import atomic_save, load_checkpoint
 from fusetrain.training.data import build_dataloaders
-from fusetrain.training.models import build_model
+from fusetrain.models import build_model
 from fusetrain.training.schedules import LRSchedule
 from fusetrain.training.trainer import Trainer
 

@@ -35,16 +35,19 @@ EXPECTED_DEFAULTS = {
     "valid_metrics": ["accuracy"], "metric_to_watch": "accuracy", "greater_metric_to_watch_is_better": True,
     "run_validation_freq": 1, "max_train_batches": None, "max_valid_batches": None, "save_ckpt_epoch_list": [],
     "resume": False, "resume_path": None, "seed": 42, "cudnn_benchmark": True, "early_stopping": None,
-    "log_interval": 0, "device": "auto", "multi_gpu": "auto", "num_gpus": None, "num_processes": None,
+    "log_interval": 0, "model_input": "auto", "split_batch": None, "callbacks": [], "device": "auto", "multi_gpu": "auto", "num_gpus": None, "num_processes": None,
     "dist_backend": "auto", "dist_timeout_s": 300.0, "find_unused_parameters": False, "progress_bar": True,
 }
 
 BOOL = "a bool (true or false)"
 OPTIMIZER_ALLOWED = ("one of 'AdamW', 'Adam', 'SGD', 'Lion' (case-insensitive) or a torch.optim.Optimizer subclass "
                      "(the class, not an instance)")
-LOSS_ALLOWED = ("one of 'cross_entropy', 'mse', 'l1', 'smooth_l1', 'bce_with_logits', 'nll' or a callable "
-                "(outputs, targets) -> loss (an nn.Module instance or a function)")
-METRICS_ALLOWED = "a list of metric names from 'accuracy', 'top5', 'loss' (no duplicates)"
+LOSS_ALLOWED = ("a loss name (a torch.nn loss class name such as 'CrossEntropyLoss', one of 'cross_entropy', 'mse', "
+                "'l1', 'smooth_l1', 'bce_with_logits', 'nll', a name registered with fusetrain.register_loss, a class "
+                "path, or 'model') or a callable (outputs, targets) -> loss (an nn.Module instance or a function)")
+METRICS_ALLOWED = ("a list of metrics, each a registered name ('accuracy', 'loss', 'map', 'mean_iou', "
+                   "'pixel_accuracy', 'top5'), a class path, a one-entry mapping {name: {arguments}}, or a metric "
+                   "object (no duplicates)")
 
 
 def _msg(key, value, allowed):
@@ -103,17 +106,19 @@ CASES = [
     ("batch_accumulate", 4, 0, _msg("batch_accumulate", 0, "an int >= 1")),
     ("sync_bn", True, None, _msg("sync_bn", None, BOOL)),
     ("channels_last", True, "no", _msg("channels_last", "no", BOOL)),
-    ("loss", "mse", "hinge", _msg("loss", "hinge", LOSS_ALLOWED)),
+    ("loss", "mse", "hinge_embeding", "training_params.loss: unknown loss 'hinge_embeding'; did you mean "
+                                     "'HingeEmbeddingLoss'?"),
+    ("loss", "CrossEntropyLoss", 3, _msg("loss", 3, LOSS_ALLOWED)),
     ("loss", nn.MSELoss(), nn.MSELoss, _msg("loss", nn.MSELoss, LOSS_ALLOWED)),
     ("loss_params", {"label_smoothing": 0.1}, "label_smoothing",
      _msg("loss_params", "label_smoothing", "a dict of the loss class's keyword arguments")),
-    ("train_metrics", ["accuracy", "top5", "loss"], ["f1"],
-     "training_params.train_metrics[0]: got 'f1' (str); allowed: one of 'accuracy', 'top5', 'loss'"),
+    ("train_metrics", ["accuracy", "top5", "loss"], ["acuracy"],
+     "training_params.train_metrics[0]: unknown metric 'acuracy'; did you mean 'accuracy'?"),
     ("valid_metrics", ["accuracy", "top5"], "accuracy", _msg("valid_metrics", "accuracy", METRICS_ALLOWED)),
     ("valid_metrics", ["accuracy", "top5"], ["accuracy", "accuracy"],
      _msg("valid_metrics", ["accuracy", "accuracy"], METRICS_ALLOWED)),
-    ("metric_to_watch", "loss", "f1",
-     _msg("metric_to_watch", "f1", "'loss' or one of valid_metrics (metric names: 'accuracy', 'top5', 'loss')")),
+    ("metric_to_watch", "loss", "",
+     _msg("metric_to_watch", "", "a metric name: 'loss' or a name reported by valid_metrics")),
     ("greater_metric_to_watch_is_better", False, "False", _msg("greater_metric_to_watch_is_better", "False", BOOL)),
     ("run_validation_freq", 2, 0, _msg("run_validation_freq", 0, "an int >= 1")),
     ("max_train_batches", 5, 0, _msg("max_train_batches", 0, "an int >= 1 or None")),
@@ -127,6 +132,13 @@ CASES = [
     ("early_stopping", {"patience": 3, "min_delta": 0.01}, {"patience": 0},
      "training_params.early_stopping.patience: got 0 (int); allowed: an int >= 1"),
     ("log_interval", 10, -1, _msg("log_interval", -1, "an int >= 0")),
+    ("model_input", "unpack", "spread", _msg("model_input", "spread", "one of 'auto', 'unpack', 'whole', or a "
+                                             "function (model, inputs) -> outputs (or its path, "
+                                             "package.module.function)")),
+    ("split_batch", "operator.itemgetter", 3, _msg("split_batch", 3, "a function batch -> (inputs, targets) (or its "
+                                                   "path, package.module.function) or None")),
+    ("callbacks", ["ThresholdStop"], ["TresholdStop"],
+     "training_params.callbacks[0]: unknown callback 'TresholdStop'; did you mean 'ThresholdStop'?"),
     ("device", "cuda:1", "gpu", _msg("device", "gpu", "'auto', 'cpu', 'cuda' or 'cuda:N' (N a device index)")),
     ("multi_gpu", "ddp", "mpi", _msg("multi_gpu", "mpi", "one of 'off', 'auto', 'ddp' (case-insensitive; false "
                                                          "means 'off', true 'ddp')")),

@@ -1,6 +1,7 @@
 """Per-epoch logs of an experiment: metrics.csv, metrics.jsonl, TensorBoard
 event files (when tensorboard is installed) and, at the end, a PNG plot of the
-loss and metrics per epoch."""
+loss and metrics per epoch. Nothing is created before the first row is logged
+(a run that fails in its first epoch leaves no folder behind)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,26 @@ import os
 import warnings
 from typing import Any, Dict, List
 
-__all__ = ["ExperimentLogger"]
+__all__ = ["ExperimentLogger", "NullLogger"]
 
 
 class ExperimentLogger:
     def __init__(self, directory: str, tensorboard: bool = True) -> None:
         self.directory = directory
-        os.makedirs(directory, exist_ok=True)
         self.rows: List[Dict[str, Any]] = []
         self._jsonl = os.path.join(directory, "metrics.jsonl")
         self._csv = os.path.join(directory, "metrics.csv")
+        self._tensorboard = tensorboard
         self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=os.path.join(directory, "tensorboard"))
-            except Exception as e:  # tensorboard is optional
-                warnings.warn(f"TensorBoard logging disabled: {e}", stacklevel=2)
+    def _open_tensorboard(self) -> None:
+        self._tensorboard = False
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=os.path.join(self.directory, "tensorboard"))
+        except Exception as e:  # tensorboard is optional
+            warnings.warn(f"TensorBoard logging disabled: {e}", stacklevel=3)
 
     def load_existing(self, up_to_epoch: int) -> None:
         """On resume: keep the rows of epochs already done."""
@@ -42,6 +45,8 @@ class ExperimentLogger:
     def log_epoch(self, row: Dict[str, Any]) -> None:
         self.rows.append(dict(row))
         self._rewrite()
+        if self._tensorboard:
+            self._open_tensorboard()
         if self._tb is not None:
             epoch = int(row["epoch"])
             for k, v in row.items():
@@ -50,6 +55,7 @@ class ExperimentLogger:
             self._tb.flush()
 
     def _rewrite(self) -> None:
+        os.makedirs(self.directory, exist_ok=True)
         with open(self._jsonl, "w") as f:
             for r in self.rows:
                 f.write(json.dumps(r) + "\n")
@@ -72,10 +78,10 @@ class ExperimentLogger:
         path = os.path.join(self.directory, filename)
         epochs = [r["epoch"] for r in self.rows]
         fig, (ax_loss, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
-        for key in [k for k in self._numeric_keys() if k.endswith("loss")]:
+        for key in [k for k in self._numeric_keys() if "loss" in k and k.startswith(("train_", "valid_"))]:
             pts = [(r["epoch"], r[key]) for r in self.rows if key in r]
             ax_loss.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
-        for key in [k for k in self._numeric_keys() if k.startswith(("train_", "valid_")) and not k.endswith("loss")]:
+        for key in [k for k in self._numeric_keys() if k.startswith(("train_", "valid_")) and "loss" not in k]:
             pts = [(r["epoch"], r[key]) for r in self.rows if key in r]
             ax_m.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
         ax_loss.set_xlabel("epoch")
@@ -104,3 +110,22 @@ class ExperimentLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+class NullLogger:
+    """The ExperimentLogger interface for ranks other than 0: logs nothing."""
+
+    def __init__(self) -> None:
+        self.rows: List[Dict[str, Any]] = []
+
+    def load_existing(self, up_to_epoch: int) -> None:
+        pass
+
+    def log_epoch(self, row: Dict[str, Any]) -> None:
+        pass
+
+    def plot(self, filename: str = "metrics.png") -> str:
+        return ""
+
+    def close(self) -> None:
+        pass

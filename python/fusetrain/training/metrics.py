@@ -1,37 +1,109 @@
-"""Metrics that accumulate on the device and are read once per epoch.
+"""Metrics: accumulated on the device during an epoch, read once at its end.
 
-Each metric keeps running sums in device tensors; ``update`` launches a few
-tensor ops and never reads a value back; ``compute`` returns Python floats
-(one host read per metric, at the end of an epoch or a log interval).
+A metric is a :class:`Metric`: ``update(outputs, targets, loss)`` launches a
+few tensor ops per batch and never reads a value back; ``compute()`` returns
+Python floats (one host read, at the end of an epoch or a validation). The
+built-in ones keep running sums (or a confusion matrix) in device tensors,
+which a distributed run all-reduces (:meth:`Metric.state_tensors`).
+
+Metrics are named in ``train_metrics`` / ``valid_metrics`` by a registered
+name (:data:`METRICS`, extended by :func:`register_metric`), a name with
+constructor arguments (``{"mean_iou": {"ignore_index": 255}}``), a class path
+(``"torchmetrics.classification.MulticlassF1Score": {"num_classes": 10}``), or
+given as objects: a :class:`Metric` or a ``torchmetrics.Metric`` instance.
+
+What a metric reads (NOTE [prediction rule]): classification and segmentation
+metrics take the model's *prediction*: the output itself when it is a tensor,
+its ``"out"`` or ``"logits"`` entry when it is a dict (torchvision's
+segmentation models return ``{"out": ..., "aux": ...}``), its first item when
+it is a tuple or list of tensors. Detection metrics take a list of per-image
+dicts (``boxes``, ``scores``, ``labels``), or a dict whose ``"detections"``
+entry is one.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+import math
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["Metric", "Accuracy", "MeanLoss", "build_metrics", "METRIC_NAMES"]
+from .batches import describe
+from .registry import resolve_name, split_spec
+
+__all__ = ["Metric", "SumMetric", "Accuracy", "MeanLoss", "MeanIoU", "PixelAccuracy", "DetectionMAP", "TorchMetric",
+           "MetricInputError", "MetricSet", "METRICS", "register_metric", "build_metric", "metric_names",
+           "prediction"]
+
+
+class MetricInputError(ValueError):
+    """A metric was given outputs or targets it cannot handle."""
+
+
+def prediction(outputs: Any) -> Tensor:
+    """The tensor of class scores in a model's outputs (NOTE [prediction rule])."""
+    if isinstance(outputs, Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        for key in ("out", "logits"):
+            if isinstance(outputs.get(key), Tensor):
+                return outputs[key]
+    elif isinstance(outputs, (list, tuple)) and outputs and isinstance(outputs[0], Tensor):
+        return outputs[0]
+    raise MetricInputError("it needs a tensor of class scores [N, C, ...] (the output itself, a dict's 'out' or "
+                           "'logits' entry, or the first item of a tuple of tensors)")
 
 
 class Metric:
+    """Base class. Subclasses set ``name`` and implement ``reset`` (creating
+    their state on ``self.device``), ``update`` and ``compute``.
+
+    ``compute`` returns a float, or a dict of floats reported as
+    ``<name>_<key>`` (``<name>`` itself for the key ``""``);
+    :meth:`result_names` lists those names (used to check ``metric_to_watch``
+    before training). The Trainer moves a metric to the training device with
+    :meth:`to`, which also resets it."""
+
     name = "metric"
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
         self.reset()
+
+    def to(self, device: Union[str, torch.device]) -> "Metric":
+        self.device = torch.device(device)
+        self.reset()
+        return self
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
+        raise NotImplementedError
+
+    def compute(self) -> Union[float, Dict[str, float]]:
+        raise NotImplementedError
+
+    def state_tensors(self) -> List[Tensor]:
+        """Device tensors whose sum over ranks is the metric's state (a
+        distributed run all-reduces them before ``compute``)."""
+        return []
+
+    def result_names(self) -> Optional[Tuple[str, ...]]:
+        """The names ``compute`` reports; None when not known in advance."""
+        return (self.name,)
+
+
+class SumMetric(Metric):
+    """A ratio of two running float64 sums (``_sum / _count``)."""
 
     def reset(self) -> None:
         self._sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._count = torch.zeros((), dtype=torch.float64, device=self.device)
 
-    def update(self, outputs: Tensor, targets: Tensor, loss: Tensor) -> None:
-        raise NotImplementedError
-
     def state_tensors(self) -> List[Tensor]:
-        """The running sums (``[sum, count]``, float64 device tensors) that
-        define the metric; a distributed run all-reduces them."""
         return [self._sum, self._count]
 
     def compute(self) -> float:
@@ -39,53 +111,366 @@ class Metric:
         return float(self._sum.item()) / count if count > 0 else float("nan")
 
 
-class Accuracy(Metric):
-    """Top-k classification accuracy over (N, C) logits and (N,) class indices."""
+def _class_indices(pred: Tensor, targets: Any, what: str) -> Tensor:
+    if pred.dim() < 2:
+        raise MetricInputError(f"it needs class scores [N, C, ...], got {describe(pred)}")
+    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex():
+        raise MetricInputError(f"it needs {what} targets as integer class indices [N, ...], got {describe(targets)}")
+    if targets.shape != pred.shape[:1] + pred.shape[2:]:
+        raise MetricInputError(f"it needs targets of shape {tuple(pred.shape[:1] + pred.shape[2:])} for scores "
+                               f"{tuple(pred.shape)} (class indices, one per score vector), got {describe(targets)}")
+    return targets
 
-    def __init__(self, device: torch.device, k: int = 1) -> None:
-        self.k = k
+
+class Accuracy(SumMetric):
+    """Top-k accuracy: the fraction of targets among the k highest scores.
+    Scores [N, C] with targets [N] (classification), or [N, C, H, W] with
+    [N, H, W] (per pixel). Targets equal to ``ignore_index`` are not counted."""
+
+    def __init__(self, k: int = 1, ignore_index: Optional[int] = None) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"Accuracy: k must be an int >= 1, got {k!r}")
+        self.k, self.ignore_index = k, ignore_index
         self.name = "accuracy" if k == 1 else f"top{k}"
-        super().__init__(device)
+        super().__init__()
 
     @torch.no_grad()
-    def update(self, outputs: Tensor, targets: Tensor, loss: Tensor) -> None:
-        if outputs.dim() != 2:
-            raise ValueError(f"{self.name}: needs (N, C) outputs, got shape {tuple(outputs.shape)}")
-        k = min(self.k, outputs.shape[1])
-        top = outputs.topk(k, dim=1).indices
-        correct = (top == targets.view(-1, 1)).any(dim=1)
-        self._sum += correct.sum()
-        self._count += targets.numel()
+    def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
+        pred = prediction(outputs)
+        targets = _class_indices(pred, targets, "classification")
+        k = min(self.k, pred.shape[1])
+        top = pred.topk(k, dim=1).indices if k > 1 else pred.argmax(dim=1, keepdim=True)
+        correct = (top == targets.unsqueeze(1)).any(dim=1)
+        if self.ignore_index is None:
+            self._sum += correct.sum()
+            self._count += targets.numel()
+        else:
+            valid = targets != self.ignore_index
+            self._sum += (correct & valid).sum()
+            self._count += valid.sum()
 
 
-class MeanLoss(Metric):
-    """Sample-weighted mean of the loss."""
+class MeanLoss(SumMetric):
+    """Sample-weighted mean of the loss (the loop reports ``loss`` anyway)."""
 
     name = "loss"
 
     @torch.no_grad()
-    def update(self, outputs: Tensor, targets: Tensor, loss: Tensor) -> None:
-        n = outputs.shape[0]
+    def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
+        if loss is None:
+            raise MetricInputError("it needs the batch's loss")
+        n = _leading(targets)
         self._sum += loss.detach().double() * n
         self._count += n
 
 
-METRIC_NAMES = ("accuracy", "top5", "loss")
+def _leading(value: Any) -> int:
+    if isinstance(value, Tensor):
+        return value.shape[0] if value.dim() else 1
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return 1
 
 
-def build_metrics(names: Sequence[str], device: torch.device) -> List[Metric]:
-    out: List[Metric] = []
-    for n in names:
-        if n == "accuracy":
-            out.append(Accuracy(device, 1))
-        elif n == "top5":
-            out.append(Accuracy(device, 5))
-        elif n == "loss":
-            out.append(MeanLoss(device))
-        else:
-            raise ValueError(f"metrics: unknown metric {n!r}; allowed: {', '.join(METRIC_NAMES)}")
-    return out
+class _ConfusionMatrix(Metric):
+    """A [C, C] confusion matrix (rows: target class, columns: predicted class)
+    accumulated on the device with one ``index_put_`` per batch (no
+    ``bincount``, whose CUDA kernel reads the maximum on the host). Targets
+    equal to ``ignore_index`` or outside [0, C) land in an extra bin that is
+    dropped. ``num_classes`` None: the C of the first scores seen."""
+
+    def __init__(self, num_classes: Optional[int] = None, ignore_index: Optional[int] = 255) -> None:
+        if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
+                                        or num_classes < 1):
+            raise ValueError(f"{self.name}: num_classes must be an int >= 1 or None, got {num_classes!r}")
+        self.num_classes, self.ignore_index = num_classes, ignore_index
+        super().__init__()
+
+    def reset(self) -> None:
+        n = self.num_classes
+        self._cm = None if n is None else torch.zeros(n * n + 1, dtype=torch.float64, device=self.device)
+
+    def state_tensors(self) -> List[Tensor]:
+        return [] if self._cm is None else [self._cm]
+
+    @torch.no_grad()
+    def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
+        pred = prediction(outputs)
+        targets = _class_indices(pred, targets, "segmentation")
+        c = pred.shape[1]
+        if self._cm is None:
+            self.num_classes = c
+            self.reset()
+        elif c != self.num_classes:
+            raise MetricInputError(f"it was built for {self.num_classes} classes but the scores have {c}")
+        t = targets.reshape(-1).long()
+        p = pred.argmax(dim=1).reshape(-1)
+        valid = (t >= 0) & (t < c)
+        if self.ignore_index is not None:
+            valid &= t != self.ignore_index
+        idx = torch.where(valid, t * c + p, torch.full_like(t, c * c))
+        self._cm.index_put_((idx,), torch.ones((), dtype=torch.float64, device=idx.device).expand_as(idx),
+                            accumulate=True)
+
+    def matrix(self) -> Tensor:
+        """The confusion matrix so far, [C, C] float64 (on the device)."""
+        if self._cm is None:
+            raise RuntimeError(f"{self.name}: no batch seen yet")
+        c = self.num_classes
+        return self._cm[: c * c].view(c, c)
 
 
-def compute_all(metrics: Sequence[Metric]) -> Dict[str, float]:
-    return {m.name: m.compute() for m in metrics}
+class MeanIoU(_ConfusionMatrix):
+    """Mean intersection over union over the classes that occur (in the
+    targets or the predictions) in the epoch, from a confusion matrix."""
+
+    name = "mean_iou"
+
+    def compute(self) -> float:
+        if self._cm is None:
+            return float("nan")
+        cm = self.matrix().cpu()
+        inter = cm.diagonal()
+        union = cm.sum(0) + cm.sum(1) - inter
+        present = union > 0
+        return float((inter[present] / union[present]).mean()) if bool(present.any()) else float("nan")
+
+
+class PixelAccuracy(_ConfusionMatrix):
+    """The fraction of (non-ignored) pixels whose predicted class is the target."""
+
+    name = "pixel_accuracy"
+
+    def compute(self) -> float:
+        if self._cm is None:
+            return float("nan")
+        cm = self.matrix().cpu()
+        total = float(cm.sum())
+        return float(cm.diagonal().sum()) / total if total > 0 else float("nan")
+
+
+def _detections(outputs: Any) -> List[Dict[str, Tensor]]:
+    if isinstance(outputs, Mapping) and "detections" in outputs:
+        outputs = outputs["detections"]
+    if (isinstance(outputs, (list, tuple)) and all(isinstance(d, Mapping) for d in outputs)
+            and all(isinstance(d.get(k), Tensor) for d in outputs for k in ("boxes", "scores", "labels"))):
+        return [{"boxes": d["boxes"].float(), "scores": d["scores"].float(), "labels": d["labels"].long()}
+                for d in outputs]
+    raise MetricInputError("it needs detections: a list of per-image dicts with 'boxes' [K, 4], 'scores' [K] and "
+                           "'labels' [K] (a detection model in eval mode), or a dict whose 'detections' entry is one")
+
+
+def _ground_truth(targets: Any, n: int) -> List[Dict[str, Tensor]]:
+    if isinstance(targets, Mapping) and isinstance(targets.get("boxes"), (list, tuple)):
+        targets = [{"boxes": b, "labels": c} for b, c in zip(targets["boxes"], targets["labels"])]
+    if (isinstance(targets, (list, tuple)) and len(targets) == n and all(isinstance(d, Mapping) for d in targets)
+            and all(isinstance(d.get(k), Tensor) for d in targets for k in ("boxes", "labels"))):
+        return [{"boxes": d["boxes"].float(), "labels": d["labels"].long()} for d in targets]
+    raise MetricInputError(f"it needs targets as a list of {n} per-image dicts with 'boxes' [K, 4] and 'labels' [K]")
+
+
+class DetectionMAP(Metric):
+    """COCO-style mean average precision of boxes, computed at the end of an
+    epoch by ``torchmetrics.detection.MeanAveragePrecision`` (pycocotools'
+    evaluation). Reports ``map`` (IoU 0.50:0.95), ``map_50`` and ``map_75``.
+    Keyword arguments go to ``MeanAveragePrecision`` (``box_format``,
+    ``iou_thresholds``, ``class_metrics``, ``backend``, ...). It keeps every
+    image's boxes until ``compute``: a validation metric."""
+
+    name = "map"
+
+    def __init__(self, **kwargs: Any) -> None:
+        try:
+            from torchmetrics.detection import MeanAveragePrecision
+        except ImportError as exc:  # pragma: no cover - torchmetrics is a dependency
+            raise ImportError("the 'map' metric needs torchmetrics and pycocotools") from exc
+        self._impl = MeanAveragePrecision(**kwargs)
+        super().__init__()
+
+    def to(self, device: Union[str, torch.device]) -> "DetectionMAP":
+        self._impl = self._impl.to(device)
+        return super().to(device)
+
+    def reset(self) -> None:
+        self._impl.reset()
+
+    @torch.no_grad()
+    def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
+        preds = _detections(outputs)
+        self._impl.update(preds, _ground_truth(targets, len(preds)))
+
+    def compute(self) -> Dict[str, float]:
+        res = self._impl.compute()
+        return {"": float(res["map"]), "50": float(res["map_50"]), "75": float(res["map_75"])}
+
+    def result_names(self) -> Tuple[str, ...]:
+        return ("map", "map_50", "map_75")
+
+
+def _snake(name: str) -> str:
+    out = []
+    for i, ch in enumerate(name):
+        if ch.isupper() and i and (not name[i - 1].isupper() or (i + 1 < len(name) and name[i + 1].islower())):
+            out.append("_")
+        out.append(ch.lower())
+    return "".join(out)
+
+
+class TorchMetric(Metric):
+    """A ``torchmetrics.Metric`` used as a fusetrain metric: ``update`` receives
+    the model's prediction (NOTE [prediction rule]; detection outputs as they
+    are) and the targets; ``compute`` is torchmetrics' (which synchronises
+    across ranks itself). A tensor result is reported under ``name`` (default:
+    the class name in snake case), a dict of scalar tensors as
+    ``<name>_<key>``."""
+
+    def __init__(self, metric: Any, name: Optional[str] = None) -> None:
+        self.metric = metric
+        self.name = name or _snake(type(metric).__name__)
+        super().__init__()
+
+    def to(self, device: Union[str, torch.device]) -> "TorchMetric":
+        self.metric = self.metric.to(device)
+        return super().to(device)
+
+    def reset(self) -> None:
+        self.metric.reset()
+
+    @torch.no_grad()
+    def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
+        try:
+            preds = prediction(outputs)
+        except MetricInputError:
+            preds = outputs
+        self.metric.update(preds, targets)
+
+    def compute(self) -> Union[float, Dict[str, float]]:
+        res = self.metric.compute()
+        if isinstance(res, Mapping):
+            return {str(k): float(v) for k, v in res.items() if isinstance(v, Tensor) and v.numel() == 1}
+        return float(res)
+
+    def result_names(self) -> Optional[Tuple[str, ...]]:
+        return None
+
+
+# ---- registry ---------------------------------------------------------------------------------------------------
+
+METRICS: Dict[str, Callable[..., Metric]] = {
+    "accuracy": Accuracy,
+    "top5": lambda **kw: Accuracy(k=5, **kw),
+    "loss": MeanLoss,
+    "mean_iou": MeanIoU,
+    "pixel_accuracy": PixelAccuracy,
+    "map": DetectionMAP,
+}
+_BUILTIN = frozenset(METRICS)
+
+
+def register_metric(name: str, factory: Optional[Callable[..., Any]] = None, *, replace: bool = False):
+    """Register ``factory`` (a :class:`Metric` subclass, or any callable
+    returning a Metric or a ``torchmetrics.Metric``) under ``name`` so that
+    training params and recipes can name it. Usable as a decorator:
+    ``@register_metric("f1")``. Built-in names cannot be replaced; a name
+    already registered needs ``replace=True``."""
+
+    def add(f: Callable[..., Any]) -> Callable[..., Any]:
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(f"register_metric: name must be a non-empty string without '.', got {name!r}")
+        if not callable(f):
+            raise TypeError(f"register_metric: {name!r} needs a callable factory, got {type(f).__name__}")
+        if name in _BUILTIN or (name in METRICS and not replace):
+            raise ValueError(f"register_metric: {name!r} is already registered"
+                             + ("" if name in _BUILTIN else "; pass replace=True to replace it"))
+        METRICS[name] = f
+        return f
+
+    return add if factory is None else add(factory)
+
+
+def metric_names() -> List[str]:
+    return sorted(METRICS)
+
+
+def _is_torchmetric(obj: Any) -> bool:
+    try:
+        import torchmetrics
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return False
+    return isinstance(obj, torchmetrics.Metric)
+
+
+def as_metric(obj: Any, where: str) -> Metric:
+    if isinstance(obj, Metric):
+        return obj
+    if _is_torchmetric(obj):
+        return TorchMetric(obj)
+    raise TypeError(f"{where}: got {type(obj).__name__}; allowed: a fusetrain Metric or a torchmetrics.Metric")
+
+
+def build_metric(spec: Any, where: str = "metric") -> Metric:
+    """A :class:`Metric` from a name, ``{name: kwargs}``, class path or object."""
+    if not isinstance(spec, (str, Mapping)):
+        return as_metric(spec, where)
+    name, kwargs = split_spec(spec, where)
+    factory = resolve_name(name, METRICS, where, "metric")
+    try:
+        obj = factory(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{where}: cannot build metric {name!r} with {kwargs!r}: {exc}") from exc
+    return as_metric(obj, where)
+
+
+class MetricSet:
+    """The metrics of one phase (``train``, ``valid``, ``test``): updated per
+    batch, computed into ``{result name: float}``. The first update of each
+    metric turns any error into a :class:`MetricInputError` naming the metric
+    and describing the outputs and targets it was given."""
+
+    def __init__(self, specs: Sequence[Any], phase: str) -> None:
+        self.phase = phase
+        self.metrics = [build_metric(s, f"training_params.{phase}_metrics[{i}]") for i, s in enumerate(specs)]
+        names = [m.name for m in self.metrics]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"training_params.{phase}_metrics: two metrics are named {dup}; give one a name")
+        self._checked = False
+
+    def to(self, device: torch.device) -> "MetricSet":
+        for m in self.metrics:
+            m.to(device)
+        return self
+
+    def reset(self) -> None:
+        for m in self.metrics:
+            m.reset()
+
+    def update(self, outputs: Any, targets: Any, loss: Optional[Tensor]) -> None:
+        if self._checked:
+            for m in self.metrics:
+                m.update(outputs, targets, loss)
+            return
+        for m in self.metrics:
+            try:
+                m.update(outputs, targets, loss)
+            except Exception as exc:
+                raise MetricInputError(
+                    f"{self.phase} metric {m.name!r} cannot handle the model's outputs: {exc}. Outputs: "
+                    f"{describe(outputs)}; targets: {describe(targets)}") from exc
+        self._checked = True
+
+    def state_tensors(self) -> List[Tensor]:
+        return [t for m in self.metrics for t in m.state_tensors()]
+
+    def compute(self) -> Dict[str, float]:
+        out: Dict[str, float] = {}
+        for m in self.metrics:
+            res = m.compute()
+            if isinstance(res, Mapping):
+                out.update({m.name if k == "" else f"{m.name}_{k}": float(v) for k, v in res.items()})
+            else:
+                out[m.name] = float(res) if res is not None else math.nan
+        return out
+
+    def __len__(self) -> int:
+        return len(self.metrics)

@@ -29,15 +29,26 @@ Modes
     two graphs share one memory pool: a micro-step (forward + backward
     accumulating into ``.grad``) and a full step (the same + tail).
 
+Batches of any structure
+------------------------
+A step takes ``(inputs, targets)`` of any structure (tensors, tuples, lists,
+dicts, nested: per-image lists of box dicts, say); the model is called with
+the inputs by ``model_input`` (``fusetrain.training.batches.call_model``),
+and the loss may return a scalar, ``(loss, {name: component})`` or a dict with
+a ``"loss"`` entry (``fusetrain.training.losses.split_loss``). With
+``loss_fn=None`` the model computes its own loss from the targets. Under
+``"cuda_graph"`` every tensor leaf of the batch gets a static buffer.
+
 Batches whose shape differs from the first one
 ----------------------------------------------
-The compiled/captured step is built for the shapes, dtypes and devices of the
-first batch. A *smaller last batch* (same trailing dims, fewer samples, e.g. the
+The compiled/captured step is built for the structure, shapes, dtypes and
+devices of the first batch (and the values of its non-tensor leaves). A *smaller last batch* (same trailing dims, fewer samples, e.g. the
 end of an epoch without ``drop_last``) runs eagerly with the same step
 semantics: exact, no sample dropped, one eager step per epoch, nothing
 recompiled or recaptured. Any other mismatch (a different image size, dtype
-or device, or a smaller batch not followed by a full one) also runs eagerly,
-with a one-time warning that names the expected and received shapes.
+or device, a list of another length, or a smaller batch not followed by a
+full one) also runs eagerly, with a one-time warning that names the expected
+and received batch and why they differ.
 ``compile_options={"dynamic": True}`` sends every shape through the compiled
 step instead.
 
@@ -64,6 +75,9 @@ from torch import Tensor, nn
 from ..amp import LossScaler, Precision
 from ..ema import ModelEMA
 from ..optim._base import FusedOptimizer
+from .batches import (Signature, call_model, copy_into, detach, empty_like_tree, signature, tensor_count,
+                      to_channels_last)
+from .losses import split_loss
 
 __all__ = ["TrainStep", "MODES"]
 
@@ -82,10 +96,6 @@ def _fresh(fn: Callable) -> Callable:
     # rebuild after invalidate()) a cache of its own, freed with it.
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
                               fn.__closure__)
-
-
-def _describe(x: Tensor, y: Tensor) -> str:
-    return f"x {tuple(x.shape)} {x.dtype} on {x.device}, y {tuple(y.shape)} {y.dtype} on {y.device}"
 
 
 def _root_cause(e: BaseException) -> BaseException:
@@ -107,7 +117,10 @@ class TrainStep:
 
     Args:
       model: the model being trained (in train mode).
-      loss_fn: ``loss_fn(outputs, targets) -> loss`` (a scalar tensor).
+      loss_fn: ``loss_fn(outputs, targets)`` returning a scalar tensor,
+        ``(loss, {name: component})`` or a dict with a ``"loss"`` entry; None:
+        the model computes its own loss when called with the targets (a dict
+        of components without ``"loss"`` is summed).
       optimizer: a fusetrain optimizer (any mode) or a ``torch.optim``
         optimizer (modes ``"off"`` and ``"compile"``).
       scaler: a :class:`fusetrain.LossScaler` (default: a disabled one).
@@ -127,26 +140,35 @@ class TrainStep:
         optimizer (unscaled gradients, eager tail; a step with non-finite
         gradients is skipped). fusetrain optimizers clip in their fused step
         (their ``max_grad_norm``).
+      model_input: how the inputs reach the model: ``"auto"``, ``"unpack"``,
+        ``"whole"`` or a function ``fn(model, inputs)`` (see
+        :func:`fusetrain.training.batches.call_model`).
 
-    Call ``step(x, y)`` with one micro-batch already on the device; the tail runs
-    on every ``accumulate``-th call, or when ``last=True`` (the end of an epoch
-    whose micro-batch count is not a multiple). Returns the detached output and
-    (undivided) loss. In ``"cuda_graph"`` mode these are the graph's static
-    buffers, overwritten by the next call: use them before it, or clone them.
-    No call synchronises with the host (with a fusetrain optimizer).
+    Call ``step(x, y)`` with one micro-batch (inputs and targets, any
+    structure) already on the device; the tail runs on every ``accumulate``-th
+    call, or when ``last=True`` (the end of an epoch whose micro-batch count is
+    not a multiple). Returns the detached outputs and (undivided) loss;
+    :attr:`components` holds the loss components of the call (detached). In
+    ``"cuda_graph"`` mode these are the graph's static buffers, overwritten by
+    the next call: use them before it, or clone them. No call synchronises
+    with the host (with a fusetrain optimizer).
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], optimizer: torch.optim.Optimizer,
                  scaler: Optional[LossScaler] = None, precision: Optional[Precision] = None, *, mode: str = "off",
                  accumulate: int = 1, ema: Optional[ModelEMA] = None, compile_options: Optional[Dict[str, Any]] = None,
-                 warmup_steps: int = 3, channels_last: bool = False, clip_grad_norm: Optional[float] = None) -> None:
+                 warmup_steps: int = 3, channels_last: bool = False, clip_grad_norm: Optional[float] = None,
+                 model_input: Any = "auto") -> None:
         if not isinstance(mode, str) or mode not in MODES:
             raise ValueError(f"TrainStep: mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"TrainStep: model must be an nn.Module, got {type(model).__name__}")
-        if not callable(loss_fn):
-            raise TypeError(f"TrainStep: loss_fn must be callable (outputs, targets) -> loss, got "
-                            f"{type(loss_fn).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"TrainStep: loss_fn must be callable (outputs, targets) -> loss, or None (the model "
+                            f"computes its own loss), got {type(loss_fn).__name__}")
+        if not callable(model_input) and model_input not in ("auto", "unpack", "whole"):
+            raise ValueError(f"TrainStep: model_input must be 'auto', 'unpack', 'whole' or a function "
+                             f"(model, inputs) -> outputs, got {model_input!r}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"TrainStep: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
@@ -190,6 +212,8 @@ class TrainStep:
         self.warmup_steps = warmup_steps
         self.channels_last = bool(channels_last)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.model_input = model_input
+        self.components: Dict[str, Tensor] = {}
         self._mode = mode
         self._micro = 0  # micro-batches since the last optimizer step
         self.invalidate()
@@ -234,15 +258,14 @@ class TrainStep:
         load_state_dict, a resume, or a change of the model or optimizer). For
         ``"cuda_graph"`` the warm-up steps run again."""
         self._graphs: Dict[bool, Any] = {}
-        self._outs: Dict[bool, Tuple[Tensor, Tensor]] = {}
+        self._outs: Dict[bool, Tuple[Any, Tensor, Dict[str, Tensor]]] = {}
         self._graph_last: Dict[str, Any] = {}
         self._pool = None
-        self._static_x: Optional[Tensor] = None
-        self._static_y: Optional[Tensor] = None
+        self._static: Optional[Tuple[Any, Any]] = None  # a buffer per tensor leaf of (inputs, targets)
         self._side_stream = None
         self._failed_graphs = getattr(self, "_failed_graphs", [])
         self._warm = 0  # eager optimizer steps done towards the warm-up
-        self._sig: Optional[Tuple] = None
+        self._sig: Optional[Signature] = None
         self._prev_mismatch = False
         self._warned_shape = False
         self._compiled_used = False
@@ -251,17 +274,23 @@ class TrainStep:
 
     def _build(self) -> None:
         model, loss_fn, opt, scaler, precision = self.model, self.loss_fn, self.optimizer, self.scaler, self.precision
-        acc, ema = self.accumulate, self.ema
+        acc, ema, model_input = self.accumulate, self.ema, self.model_input
+        own_loss = loss_fn is None
         # Persistent .grad tensors under capture: the graph reads them at fixed addresses.
         set_to_none = self._mode != "cuda_graph"
+
+        def forward_loss(x, y):
+            out = call_model(model, x, model_input, y, with_targets=own_loss)
+            loss, comps = split_loss(out if own_loss else loss_fn(out, y), sum_dict=own_loss,
+                                     where="the model's loss" if own_loss else "the loss")
+            return out, loss, comps
 
         # The outputs are detached before backward(): only detached tensors live
         # across dynamo's graph break there.
         def fwd_bwd(x, y):
             with precision.autocast():
-                out = model(x)
-                loss = loss_fn(out, y)
-            res = (out.detach(), loss.detach())
+                out, loss, comps = forward_loss(x, y)
+            res = (detach(out), loss.detach(), detach(comps))
             scaler.scale(loss / acc if acc > 1 else loss).backward()
             return res
 
@@ -276,18 +305,17 @@ class TrainStep:
                 # Optimizer.zero_grad is on dynamo's skip list (a graph break), so
                 # the compiled step calls it after the compiled function.
                 with precision.autocast():
-                    out = model(x)
-                    loss = loss_fn(out, y)
-                res = (out.detach(), loss.detach())
+                    out, loss, comps = forward_loss(x, y)
+                res = (detach(out), loss.detach(), detach(comps))
                 scaler.scale(loss / acc if acc > 1 else loss).backward()
                 scaler.step(opt)
                 scaler.update()
                 return res
 
             def full(x, y):
-                out, loss = step_no_zero(x, y)
+                res = step_no_zero(x, y)
                 opt.zero_grad(set_to_none=set_to_none)
-                return out, loss
+                return res
         else:
             clip = self.clip_grad_norm
 
@@ -308,9 +336,9 @@ class TrainStep:
                 opt.zero_grad(set_to_none=True)
 
             def full(x, y):
-                out, loss = fwd_bwd(x, y)
+                res = fwd_bwd(x, y)
                 tail()
-                return out, loss
+                return res
 
         self._fwd_bwd, self._tail, self._full = fwd_bwd, tail, full
         if self._mode == "compile":
@@ -326,14 +354,14 @@ class TrainStep:
                 c_step = torch.compile(_fresh(step_no_zero), **self.compile_options)
 
                 def c_full(x, y):
-                    out, loss = c_step(x, y)
+                    res = c_step(x, y)
                     opt.zero_grad(set_to_none=True)
-                    return out, loss
+                    return res
             else:
                 def c_full(x, y):
-                    out, loss = c_micro(x, y)
+                    res = c_micro(x, y)
                     tail()
-                    return out, loss
+                    return res
             self._c = {False: c_micro, True: c_full}
             self._run = self._run_compiled
         elif self._mode == "cuda_graph":
@@ -343,48 +371,44 @@ class TrainStep:
 
     # ---- calling ---------------------------------------------------------------------
 
-    def __call__(self, x: Tensor, y: Any, last: bool = False) -> Tuple[Tensor, Tensor]:
+    def __call__(self, x: Any, y: Any, last: bool = False) -> Tuple[Any, Tensor]:
         self._micro += 1
         do_step = last or self._micro >= self.accumulate
         if do_step:
             self._micro = 0
-        if self.channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return self._run(x, y, do_step)
-
-    def _run_eager(self, x, y, do_step: bool):
-        out, loss = self._fwd_bwd(x, y)
-        if do_step:
-            self._tail()
+        if self.channels_last:
+            x = to_channels_last(x)
+        out, loss, self.components = self._run(x, y, do_step)
         return out, loss
 
-    def _matches(self, x, y) -> bool:
-        sig = self._sig
-        if sig is None:
-            self._sig = (x.shape, x.dtype, x.device, y.shape, y.dtype, y.device)
-            return True
-        return (x.shape == sig[0] and y.shape == sig[3] and x.dtype == sig[1] and y.dtype == sig[4]
-                and x.device == sig[2] and y.device == sig[5])
+    def _run_eager(self, x, y, do_step: bool):
+        res = self._fwd_bwd(x, y)
+        if do_step:
+            self._tail()
+        return res
 
-    def _is_partial(self, x, y) -> bool:
-        sx, dx, devx, sy, dy, devy = self._sig
-        return (x.dtype == dx and y.dtype == dy and x.device == devx and y.device == devy
-                and x.dim() == len(sx) and y.dim() == len(sy) and x.dim() > 0 and y.dim() > 0
-                and x.shape[1:] == sx[1:] and y.shape[1:] == sy[1:]
-                and 0 < x.shape[0] < sx[0] and x.shape[0] == y.shape[0] and sx[0] == sy[0])
+    def _matches(self, x, y) -> bool:
+        sig = signature(x, y)
+        if self._sig is None:
+            self._sig = sig
+            return True
+        if sig == self._sig:
+            return True
+        self._new_sig = sig
+        return False
 
     def _mismatch(self, x, y, do_step: bool):
         """A batch the compiled/captured step was not built for: run it eagerly."""
-        if (not self._is_partial(x, y) or self._prev_mismatch) and not self._warned_shape:
+        new, built = self._new_sig, self._sig
+        if (not new.partial_of(built) or self._prev_mismatch) and not self._warned_shape:
             self._warned_shape = True
-            sx, dx, devx, sy, dy, devy = self._sig
-            built = "captured" if self._mode == "cuda_graph" else "compiled"
+            what = "captured" if self._mode == "cuda_graph" else "compiled"
+            why = "" if new.spec == "tensor pair" else f" ({new.mismatch(built)})"
             warnings.warn(
-                f"TrainStep(mode={self._mode!r}): the step was {built} for x {tuple(sx)} {dx} on {devx}, "
-                f"y {tuple(sy)} {dy} on {devy}, but got {_describe(x, y)}; such batches run eagerly (slower). Only "
-                f"a smaller last batch of an epoch runs eagerly without this warning. Call invalidate() to "
-                f"rebuild the step for new shapes" + ("" if self._mode == "cuda_graph" else
-                                                      ", or pass compile_options={'dynamic': True}"),
+                f"TrainStep(mode={self._mode!r}): the step was {what} for {built.text()}, but got "
+                f"{new.text()}{why}; such batches run eagerly (slower). Only a smaller last batch of an epoch runs "
+                f"eagerly without this warning. Call invalidate() to rebuild the step for new shapes"
+                + ("" if self._mode == "cuda_graph" else ", or pass compile_options={'dynamic': True}"),
                 stacklevel=3)
         self._prev_mismatch = True
         return self._run_eager(x, y, do_step)
@@ -419,8 +443,7 @@ class TrainStep:
         graph = self._graphs.get(do_step)
         if graph is None:
             return self._capture(x, y, do_step)
-        self._static_x.copy_(x)
-        self._static_y.copy_(y)
+        copy_into(self._static, (x, y))
         graph.replay()
         if do_step:
             # Eager steps (mismatching batches) point these at their own tensors.
@@ -428,11 +451,12 @@ class TrainStep:
         return self._outs[do_step]
 
     def _capture(self, x, y, do_step: bool):
-        if self._static_x is None:
-            self._static_x = torch.empty_like(x)
-            self._static_y = torch.empty_like(y)
-        self._static_x.copy_(x)
-        self._static_y.copy_(y)
+        if self._static is None:
+            if tensor_count((x, y)) == 0:
+                raise ValueError("TrainStep(mode='cuda_graph'): the batch holds no tensor to copy into the graph's "
+                                 "static buffers; use compile_step='compile' or 'off'")
+            self._static = empty_like_tree((x, y))
+        copy_into(self._static, (x, y))
         if self._pool is None:
             # Both graphs (micro-step and full step) allocate from one pool.
             self._pool = torch.cuda.graph_pool_handle()
@@ -443,7 +467,7 @@ class TrainStep:
         fn = self._full if do_step else self._fwd_bwd
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                outs = fn(self._static_x, self._static_y)
+                outs = fn(*self._static)
         except Exception as e:
             # Capture records kernels without running them, so no weight, state or
             # gradient changed; discard what the Python side recorded meanwhile.

@@ -1,51 +1,53 @@
 """The Trainer: ``Trainer(experiment_name).train(model, training_params, train_loader, valid_loader)``.
 
-The loop runs the fused, host-sync-free step (fusetrain optimizers with the
-LossScaler and an attached ModelEMA), keeps the running loss and metrics in
-device tensors (read once per epoch, or once per ``log_interval`` steps for the
-progress bar), validates under ``torch.inference_mode()`` with the training
-precision (on the EMA weights when ``ema`` is on), logs each epoch (CSV, JSONL,
-TensorBoard, console) and writes checkpoints atomically. ``resume=True``
-continues the same run bit-identically (model, EMA, optimizer with master
-weights, scaler, schedule position, RNG states).
+A flat loop over a :class:`~fusetrain.training.run.Run`: per epoch, train
+(the fused, host-sync-free :class:`TrainStep` on batches of any structure),
+validate on each validation loader under ``torch.inference_mode()`` with the
+training precision (on the EMA weights when ``ema`` is on), log the epoch
+(CSV, JSONL, TensorBoard, console) and write checkpoints atomically; after the
+last epoch, evaluate the test loaders. The running loss, its components and
+the metrics stay in device tensors, read once per epoch (or once per
+``log_interval`` steps for the progress bar). Callbacks run at the phases of
+:data:`fusetrain.training.callbacks.HOOKS`. ``resume=True`` continues the
+same run bit-identically (model, EMA, optimizer with master weights, scaler,
+schedule position, RNG states).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import resource
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..amp import LossScaler, Precision, resolve_precision
 from ..ema import ModelEMA, unwrap_model
 from ..optim._base import FusedOptimizer
 from . import distributed as _dist
+from . import launcher
+from .batches import call_model, count_samples, split_batch, to_channels_last, to_device
+from .callbacks import CallbackList, TrainerState, build_callbacks
 from .checkpoints import atomic_save, load_checkpoint
-from .experiment_log import ExperimentLogger
-from .metrics import Metric, build_metrics, compute_all
-from .step import TrainStep
-from .params import LOSSES, TrainingParams, TrainingParamsError, optimizer_class, resolve_training_params
+from .data.sharding import set_epoch, shard_train_loader, shard_valid_loader
+from .experiment_log import ExperimentLogger, NullLogger
+from .losses import build_loss, split_loss
+from .metrics import MetricSet
+from .params import TrainingParams, TrainingParamsError, optimizer_class, resolve_training_params
+from .params.resolve import watch_candidates
+from .registry import import_path
+from .run import LossSums, Run
 from .schedules import LRSchedule
+from .step import TrainStep
 
 __all__ = ["Trainer"]
-
-
-
-def _pick_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"training_params.device: got {spec!r} but CUDA is not available; allowed here: 'auto', 'cpu'")
-    return dev
 
 
 def _memory_mb(device: torch.device) -> Dict[str, float]:
@@ -86,8 +88,42 @@ class _Progress:
             self.bar.close()
 
 
+def _named_loaders(loaders: Any, what: str) -> Dict[str, Any]:
+    """A loader, or a dict of name -> loader, as ``{name: loader}`` (the name
+    ``""`` for a single loader, whose values are logged without a name)."""
+    if loaders is None:
+        return {}
+    if isinstance(loaders, dict):
+        bad = [k for k in loaders if not isinstance(k, str) or not k.isidentifier()]
+        if bad or not loaders:
+            raise ValueError(f"Trainer.train: {what} must be a loader or a non-empty dict of name -> loader with "
+                             f"names made of letters, digits and underscores; got names {list(loaders)!r}")
+        return dict(loaders)
+    return {"": loaders}
+
+
+def _prefixed(phase: str, name: str, results: Dict[str, float]) -> Dict[str, float]:
+    prefix = f"{phase}_{name}_" if name else f"{phase}_"
+    return {prefix + k: v for k, v in results.items()}
+
+
+def _resolve_fn(value: Any) -> Any:
+    """A function given by its path in a recipe (``package.module.function``)."""
+    if isinstance(value, str) and "." in value:
+        return import_path(value, "training_params")
+    return value
+
+
+def _train_worker(experiment_name: str, ckpt_root_dir: str, model: nn.Module, training_params: Dict[str, Any],
+                  train_loader, valid_loader, test_loader) -> Dict[str, Any]:
+    """What each worker started for ``multi_gpu: ddp`` runs: the same train call."""
+    return Trainer(experiment_name, ckpt_root_dir=ckpt_root_dir).train(model, training_params, train_loader,
+                                                                         valid_loader, test_loader)
+
+
 class Trainer:
-    """Trains a model with fusetrain's fused step; see ``docs/training_params.md``.
+    """Trains a model with fusetrain's fused step; see ``docs/training_params.md``
+    and the guides in ``docs/guides/``.
 
     Args:
       experiment_name: folder name of the run under ``ckpt_root_dir``.
@@ -101,15 +137,8 @@ class Trainer:
         self.ckpt_root_dir = ckpt_root_dir or os.path.join(os.getcwd(), "checkpoints")
         self.experiment_dir = os.path.join(self.ckpt_root_dir, experiment_name)
         self.params: Optional[TrainingParams] = None
-        self._dist_state = _dist.SINGLE  # this process's place in a distributed run (set by train)
 
     # ---- building blocks -----------------------------------------------------------
-
-    @staticmethod
-    def _loss_fn(p: TrainingParams) -> Callable[[Tensor, Tensor], Tensor]:
-        if callable(p.loss) and not isinstance(p.loss, str):
-            return p.loss
-        return LOSSES[p.loss](**p.loss_params)
 
     @staticmethod
     def _build_optimizer(model: nn.Module, p: TrainingParams, device: torch.device):
@@ -134,20 +163,17 @@ class Trainer:
             lr = p.initial_lr
         return cls(groups, lr=lr, **kwargs), fused
 
-    def _build_step(self, model, loss_fn, opt, fused: bool, scaler: LossScaler, precision: Precision, ema,
-                    p: TrainingParams) -> TrainStep:
-        """The per-batch step (``compile_step``); ``model`` is what it runs:
-        the DDP wrapper, or the torch.compile'd model when ``compile_step`` is off."""
-        options = dict(p.torch_compile_options, mode=p.torch_compile_mode)
-        return TrainStep(model, loss_fn, opt, scaler, precision, mode=p.compile_step, accumulate=p.batch_accumulate,
-                         ema=ema, compile_options=options, channels_last=p.channels_last,
-                         clip_grad_norm=None if fused else p.clip_grad_norm)
+    @staticmethod
+    def _loss_fn(p: TrainingParams, device: torch.device):
+        loss_fn = build_loss(p.loss, p.loss_params)
+        return loss_fn.to(device) if isinstance(loss_fn, nn.Module) else loss_fn
 
-    def _set_lr(self, opt, value: float, fused: bool) -> None:
+    @staticmethod
+    def _set_lr(opt, value: float) -> None:
         seen = set()
         for g in opt.param_groups:
             lr = g["lr"]
-            if isinstance(lr, Tensor):
+            if isinstance(lr, torch.Tensor):
                 if id(lr) not in seen:
                     seen.add(id(lr))
                     lr.fill_(value)
@@ -157,8 +183,12 @@ class Trainer:
     # ---- public API ------------------------------------------------------------------
 
     def train(self, model: nn.Module, training_params: Optional[Dict[str, Any]] = None, train_loader=None,
-              valid_loader=None) -> Dict[str, Any]:
-        """Train ``model``; returns ``{"final": last epoch's metrics, "best": {"metric", "value", "epoch"},
+              valid_loader=None, test_loader=None) -> Dict[str, Any]:
+        """Train ``model``. ``valid_loader`` and ``test_loader`` are a loader or a
+        dict of name -> loader (logged as ``valid_<name>_<metric>``); the test
+        loaders are evaluated once, after training, on the final weights (the
+        EMA's with ``ema``). Returns ``{"final": last epoch's row, "best":
+        {"metric", "value", "epoch"}, "test": {test_<metric>: value},
         "experiment_dir": path}``."""
         p = resolve_training_params(training_params)
         self.params = p
@@ -166,6 +196,8 @@ class Trainer:
             raise TypeError(f"Trainer.train: model must be an nn.Module, got {type(model).__name__}")
         if train_loader is None:
             raise ValueError("Trainer.train: train_loader is required")
+        _named_loaders(valid_loader, "valid_loader")
+        _named_loaders(test_loader, "test_loader")
         resume_path = None
         if p.resume or p.resume_path:
             resume_path = p.resume_path or os.path.join(self.experiment_dir, "ckpt_latest.pth")
@@ -173,30 +205,77 @@ class Trainer:
                 raise FileNotFoundError(f"training_params.resume: no checkpoint at {resume_path}")
         n_workers = _dist.workers_to_launch(p)
         if n_workers > 1:  # multi_gpu 'ddp' outside a launcher: start the workers, each runs this method
-            return _dist.launch_training(self, model, p, train_loader, valid_loader, n_workers)
-        dist_state, device = _dist.setup(p)
-        self._dist_state = dist_state
+            return self._launch(model, p, train_loader, valid_loader, test_loader, n_workers)
+        ctx, device = _dist.setup(p)
         failed = True
         try:
-            result = self._train_in_process(model, p, train_loader, valid_loader, resume_path, dist_state, device)
+            run = self._setup(model, p, train_loader, valid_loader, test_loader, resume_path, ctx, device)
+            result = self._loop(run)
             failed = False
             return result
         except BaseException as exc:
-            other_rank_failed = _dist.on_failure(dist_state, exc, "during training")
+            other_rank_failed = ctx.on_failure(exc, "during training")
             if other_rank_failed is not None:
                 raise other_rank_failed from exc
             raise
         finally:
-            _dist.teardown(dist_state, failed)
-            self._dist_state = _dist.SINGLE
+            ctx.teardown(failed)
 
-    def _train_in_process(self, model: nn.Module, p: TrainingParams, train_loader, valid_loader,
-                          resume_path: Optional[str], dist_state: "_dist.DistState",
-                          device: torch.device) -> Dict[str, Any]:
-        if p.compile_step == "cuda_graph" and (device.type != "cuda" or dist_state.enabled):
+    def test(self, model: nn.Module, test_loader, metrics: Optional[List[Any]] = None,
+             training_params: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
+        """Evaluate ``model`` on ``test_loader`` (precision, loss, device, batch
+        rules from ``training_params``, default those of the last ``train``);
+        returns ``{"loss": ..., <metric>: ...}``. Writes nothing."""
+        p = resolve_training_params(training_params) if training_params is not None else (
+            self.params or resolve_training_params({}))
+        device = _dist._single_device(p.device)
+        model = model.to(device)
+        precision = resolve_precision(p.mixed_precision, device)
+        ms = MetricSet(metrics if metrics is not None else list(p.valid_metrics), "test").to(device)
+        return self._evaluate(p, model, test_loader, self._loss_fn(p, device), precision, ms, device, None)
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def _launch(self, model, p, train_loader, valid_loader, test_loader, nprocs: int) -> Dict[str, Any]:
+        """Start ``nprocs`` workers that each run this ``train`` call; then load the
+        final weights (the last checkpoint) into ``model`` so the caller holds the
+        trained model, as after a single-process run. Returns rank 0's result."""
+        args = (self.experiment_name, self.ckpt_root_dir, model, p, train_loader, valid_loader, test_loader)
+        result = launcher.launch(_train_worker, args, nprocs,
+                                 payload_names=("experiment_name", "ckpt_root_dir", "the model", "training_params",
+                                                "the train loader", "the validation loader", "the test loader"))
+        path = os.path.join(self.experiment_dir, "ckpt_latest.pth")
+        if os.path.isfile(path):
+            unwrap_model(model).load_state_dict(load_checkpoint(path)["model"])
+        return result
+
+    def _watch_key(self, p: TrainingParams, valid_loaders: Dict[str, Any]) -> str:
+        """The row key of ``metric_to_watch`` (checked before anything is written)."""
+        watch, names = p.metric_to_watch, list(valid_loaders)
+        if names in ([], [""]):
+            return f"valid_{watch}"
+        if any(watch.startswith(f"{n}_") for n in names):
+            return f"valid_{watch}"
+        reported = watch_candidates(p.valid_metrics)
+        if watch.startswith("loss") or reported is None or watch in reported:
+            return f"valid_{names[0]}_{watch}"
+        raise TrainingParamsError([f"training_params.metric_to_watch: got {watch!r}; allowed with the validation "
+                                   f"loaders {names}: a name valid_metrics reports ({reported!r}) or 'loss' (of the "
+                                   f"first loader, {names[0]!r}), or <loader>_<name>"])
+
+    def _setup(self, model: nn.Module, p: TrainingParams, train_loader, valid_loader, test_loader,
+               resume_path: Optional[str], ctx: "_dist.DistContext", device: torch.device) -> Run:
+        if p.compile_step == "cuda_graph" and (device.type != "cuda" or ctx.enabled):
             raise TrainingParamsError([f"training_params.compile_step: got 'cuda_graph' "
-                             + (f"but the device is {device}; CUDA graphs need a GPU" if device.type != "cuda" else
-                                "in a distributed run") + "; allowed here: 'off' or 'compile'"])
+                                       + (f"but the device is {device}; CUDA graphs need a GPU"
+                                          if device.type != "cuda" else "in a distributed run")
+                                       + "; allowed here: 'off' or 'compile'"])
+        valid_loaders = _named_loaders(valid_loader, "valid_loader")
+        test_loaders = _named_loaders(test_loader, "test_loader")
+        watch_key = self._watch_key(p, valid_loaders)
+        callbacks = CallbackList(build_callbacks(p.callbacks))
+        train_metrics = MetricSet(p.train_metrics, "train").to(device)
+        valid_metrics = {name: MetricSet(p.valid_metrics, "valid").to(device) for name in valid_loaders}
         # Reproducibility and speed switches.
         torch.manual_seed(p.seed)
         random.seed(p.seed)
@@ -204,42 +283,34 @@ class Trainer:
         torch.backends.cudnn.benchmark = bool(p.cudnn_benchmark)
         torch.autograd.set_detect_anomaly(False)
         if torch.autograd._profiler_enabled():
-            warnings.warn("Trainer: the autograd profiler is active and slows every step", stacklevel=2)
+            warnings.warn("Trainer: the autograd profiler is active and slows every step", stacklevel=3)
 
         model = model.to(device)
         if p.channels_last:
             model = model.to(memory_format=torch.channels_last)
         if p.sync_bn:
-            if dist_state.enabled:
-                model = _dist.convert_sync_batchnorm(model)
+            if ctx.enabled:
+                model = ctx.convert_sync_batchnorm(model)
             else:
-                warnings.warn("training_params.sync_bn: not a distributed run, BatchNorm stays local", stacklevel=2)
+                warnings.warn("training_params.sync_bn: not a distributed run, BatchNorm stays local", stacklevel=3)
         # DDP broadcasts rank 0's weights: built before the optimizer (master weights) and the EMA copy them.
-        ddp_model = (_dist.wrap_model(model, dist_state, device, p.find_unused_parameters) if dist_state.enabled
-                     else model)
-        train_loader = _dist.shard_train_loader(train_loader, dist_state, p.seed)
-        valid_loader = _dist.shard_valid_loader(valid_loader, dist_state)
+        ddp_model = ctx.wrap(model, device, p.find_unused_parameters)
+        train_loader = shard_train_loader(train_loader, ctx, p.seed)
+        valid_loaders = {k: shard_valid_loader(v, ctx) for k, v in valid_loaders.items()}
         precision = resolve_precision(p.mixed_precision, device)
         scaler = precision.make_scaler(**p.scaler_params)
         opt, fused = self._build_optimizer(model, p, device)
         steps_per_epoch = self._steps_per_epoch(train_loader, p)
-        schedule = LRSchedule(p, steps_per_epoch)
         ema = None
         if p.ema:
             ema_kwargs = dict(p.ema_params)
             ema_kwargs.setdefault("total_steps", p.max_epochs * steps_per_epoch)
             ema = ModelEMA(model, **ema_kwargs)
-        loss_fn = self._loss_fn(p)
-        if isinstance(loss_fn, nn.Module):
-            loss_fn = loss_fn.to(device)
-
-        start_epoch, global_step = 0, 0
-        # Steps skipped by the loss scaler in earlier sessions of a resumed run
-        # (the scaler's own counter starts at 0 in each process).
-        self._skipped_before = 0.0
+        loss_fn = self._loss_fn(p, device)
         best = {"metric": p.metric_to_watch, "value": None, "epoch": None}
-        stale_epochs = 0
-        logger = ExperimentLogger(self.experiment_dir) if dist_state.is_main else _dist.NullLogger()
+        logger = ExperimentLogger(self.experiment_dir) if ctx.is_main else NullLogger()
+        start_epoch = global_step = stale_epochs = 0
+        skipped_before = 0.0
         if resume_path is not None:
             ck = load_checkpoint(resume_path)
             unwrap_model(model).load_state_dict(ck["model"])
@@ -254,7 +325,7 @@ class Trainer:
             start_epoch, global_step = int(ck["epoch"]), int(ck["global_step"])
             best = ck.get("best", best)
             stale_epochs = int(ck.get("stale_epochs", 0))
-            self._skipped_before = float(ck.get("skipped_steps", 0.0))
+            skipped_before = float(ck.get("skipped_steps", 0.0))
             self._set_rng(ck["rng"], train_loader)
             logger.load_existing(start_epoch)
         if ema is not None and fused:
@@ -262,85 +333,82 @@ class Trainer:
 
         # Distributed: the DDP-wrapped module is compiled, so Dynamo's DDPOptimizer can split the graph at the
         # gradient buckets and overlap the all-reduces with the backward (docs/design.md).
-        train_model = ddp_model
-        if p.torch_compile:
-            train_model = torch.compile(ddp_model, mode=p.torch_compile_mode, **p.torch_compile_options)
+        compile_kw = dict(mode=p.torch_compile_mode, **p.torch_compile_options)
+        train_model = torch.compile(ddp_model, **compile_kw) if p.torch_compile else ddp_model
         eval_model = ema.module if ema is not None else train_model
         if ema is None and ddp_model is not model:  # validate without DDP: no collectives, shards may differ
-            eval_model = (torch.compile(model, mode=p.torch_compile_mode, **p.torch_compile_options)
-                          if p.torch_compile else model)
+            eval_model = torch.compile(model, **compile_kw) if p.torch_compile else model
         if p.torch_compile and ema is not None:
-            eval_model = torch.compile(ema.module, mode=p.torch_compile_mode, **p.torch_compile_options)
-        # Built after a resume has loaded the state (a captured step reads it at fixed addresses).
-        train_step = self._build_step(ddp_model if p.compile_step != "off" else train_model, loss_fn, opt, fused,
-                                      scaler, precision, ema, p)
+            eval_model = torch.compile(ema.module, **compile_kw)
+        # The per-batch step (compile_step); built after a resume has loaded the state (a captured step reads it
+        # at fixed addresses). It runs the DDP wrapper, or the torch.compile'd model when compile_step is off.
+        train_step = TrainStep(ddp_model if p.compile_step != "off" else train_model, loss_fn, opt, scaler,
+                               precision, mode=p.compile_step, accumulate=p.batch_accumulate, ema=ema,
+                               compile_options=compile_kw, channels_last=p.channels_last,
+                               clip_grad_norm=None if fused else p.clip_grad_norm,
+                               model_input=_resolve_fn(p.model_input))
+        state = TrainerState(params=p, model=model, optimizer=opt, scaler=scaler, ema=ema, device=device,
+                             experiment_dir=self.experiment_dir, is_main=ctx.is_main, world_size=ctx.world_size,
+                             epoch=start_epoch, global_step=global_step, best=best)
+        return Run(p=p, ctx=ctx, device=device, model=model, train_step=train_step, eval_model=eval_model, opt=opt,
+                   fused=fused, scaler=scaler, precision=precision, ema=ema, loss_fn=loss_fn,
+                   schedule=LRSchedule(p, steps_per_epoch), steps_per_epoch=steps_per_epoch,
+                   train_loader=train_loader, valid_loaders=valid_loaders, test_loaders=test_loaders,
+                   train_metrics=train_metrics, valid_metrics=valid_metrics, callbacks=callbacks, state=state,
+                   logger=logger, watch_key=watch_key, split_fn=_resolve_fn(p.split_batch),
+                   model_input=_resolve_fn(p.model_input), sums=LossSums(device), start_epoch=start_epoch,
+                   global_step=global_step, best=best, stale_epochs=stale_epochs, skipped_before=skipped_before)
 
-        train_metrics = build_metrics(p.train_metrics, device)
-        valid_metrics = build_metrics(p.valid_metrics, device)
-        running_loss = torch.zeros((), dtype=torch.float64, device=device)
+    # ---- the loop ------------------------------------------------------------------------
+
+    def _loop(self, run: Run) -> Dict[str, Any]:
+        p, ctx, state, cbs = run.p, run.ctx, run.state, run.callbacks
         last: Dict[str, Any] = {}
+        test: Dict[str, float] = {}
+        completed = False
+        cbs("on_train_start", state)
         try:
-            for epoch in range(start_epoch, p.max_epochs):
-                if dist_state.enabled:  # per rank and epoch, so a resumed run re-derives it
-                    _dist.seed_everything(_dist.epoch_seed(p.seed, dist_state.rank, epoch))
-                _dist.set_epoch(train_loader, epoch)
-                row, global_step = self._train_epoch(epoch, p, train_step, model, opt, fused, scaler, ema, loss_fn,
-                                                     precision, schedule, train_loader, train_metrics, running_loss,
-                                                     device, global_step, steps_per_epoch)
-                _dist.broadcast_buffers(dist_state, [model, ema.module if ema is not None else None])
-                if valid_loader is not None and ((epoch + 1) % p.run_validation_freq == 0 or
-                                                 epoch + 1 == p.max_epochs):
-                    row.update({f"valid_{k}": v for k, v in self._evaluate(
-                        eval_model, valid_loader, loss_fn, precision, valid_metrics, device,
-                        p.max_valid_batches, p.channels_last, dist_state=dist_state).items()})
-                row.update(_memory_mb(device))
-                improved = self._update_best(best, row, p, epoch)
-                stale_epochs = 0 if improved else stale_epochs + (1 if f"valid_{p.metric_to_watch}" in row else 0)
-                logger.log_epoch(row)
-                if dist_state.is_main:
-                    self._print_epoch(row)
+            for epoch in range(run.start_epoch, p.max_epochs):
+                state.epoch = epoch
+                if ctx.enabled:  # per rank and epoch, so a resumed run re-derives it
+                    _dist.seed_everything(_dist.epoch_seed(p.seed, ctx.rank, epoch))
+                set_epoch(run.train_loader, epoch)
+                cbs("on_epoch_start", state)
+                row = self._train_epoch(run, epoch)
+                ctx.broadcast_buffers([run.model, run.ema.module if run.ema is not None else None])
+                if (epoch + 1) % p.run_validation_freq == 0 or epoch + 1 == p.max_epochs:
+                    self._validate(run, row)
+                row.update(_memory_mb(run.device))
+                cbs("on_epoch_end", state)
+                self._end_epoch(run, epoch, row)
                 last = row
-                if dist_state.is_main:  # logs and checkpoints on rank 0; the others wait at the barrier
-                    state = self._checkpoint(model, opt, scaler, ema, epoch + 1, global_step, best, stale_epochs,
-                                             p, train_loader)
-                    atomic_save(state, os.path.join(self.experiment_dir, "ckpt_latest.pth"))
-                    if improved:
-                        atomic_save(state, os.path.join(self.experiment_dir, "ckpt_best.pth"))
-                    if epoch + 1 in p.save_ckpt_epoch_list:
-                        atomic_save(state, os.path.join(self.experiment_dir, f"ckpt_epoch_{epoch + 1}.pth"))
-                _dist.barrier(dist_state)
-                if p.early_stopping and stale_epochs >= p.early_stopping["patience"]:
-                    if dist_state.is_main:
-                        print(f"Early stopping after epoch {epoch + 1}: no improvement of {p.metric_to_watch} "
-                              f"for {stale_epochs} validation(s)")
+                stop = self._stop_message(run, epoch)
+                if stop:
+                    if ctx.is_main:
+                        print(stop, flush=True)
                     break
+            completed = True
         finally:
-            if ema is not None:
-                ema.detach()
-            if logger.rows:
+            if run.ema is not None:
+                run.ema.detach()
+            if run.logger.rows:
                 try:
-                    logger.plot()
+                    run.logger.plot()
                 except Exception as e:  # the plot is a convenience, never a failure
                     warnings.warn(f"could not write the metrics plot: {e}", stacklevel=2)
-            logger.close()
-        return {"final": last, "best": best, "experiment_dir": self.experiment_dir}
+            run.logger.close()
+            cbs("on_train_end", state)
+        if completed and run.test_loaders:
+            test = self._run_tests(run)
+        return {"final": last, "best": run.best, "test": test, "experiment_dir": self.experiment_dir}
 
-    def test(self, model: nn.Module, test_loader, metrics: Optional[List[str]] = None,
-             training_params: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
-        """Evaluate ``model`` on ``test_loader`` (precision/loss/device from
-        ``training_params``, default those of the last ``train``)."""
-        p = resolve_training_params(training_params) if training_params is not None else (
-            self.params or resolve_training_params({}))
-        device = _pick_device(p.device)
-        model = model.to(device)
-        precision = resolve_precision(p.mixed_precision, device)
-        ms = build_metrics(metrics or list(p.valid_metrics), device)
-        loss_fn = self._loss_fn(p)
-        if isinstance(loss_fn, nn.Module):
-            loss_fn = loss_fn.to(device)
-        return self._evaluate(model, test_loader, loss_fn, precision, ms, device, None, p.channels_last)
-
-    # ---- loop pieces -------------------------------------------------------------------
+    @staticmethod
+    def _stop_message(run: Run, epoch: int) -> str:
+        p = run.p
+        if p.early_stopping and run.stale_epochs >= p.early_stopping["patience"]:
+            return (f"Early stopping after epoch {epoch + 1}: no improvement of {p.metric_to_watch} for "
+                    f"{run.stale_epochs} validation(s)")
+        return f"Stopping after epoch {epoch + 1}: {run.state.stop_reason}" if run.state.stop_training else ""
 
     @staticmethod
     def _steps_per_epoch(loader, p: TrainingParams) -> int:
@@ -352,101 +420,157 @@ class Trainer:
             n = min(n, p.max_train_batches)
         return max(1, -(-n // p.batch_accumulate))
 
-    def _train_epoch(self, epoch, p, train_step: TrainStep, model, opt, fused, scaler: LossScaler, ema, loss_fn,
-                     precision: Precision, schedule, loader, metrics: List[Metric], running_loss: Tensor,
-                     device, global_step: int, steps_per_epoch: int):
-        model.train()
-        for m in metrics:
-            m.reset()
-        running_loss.zero_()
+    def _train_epoch(self, run: Run, epoch: int) -> Dict[str, Any]:
+        p, train_step, state, cbs, sums = run.p, run.train_step, run.state, run.callbacks, run.sums
+        batch_hooks, step_hooks = cbs.has("on_train_batch_end"), cbs.has("on_step_end")
+        run.model.train()
+        run.train_metrics.reset()
+        sums.reset()
+        loader = run.train_loader
         n_batches = len(loader) if hasattr(loader, "__len__") else None
         if p.max_train_batches:
             n_batches = min(n_batches or p.max_train_batches, p.max_train_batches)
-        progress = _Progress(p.progress_bar and self._dist_state.is_main, n_batches or 0,
-                             f"epoch {epoch + 1}/{p.max_epochs}")
-        samples = 0
+        progress = _Progress(p.progress_bar and run.ctx.is_main, n_batches or 0, f"epoch {epoch + 1}/{p.max_epochs}")
+        samples = first_batch = 0
         t0 = time.perf_counter()
         warmup_time = None
-        for i, (x, y) in enumerate(loader):
+        for i, batch in enumerate(loader):
             if p.max_train_batches and i >= p.max_train_batches:
                 break
-            x = x.to(device, non_blocking=True)
-            y = y.to(device, non_blocking=True)
+            batch = to_device(batch, run.device)
+            x, y, extras = split_batch(batch, run.split_fn)
             # The step (channels_last conversion, forward, loss, backward and, on
             # the last micro-batch of a group, the optimizer tail: TrainStep).
             last_micro = n_batches is not None and i + 1 == n_batches
             do_step = train_step.will_step(last_micro)
             if do_step:
-                self._set_lr(opt, schedule(global_step), fused)
-            with _dist.grad_sync(train_step.model, do_step):  # DDP: all-reduce only on the micro-batch that steps
+                self._set_lr(run.opt, run.schedule(run.global_step))
+            with run.ctx.grad_sync(train_step.model, do_step):  # DDP: all-reduce only on the micro-batch that steps
                 out_d, loss_d = train_step(x, y, last=last_micro)
             if do_step:
-                global_step += 1
-            running_loss += loss_d.double() * x.shape[0]
-            for m in metrics:
-                m.update(out_d.float(), y, loss_d)
-            samples += x.shape[0]
+                run.global_step += 1
+            n = count_samples(x, run.model_input)
+            sums.add(loss_d, train_step.components, n)
+            run.train_metrics.update(out_d, y, loss_d)
+            samples += n
+            if batch_hooks or step_hooks:
+                state.batch_idx, state.global_step, state.batch = i, run.global_step, (x, y, extras)
+                state.outputs, state.loss, state.loss_components = out_d, loss_d, train_step.components
+                cbs("on_train_batch_end", state)
+                if do_step:
+                    cbs("on_step_end", state)
             if warmup_time is None:
                 warmup_time = time.perf_counter() - t0
                 t_steady = time.perf_counter()
+                first_batch = n
                 progress.first_step_done()
             elif p.log_interval and progress.bar is not None and (i + 1) % p.log_interval == 0:
                 # One host read per log interval, not per step.
-                progress.update(loss=f"{running_loss.item() / samples:.4f}")
+                progress.update(loss=f"{sums.loss.item() / samples:.4f}")
             else:
                 progress.update()
         progress.close()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
         elapsed = time.perf_counter() - t0
         steady = time.perf_counter() - t_steady if warmup_time is not None else 0.0
-        first_batch = x.shape[0] * self._dist_state.world_size if samples else 0
-        samples = int(_dist.reduce_epoch(self._dist_state, running_loss, metrics, samples))  # all ranks' sums
+        first_batch *= run.ctx.world_size
+        samples = int(run.ctx.sum_(sums.tensors() + run.train_metrics.state_tensors(), [samples])[0])
         row: Dict[str, Any] = {"epoch": epoch + 1}
-        row["train_loss"] = running_loss.item() / max(1, samples)
-        row.update({f"train_{k}": v for k, v in compute_all(metrics).items() if k != "loss"})
-        row["lr"] = schedule(max(0, global_step - 1))
+        row.update(_prefixed("train", "", sums.means(samples)))
+        row.update({k: v for k, v in _prefixed("train", "", run.train_metrics.compute()).items() if k not in row})
+        row["lr"] = run.schedule(max(0, run.global_step - 1))
         row["epoch_time_s"] = elapsed
         row["warmup_time_s"] = warmup_time or 0.0
         row["samples_per_s"] = (samples - first_batch) / steady if steady > 0 else 0.0
+        scaler = run.scaler
         if scaler.is_enabled() and scaler.skipped_steps is not None:
-            row["skipped_steps"] = self._skipped_before + float(scaler.skipped_steps.item())
+            row["skipped_steps"] = run.skipped_before + float(scaler.skipped_steps.item())
             row["loss_scale"] = scaler.get_scale()
-        return row, global_step
+        run.state.global_step, run.state.metrics = run.global_step, row
+        run.callbacks("on_train_epoch_end", run.state)
+        return row
+
+    def _validate(self, run: Run, row: Dict[str, Any]) -> None:
+        for name, loader in run.valid_loaders.items():
+            res = self._evaluate(run.p, run.eval_model, loader, run.loss_fn, run.precision, run.valid_metrics[name],
+                                 run.device, run.p.max_valid_batches, run.ctx)
+            row.update(_prefixed("valid", name, res))
+            run.callbacks("on_validation_end", run.state, name, res)
+
+    def _run_tests(self, run: Run) -> Dict[str, float]:
+        """Each test loader once, on the final weights (the EMA's with ``ema``)."""
+        out: Dict[str, float] = {}
+        model = run.ema.module if run.ema is not None else run.model
+        for name, loader in run.test_loaders.items():
+            metrics = MetricSet(run.p.valid_metrics, "test").to(run.device)
+            res = self._evaluate(run.p, model, loader, run.loss_fn, run.precision, metrics, run.device, None,
+                                 run.ctx if loader is not None else None)
+            out.update(_prefixed("test", name, res))
+            run.callbacks("on_test_end", run.state, name, res)
+        if run.ctx.is_main:
+            print("Test: " + ", ".join(f"{k}: {v:.4f}" for k, v in out.items()), flush=True)
+            os.makedirs(self.experiment_dir, exist_ok=True)
+            with open(os.path.join(self.experiment_dir, "test_metrics.json"), "w") as f:
+                json.dump(out, f, indent=2)
+        return out
 
     @staticmethod
-    def _evaluate(model, loader, loss_fn, precision: Precision, metrics: List[Metric], device, max_batches,
-                  channels_last: bool, dist_state: Optional["_dist.DistState"] = None) -> Dict[str, float]:
+    def _evaluate(p: TrainingParams, model, loader, loss_fn, precision: Precision, metrics: MetricSet, device,
+                  max_batches: Optional[int], ctx: Optional["_dist.DistContext"] = None) -> Dict[str, float]:
+        """Loss (unless the model computes its own) and metrics over ``loader``,
+        in eval mode under ``inference_mode``; the model is called without
+        targets. A distributed run sums every rank's shard."""
         was_training = model.training
         model.eval()
-        for m in metrics:
-            m.reset()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        metrics.reset()
+        sums = LossSums(device)
         n = 0
+        split_fn, model_input = _resolve_fn(p.split_batch), _resolve_fn(p.model_input)
         with torch.inference_mode(), precision.autocast():
-            for i, (x, y) in enumerate(loader):
+            for i, batch in enumerate(loader):
                 if max_batches and i >= max_batches:
                     break
-                x = x.to(device, non_blocking=True)
-                y = y.to(device, non_blocking=True)
-                if channels_last and x.dim() == 4:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                out = model(x)
-                loss = loss_fn(out, y)
-                loss_sum += loss.double() * x.shape[0]
-                n += x.shape[0]
-                for m in metrics:
-                    m.update(out.float(), y, loss)
+                x, y, _ = split_batch(to_device(batch, device), split_fn)
+                if p.channels_last:
+                    x = to_channels_last(x)
+                out = call_model(model, x, model_input)
+                b = count_samples(x, model_input)
+                loss = None
+                if loss_fn is not None:
+                    loss, comps = split_loss(loss_fn(out, y))
+                    sums.add(loss, comps, b)
+                n += b
+                metrics.update(out, y, loss)
         model.train(was_training)
-        if dist_state is not None and dist_state.enabled:  # each rank validated its shard
-            n = _dist.reduce_epoch(dist_state, loss_sum, metrics, n)
-        res = {"loss": loss_sum.item() / max(1, n)}
-        res.update({k: v for k, v in compute_all(metrics).items() if k != "loss"})
+        if ctx is not None and ctx.enabled:  # each rank evaluated its shard
+            n = ctx.sum_(sums.tensors() + metrics.state_tensors(), [n])[0]
+        res = sums.means(n) if loss_fn is not None else {}
+        res.update({k: v for k, v in metrics.compute().items() if k not in res})
         return res
 
+    def _end_epoch(self, run: Run, epoch: int, row: Dict[str, Any]) -> None:
+        """Best metric and early-stopping count, the epoch's log line and files, checkpoints."""
+        p, ctx = run.p, run.ctx
+        improved = self._update_best(run, row, epoch)
+        run.stale_epochs = 0 if improved else run.stale_epochs + (1 if run.watch_key in row else 0)
+        run.logger.log_epoch(row)
+        if ctx.is_main:  # logs and checkpoints on rank 0; the others wait at the barrier
+            self._print_epoch(row)
+            state = self._checkpoint(run, epoch + 1)
+            paths = [os.path.join(self.experiment_dir, "ckpt_latest.pth")]
+            if improved:
+                paths.append(os.path.join(self.experiment_dir, "ckpt_best.pth"))
+            if epoch + 1 in p.save_ckpt_epoch_list:
+                paths.append(os.path.join(self.experiment_dir, f"ckpt_epoch_{epoch + 1}.pth"))
+            for path in paths:
+                atomic_save(state, path)
+                run.callbacks("on_checkpoint_saved", run.state, path)
+        ctx.barrier()
+
     @staticmethod
-    def _update_best(best: Dict[str, Any], row: Dict[str, Any], p: TrainingParams, epoch: int) -> bool:
-        key = f"valid_{p.metric_to_watch}"
+    def _update_best(run: Run, row: Dict[str, Any], epoch: int) -> bool:
+        p, best, key = run.p, run.best, run.watch_key
         if key not in row:
             return False
         v = row[key]
@@ -495,11 +619,13 @@ class Trainer:
         if state.get("loader") is not None and isinstance(gen, torch.Generator):
             gen.set_state(state["loader"])
 
-    def _checkpoint(self, model, opt, scaler, ema, epoch, global_step, best, stale_epochs, p, loader):
-        return {"model": unwrap_model(model).state_dict(), "optimizer": opt.state_dict(),
+    def _checkpoint(self, run: Run, epoch: int) -> Dict[str, Any]:
+        scaler, ema = run.scaler, run.ema
+        skipped = (float(scaler.skipped_steps.item()) if scaler.is_enabled() and scaler.skipped_steps is not None
+                   else 0.0)
+        return {"model": unwrap_model(run.model).state_dict(), "optimizer": run.opt.state_dict(),
                 "scaler": scaler.state_dict(), "ema": ema.state_dict() if ema is not None else None,
-                "epoch": epoch, "global_step": global_step, "best": dict(best), "stale_epochs": stale_epochs,
-                "rng": self._rng_state(loader), "training_params": p.to_dict(json_safe=True),
-                "world_size": self._dist_state.world_size,
-                "skipped_steps": self._skipped_before + (float(scaler.skipped_steps.item()) if scaler.is_enabled()
-                                                         and scaler.skipped_steps is not None else 0.0)}
+                "epoch": epoch, "global_step": run.global_step, "best": dict(run.best),
+                "stale_epochs": run.stale_epochs, "rng": self._rng_state(run.train_loader),
+                "training_params": run.p.to_dict(json_safe=True), "world_size": run.ctx.world_size,
+                "skipped_steps": run.skipped_before + skipped}

@@ -1,0 +1,307 @@
+"""Turning a user mapping into :class:`TrainingParams`: defaults filled in,
+every value checked by its validator, then the checks that involve several
+keys; problems are collected and raised together as
+:class:`TrainingParamsError`."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from typing import Any, Dict, Iterator, List, Optional, Type
+
+import torch
+
+from ...optim._base import FusedOptimizer
+from ..losses import MODEL_LOSS, loss_factory
+from ..metrics import build_metric
+from .table import (FUSED_RESERVED, KEY_HINTS, LOSS_RESERVED, OPTIMIZER_RESERVED, OPTIMIZERS, TRAINING_PARAMS,
+                    _V_OPTIMIZER)
+from .validators import ROOT, Invalid, TrainingParamsError, check_keys, init_kwargs, show, type_name, unknown_key
+
+__all__ = ["TrainingParams", "resolve_training_params", "optimizer_class", "watch_candidates"]
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers (anywhere in the structure) to plain dicts and lists."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is optional
+        DictConfig = ListConfig = ()  # type: ignore[assignment]
+    if DictConfig and isinstance(value, (DictConfig, ListConfig)):
+        return _plain(OmegaConf.to_container(value, resolve=True))
+    if isinstance(value, Mapping) and not isinstance(value, TrainingParams):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def optimizer_class(optimizer: Any) -> Type[torch.optim.Optimizer]:
+    """The optimizer class for a (resolved) ``optimizer`` value: a name of
+    :data:`OPTIMIZERS` (any case) or a ``torch.optim.Optimizer`` subclass."""
+    if isinstance(optimizer, str):
+        for name, cls in OPTIMIZERS.items():
+            if name.lower() == optimizer.lower():
+                return cls
+    elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return optimizer
+    raise ValueError(f"{ROOT}.optimizer: got {show(optimizer)} ({type_name(optimizer)}); "
+                     f"allowed: {_V_OPTIMIZER.description}")
+
+
+def _check_optimizer(values: Dict[str, Any]) -> List[str]:
+    cls = optimizer_class(values["optimizer"])
+    names, var_kw = init_kwargs(cls, skip_first=True)
+    errors = []
+    if "lr" not in names and not var_kw:
+        errors.append(f"{ROOT}.optimizer: {cls.__name__} takes no 'lr' argument; the Trainer builds the "
+                      f"optimizer as cls(param_groups, lr=initial_lr, **optimizer_params)")
+    reserved = dict(OPTIMIZER_RESERVED, **(FUSED_RESERVED if issubclass(cls, FusedOptimizer) else {}))
+    valid = [n for n in names if n not in reserved]
+    try:
+        check_keys(f"{ROOT}.optimizer_params", values["optimizer_params"], valid, reserved, open_ended=var_kw)
+    except Invalid as e:
+        errors.append(f"{e} (for optimizer {cls.__name__})" if "unknown key" in str(e) else str(e))
+    return errors
+
+
+def _check_loss_params(values: Dict[str, Any]) -> List[str]:
+    loss, loss_params, path = values["loss"], values["loss_params"], f"{ROOT}.loss_params"
+    factory = loss_factory(loss) if isinstance(loss, str) else None
+    if factory is None:
+        if loss_params:
+            what = "a callable (configure the callable itself)" if not isinstance(loss, str) else f"{MODEL_LOSS!r}"
+            return [f"{path}: got {show(loss_params)} (dict); allowed: only {{}} when loss is {what}"]
+        return []
+    names, var_kw = init_kwargs(factory)
+    valid = [n for n in names if n not in LOSS_RESERVED]
+    try:
+        check_keys(path, loss_params, valid, LOSS_RESERVED, open_ended=var_kw)
+    except Invalid as e:
+        return [str(e)]
+    return []
+
+
+def _check_distributed(values: Dict[str, Any]) -> List[str]:
+    errors: List[str] = []
+    mg, ng, npr, dev = values["multi_gpu"], values["num_gpus"], values["num_processes"], values["device"]
+    if ng is not None and npr is not None:
+        errors.append(f"{ROOT}.num_gpus / num_processes: got {ng!r} and {npr!r}; allowed: at most one of them "
+                      f"(num_gpus for CUDA runs, num_processes for CPU runs)")
+    if ng is not None and dev == "cpu":
+        errors.append(f"{ROOT}.num_gpus: got {ng!r} with device 'cpu'; allowed: None on the CPU (use "
+                      f"num_processes)")
+    if npr is not None and dev.startswith("cuda"):
+        errors.append(f"{ROOT}.num_processes: got {npr!r} with device {dev!r}; allowed: None for a CUDA run (use "
+                      f"num_gpus)")
+    for key, n in (("num_gpus", ng), ("num_processes", npr)):
+        if n is not None and n > 1 and mg == "off":
+            errors.append(f"{ROOT}.{key}: got {n!r} with multi_gpu 'off'; allowed: 1 or None with multi_gpu 'off' "
+                          f"(set multi_gpu to 'ddp' or 'auto' to start {n} processes)")
+    if values["dist_backend"] == "nccl" and dev == "cpu":
+        errors.append(f"{ROOT}.dist_backend: got 'nccl' with device 'cpu'; allowed: 'gloo' or 'auto' on the CPU")
+    if mg != "off" and dev.startswith("cuda:") and ng is not None and ng > 1:
+        errors.append(f"{ROOT}.device: got {dev!r} with num_gpus {ng!r}; allowed: 'auto' or 'cuda' (each process "
+                      f"uses cuda:LOCAL_RANK)")
+    return errors
+
+
+def _check_compile_step(values: Dict[str, Any]) -> List[str]:
+    if values["compile_step"] != "cuda_graph":
+        return []
+    errors: List[str] = []
+    if values["device"] == "cpu":
+        errors.append(f"{ROOT}.compile_step: got 'cuda_graph' with device 'cpu'; CUDA graphs need a GPU; allowed "
+                      f"on the CPU: 'off' or 'compile'")
+    opt = values["optimizer"]
+    if not isinstance(opt, str) and not issubclass(opt, FusedOptimizer):
+        errors.append(f"{ROOT}.compile_step: got 'cuda_graph' with optimizer {opt.__name__}; allowed: a fusetrain "
+                      f"optimizer (its step never reads the host), or compile_step 'off' / 'compile'")
+    return errors
+
+
+def watch_candidates(valid_metrics: List[Any]) -> Optional[List[str]]:
+    """The names the validation metrics report (None when a metric cannot say
+    in advance, e.g. a torchmetrics object)."""
+    names: List[str] = []
+    for i, spec in enumerate(valid_metrics):
+        metric = build_metric(spec, f"{ROOT}.valid_metrics[{i}]")
+        reported = metric.result_names()
+        if reported is None:
+            return None
+        names += reported
+    return names
+
+
+def _check_watch(values: Dict[str, Any]) -> List[str]:
+    watch = values["metric_to_watch"]
+    if watch == "loss" and values["loss"] == MODEL_LOSS:
+        return [f"{ROOT}.metric_to_watch: got 'loss' with loss {MODEL_LOSS!r}; allowed: a name valid_metrics "
+                f"reports (validation runs the model in eval mode, which returns predictions, not a loss)"]
+    if watch.startswith("loss"):  # the loss or one of its components (named at run time)
+        return []
+    try:
+        names = watch_candidates(values["valid_metrics"])
+    except (ValueError, TypeError) as e:
+        return [str(e)]
+    if names is None or watch in names or any(watch.endswith("_" + n) for n in names):
+        return []  # <loader>_<name> with several validation loaders: checked when the loaders are known
+    return [f"{ROOT}.metric_to_watch: got {watch!r} (str); allowed: 'loss' or one of valid_metrics ({names!r}); "
+            f"add it to valid_metrics or watch 'loss'"]
+
+
+def _cross_checks(values: Dict[str, Any]) -> List[str]:
+    errors: List[str] = []
+    we, ws = values["lr_warmup_epochs"], values["lr_warmup_steps"]
+    if we > 0 and ws > 0:
+        errors.append(f"{ROOT}.lr_warmup_epochs / lr_warmup_steps: got {we!r} and {ws!r}; "
+                      f"allowed: at most one of them > 0")
+    errors += _check_watch(values)
+    if values["lr_mode"] == "step":
+        ups, max_epochs = values["lr_updates"], values["max_epochs"]
+        if not ups or ups != sorted(set(ups)) or ups[-1] >= max_epochs:
+            errors.append(f"{ROOT}.lr_updates: got {show(ups)} (list); allowed: for lr_mode 'step', a non-empty "
+                          f"list of epochs in increasing order without duplicates, each >= 1 and < max_epochs "
+                          f"({max_epochs})")
+    errors += _check_distributed(values)
+    errors += _check_optimizer(values)
+    errors += _check_loss_params(values)
+    errors += _check_compile_step(values)
+    return errors
+
+
+def resolve_training_params(user: Optional[Mapping[str, Any]] = None) -> "TrainingParams":
+    """Validate ``user`` (a dict or an OmegaConf DictConfig; None for all
+    defaults) and return the complete, normalised :class:`TrainingParams`.
+
+    Raises :class:`TrainingParamsError` listing every problem: unknown keys
+    (with the closest valid key), invalid values, inconsistent combinations."""
+    if isinstance(user, TrainingParams):
+        return user
+    try:
+        user = _plain(user) if user is not None else {}
+    except Exception as e:  # an OmegaConf interpolation that does not resolve, ...
+        raise TrainingParamsError([f"{ROOT}: cannot read the config: {e}"]) from e
+    if not isinstance(user, Mapping):
+        raise TrainingParamsError([f"{ROOT}: got {show(user)} ({type_name(user)}); allowed: a dict (or an "
+                                   f"OmegaConf DictConfig) of training parameters"])
+    errors: List[str] = []
+    for key in user:
+        if not isinstance(key, str):
+            errors.append(f"{ROOT}: keys must be strings, got {key!r} ({type_name(key)})")
+        elif key not in TRAINING_PARAMS:
+            errors.append(unknown_key(ROOT, key, list(TRAINING_PARAMS), KEY_HINTS))
+    values: Dict[str, Any] = {}
+    for name, spec in TRAINING_PARAMS.items():
+        raw = user[name] if name in user else copy.deepcopy(spec.default)
+        try:
+            values[name] = spec.validator(raw, f"{ROOT}.{name}")
+        except Invalid as e:
+            errors.append(str(e))
+    if errors:
+        raise TrainingParamsError(errors)
+    errors = _cross_checks(values)
+    if errors:
+        raise TrainingParamsError(errors)
+    return TrainingParams._from_values(values)
+
+
+def _thaw(value: Any) -> Any:
+    """A copy of the containers of ``value`` (leaves such as classes and modules are shared)."""
+    if isinstance(value, dict):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_thaw(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_thaw(v) for v in value)
+    return value
+
+
+def _qualified_name(obj: Any) -> str:
+    target = obj if isinstance(obj, type) or hasattr(obj, "__qualname__") else type(obj)
+    module = getattr(target, "__module__", None)
+    qualname = getattr(target, "__qualname__", None) or repr(target)
+    return f"{module}.{qualname}" if module and module != "builtins" else qualname
+
+
+def _json_safe(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, type) or callable(value):
+        return _qualified_name(value)
+    return repr(value)
+
+
+class TrainingParams(Mapping):
+    """Resolved, immutable training parameters: ``params.max_epochs`` or
+    ``params["max_epochs"]``. ``TrainingParams(user)`` is
+    ``resolve_training_params(user)``; ``replace(**changes)`` returns a new,
+    re-validated copy. Container values (lists, dicts) are returned as copies,
+    so changing them never changes the parameters."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, user: Optional[Mapping[str, Any]] = None) -> None:
+        object.__setattr__(self, "_values", resolve_training_params(user)._values)
+
+    @classmethod
+    def _from_values(cls, values: Dict[str, Any]) -> "TrainingParams":
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "_values", values)
+        return obj
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        values = self._values
+        if name in values:
+            return _thaw(values[name])
+        raise AttributeError(unknown_key("TrainingParams", name, list(values)))
+
+    def __getitem__(self, key: str) -> Any:
+        return _thaw(self._values[key])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __dir__(self) -> List[str]:
+        return sorted(set(super().__dir__()) | set(self._values))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"TrainingParams is immutable: cannot set {name!r}; use params.replace({name}=...) "
+                             f"for a modified copy")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"TrainingParams is immutable: cannot delete {name!r}")
+
+    def __reduce__(self):
+        return (resolve_training_params, (self.to_dict(),))
+
+    def __repr__(self) -> str:
+        return "TrainingParams(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
+
+    def to_dict(self, json_safe: bool = False) -> Dict[str, Any]:
+        """A plain dict of all parameters. With ``json_safe``, classes and
+        callables (a custom optimizer, loss or compile backend) are given by
+        their qualified name and tuples become lists, so ``json.dumps`` works."""
+        if json_safe:
+            return {k: _json_safe(v) for k, v in self._values.items()}
+        return {k: _thaw(v) for k, v in self._values.items()}
+
+    def replace(self, **changes: Any) -> "TrainingParams":
+        """A new TrainingParams with ``changes`` applied and everything re-validated."""
+        return resolve_training_params({**self.to_dict(), **changes})

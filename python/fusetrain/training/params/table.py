@@ -1,0 +1,467 @@
+"""The table of training parameters: one :class:`ParamSpec` per key (name,
+allowed values, default, documentation, validator), in the order of the
+reference page."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Dict, List, Type
+
+import torch
+
+from ...amp import LossScaler
+from ...ema import ModelEMA
+from ...optim import SGD, Adam, AdamW, Lion
+from ..batches import MODEL_INPUT_MODES
+from ..callbacks import CALLBACKS, Callback
+from ..losses import LOSS_ALIASES, MODEL_LOSS, loss_factory
+from ..metrics import METRICS, Metric
+from ..registry import import_path, resolve_name, split_spec
+from .validators import (Invalid, Validator, any_of, boolean, callable_value, choice, float_range, int_range,
+                         kwargs_of, list_of, optional, record, regex, reject, show, str_dict, string, subclass_of,
+                         type_name)
+
+__all__ = ["ParamSpec", "TRAINING_PARAMS", "OPTIMIZERS", "LR_MODES", "TORCH_COMPILE_MODES", "COMPILE_STEP_MODES",
+           "KEY_HINTS"]
+
+#: The built-in optimizers by canonical name (names are matched case-insensitively).
+OPTIMIZERS: Mapping[str, Type[torch.optim.Optimizer]] = MappingProxyType(
+    {"AdamW": AdamW, "Adam": Adam, "SGD": SGD, "Lion": Lion})
+LR_MODES = ("constant", "step", "cosine", "onecycle", "cyclic", "linear")
+TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+PRECISIONS = ("fp16", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One training parameter: its name, the allowed values (in words), the
+    default, the user-facing documentation and the validator."""
+
+    name: str
+    allowed: str
+    default: Any
+    doc: str
+    validator: Callable[[Any, str], Any]
+
+
+EMA_RESERVED = {"model": "the EMA follows the model being trained"}
+SCALER_RESERVED = {"device": "the scaler follows the training device",
+                    "enabled": "loss scaling is enabled by mixed_precision='fp16' (and only then)"}
+OPTIMIZER_RESERVED = {"params": "the parameters come from the model",
+                       "lr": "set the learning rate with training_params.initial_lr"}
+FUSED_RESERVED = {"max_grad_norm": "set gradient clipping with training_params.clip_grad_norm"}
+LOSS_RESERVED = {"size_average": "deprecated by torch; use reduction", "reduce": "deprecated by torch; use reduction"}
+COMPILE_RESERVED = {"mode": "set it with training_params.torch_compile_mode", "model": "the model is compiled"}
+
+_V_OPTIMIZER = any_of(choice(*OPTIMIZERS, case_insensitive=True),
+                      subclass_of(torch.optim.Optimizer, "a torch.optim.Optimizer subclass (the class, not an "
+                                                         "instance)"))
+LOSS_DESC = ("a loss name (a torch.nn loss class name such as 'CrossEntropyLoss', one of "
+             + ", ".join(repr(n) for n in LOSS_ALIASES) + f", a name registered with fusetrain.register_loss, a class "
+             f"path, or {MODEL_LOSS!r}) or a callable (outputs, targets) -> loss (an nn.Module instance or a function)")
+
+
+def _loss_check(v: Any, path: str) -> Any:
+    if isinstance(v, str) and v:
+        try:
+            loss_factory(v, path)
+        except ValueError as e:
+            raise Invalid(str(e)) from None
+        return v
+    if isinstance(v, (type, str)) or not callable(v):
+        reject(path, v, LOSS_DESC)
+    return v
+
+
+_V_LOSS = Validator(LOSS_DESC, _loss_check)
+
+
+def _named_items(kind: str, registry: Mapping[str, Any], instance_of: Any, unique: bool) -> Validator:
+    """A list of {kind}s: registered names, class paths, ``{name: {arguments}}`` or objects."""
+    desc = (f"a list of {kind}s, each a registered name (" + ", ".join(repr(n) for n in sorted(registry))
+            + f"), a class path, a one-entry mapping {{name: {{arguments}}}}, or a {kind} object"
+            + (" (no duplicates)" if unique else ""))
+
+    def item(v: Any, path: str) -> Any:
+        if isinstance(v, (str, Mapping)):
+            try:
+                name, kwargs = split_spec(v, path)
+                resolve_name(name, registry, path, kind)
+            except ValueError as e:
+                raise Invalid(str(e)) from None
+            return {name: kwargs} if isinstance(v, Mapping) else v
+        if not instance_of(v):
+            reject(path, v, f"a {kind} name, a class path, {{name: {{arguments}}}} or a {kind} object")
+        return v
+
+    def check(v: Any, path: str) -> List[Any]:
+        if not isinstance(v, (list, tuple)):
+            reject(path, v, desc)
+        out = [item(x, f"{path}[{i}]") for i, x in enumerate(v)]
+        names = [x if isinstance(x, str) else next(iter(x)) for x in out if isinstance(x, (str, Mapping))]
+        if unique and len(set(names)) != len(names):
+            reject(path, v, desc)
+        return out
+
+    return Validator(desc, check)
+
+
+def _is_metric_object(v: Any) -> bool:
+    if isinstance(v, Metric):
+        return True
+    try:
+        import torchmetrics
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return False
+    return isinstance(v, torchmetrics.Metric)
+
+
+_V_METRICS = _named_items("metric", METRICS, _is_metric_object, unique=True)
+_V_CALLBACKS = _named_items("callback", CALLBACKS, lambda v: isinstance(v, Callback), unique=False)
+
+
+def _function_or_path(description: str, modes: tuple = ()) -> Validator:
+    """A function, a class path of one (imported to check it), or one of ``modes``."""
+
+    def check(v: Any, path: str) -> Any:
+        if isinstance(v, str) and v in modes:
+            return v
+        if isinstance(v, str) and "." in v:
+            try:
+                obj = import_path(v, path)
+            except ValueError as e:
+                raise Invalid(str(e)) from None
+            if not callable(obj):
+                reject(path, v, description)
+            return v
+        if isinstance(v, (type, str)) or not callable(v):
+            reject(path, v, description)
+        return v
+
+    return Validator(description, check)
+
+
+_V_MODEL_INPUT = _function_or_path("one of " + ", ".join(repr(m) for m in MODEL_INPUT_MODES) + ", or a function "
+                                   "(model, inputs) -> outputs (or its path, package.module.function)",
+                                   MODEL_INPUT_MODES)
+_V_SPLIT_BATCH = optional(_function_or_path("a function batch -> (inputs, targets) (or its path, "
+                                            "package.module.function)"))
+_V_EPOCHS = list_of(int_range(min=1), description="a list of ints >= 1 (epochs)")
+_V_COMPILE_OPTIONS = record(
+    {"fullgraph": boolean(), "dynamic": optional(boolean()),
+     "backend": any_of(string("a backend name"), callable_value("a callable backend")),
+     "options": str_dict(), "disable": boolean()},
+    reserved=COMPILE_RESERVED,
+    description="a dict of torch.compile keyword arguments: fullgraph, dynamic, backend, options, disable")
+_V_EARLY_STOPPING = optional(record({"patience": int_range(min=1), "min_delta": float_range(min=0)},
+                                    required=("patience",), defaults={"min_delta": 0.0}))
+
+
+def _multi_gpu_check(v: Any, path: str) -> str:
+    if isinstance(v, bool):  # YAML 1.1 reads a bare off/on as a boolean
+        return "ddp" if v else "off"
+    if isinstance(v, str) and v.lower() in ("off", "auto", "ddp"):
+        return v.lower()
+    reject(path, v, _MULTI_GPU_DESC)
+
+
+_MULTI_GPU_DESC = "one of 'off', 'auto', 'ddp' (case-insensitive; false means 'off', true 'ddp')"
+_V_MULTI_GPU = Validator(_MULTI_GPU_DESC, _multi_gpu_check)
+
+
+COMPILE_STEP_MODES = ("off", "compile", "cuda_graph")
+_COMPILE_STEP_DESC = "one of 'off', 'compile', 'cuda_graph' (false means 'off')"
+
+
+def _compile_step_check(v: Any, path: str) -> str:
+    if v is False:  # YAML 1.1 reads a bare off as a boolean
+        return "off"
+    if isinstance(v, str) and v in COMPILE_STEP_MODES:
+        return v
+    reject(path, v, _COMPILE_STEP_DESC)
+
+
+_V_COMPILE_STEP = Validator(_COMPILE_STEP_DESC, _compile_step_check)
+
+
+def _p(name: str, validator: Validator, default: Any, doc: str) -> ParamSpec:
+    return ParamSpec(name, validator.description, default, " ".join(doc.split()), validator)
+
+
+_SPECS = [
+    _p("max_epochs", int_range(min=1), 10, """
+        Number of passes over the training loader. Schedules (and the EMA's `exp` decay horizon) span
+        `max_epochs` times the number of optimizer steps per epoch."""),
+    _p("optimizer", _V_OPTIMIZER, "AdamW", """
+        The optimizer. A name selects one of fusetrain's fused optimizers (`fusetrain.optim.AdamW`, `Adam`, `SGD`,
+        `Lion`), whose whole step (unscaling of fp16 gradients, non-finite check, clipping, update and EMA) runs in
+        fused kernels without synchronising with the host; its learning rate is a device tensor that the schedule
+        rewrites each step. Names are case-insensitive and normalised to the spelling shown. From Python, a
+        `torch.optim.Optimizer` subclass may be given instead: it is built as
+        `cls(param_groups, lr=initial_lr, **optimizer_params)` and stepped the ordinary way (clipping with
+        `torch.nn.utils.clip_grad_norm_`)."""),
+    _p("optimizer_params", str_dict("a dict of the optimizer's keyword arguments"), {}, """
+        Further keyword arguments of the optimizer's constructor, e.g. `{weight_decay: 0.05, betas: [0.9, 0.95]}`
+        for AdamW or `{momentum: 0.9, nesterov: true}` for SGD. Keys are checked against the constructor's
+        signature; values are checked by the optimizer when it is built. The learning rate comes from `initial_lr`
+        and the parameters from the model, so `lr` and `params` are not allowed here; for fusetrain optimizers
+        `max_grad_norm` is set from `clip_grad_norm`."""),
+    _p("initial_lr", float_range(min=0, min_inclusive=False), 1e-3, """
+        The base (peak) learning rate: the value reached at the end of warmup, from which the schedule of `lr_mode`
+        starts."""),
+    _p("lr_mode", choice(*LR_MODES), "constant", """
+        The learning-rate schedule after warmup, evaluated for each optimizer step on the host from the step index
+        and written into the optimizer's learning-rate tensor (no host synchronisation, no recompilation under
+        `torch.compile`). `constant` keeps `initial_lr`; `step` multiplies it by `lr_decay_factor` at each epoch of
+        `lr_updates`; `cosine` anneals it to `initial_lr * cosine_final_lr_ratio` along a half cosine; `linear`
+        decays it linearly to `initial_lr * linear_final_lr_ratio`; `onecycle` rises from
+        `initial_lr / onecycle_div_factor` to `initial_lr` over the first `onecycle_pct_start` of the steps, then
+        anneals to `initial_lr / (onecycle_div_factor * onecycle_final_div_factor)` (both phases cosine, like
+        `torch.optim.lr_scheduler.OneCycleLR`); `cyclic` is a triangular wave between
+        `initial_lr * cyclic_min_lr_ratio` and `initial_lr` with a period of `cyclic_period_epochs`. The decaying
+        schedules span the steps from the end of warmup to the last step of `max_epochs`."""),
+    _p("lr_updates", _V_EPOCHS, [], """
+        For `lr_mode: step`, the epochs at which the learning rate is multiplied by `lr_decay_factor`: an entry `e`
+        applies from the moment `e` epochs are complete. With `lr_mode: step` the list must be non-empty, in
+        increasing order without duplicates, and each entry below `max_epochs`; other modes ignore it."""),
+    _p("lr_decay_factor", float_range(min=0, max=1, min_inclusive=False), 0.1, """
+        For `lr_mode: step`, the factor applied at each epoch of `lr_updates`; after `k` of them the learning rate
+        is `initial_lr * lr_decay_factor ** k`."""),
+    _p("cosine_final_lr_ratio", float_range(min=0, max=1), 0.01, """
+        For `lr_mode: cosine`, the learning rate at the last optimizer step, as a fraction of `initial_lr`."""),
+    _p("linear_final_lr_ratio", float_range(min=0, max=1), 0.0, """
+        For `lr_mode: linear`, the learning rate at the last optimizer step, as a fraction of `initial_lr`."""),
+    _p("onecycle_pct_start", float_range(min=0, max=1, min_inclusive=False, max_inclusive=False), 0.3, """
+        For `lr_mode: onecycle`, the fraction of the (post-warmup) steps spent rising to `initial_lr`."""),
+    _p("onecycle_div_factor", float_range(min=0, min_inclusive=False), 25.0, """
+        For `lr_mode: onecycle`, the starting learning rate is `initial_lr / onecycle_div_factor`."""),
+    _p("onecycle_final_div_factor", float_range(min=0, min_inclusive=False), 1e4, """
+        For `lr_mode: onecycle`, the final learning rate is the starting one divided by this factor, i.e.
+        `initial_lr / (onecycle_div_factor * onecycle_final_div_factor)`."""),
+    _p("cyclic_min_lr_ratio", float_range(min=0, max=1, min_inclusive=False), 0.1, """
+        For `lr_mode: cyclic`, the low end of the triangular wave as a fraction of `initial_lr` (the high end is
+        `initial_lr`)."""),
+    _p("cyclic_period_epochs", float_range(min=0, min_inclusive=False), 2.0, """
+        For `lr_mode: cyclic`, the length of one low-high-low cycle in epochs (fractions allowed; at least one
+        optimizer step)."""),
+    _p("lr_warmup_epochs", int_range(min=0), 0, """
+        Length of the linear learning-rate warmup in epochs (converted to optimizer steps): over W warmup steps
+        the rate rises linearly from `warmup_initial_lr` (step k runs at
+        `warmup_initial_lr + (initial_lr - warmup_initial_lr) * (k + 1) / W`) and reaches `initial_lr` at the last
+        warmup step, then the schedule of `lr_mode` runs
+        over the remaining steps. 0 disables warmup. At most one of `lr_warmup_epochs` and `lr_warmup_steps` may be
+        non-zero."""),
+    _p("lr_warmup_steps", int_range(min=0), 0, """
+        Length of the linear learning-rate warmup in optimizer steps, for runs whose epochs are long; otherwise as
+        `lr_warmup_epochs` (at most one of the two may be non-zero)."""),
+    _p("warmup_initial_lr", optional(float_range(min=0)), None, """
+        The learning rate at the start of warmup; None means `initial_lr * 0.01`."""),
+    _p("zero_weight_decay_on_bias_and_bn", boolean(), False, """
+        Put every one-dimensional parameter (biases and the weights of normalisation layers such as BatchNorm,
+        LayerNorm and GroupNorm) in a parameter group with weight decay 0; the other parameters keep the
+        optimizer's `weight_decay`."""),
+    _p("mixed_precision", any_of(boolean(), choice(*PRECISIONS, case_insensitive=True)), False, """
+        Precision of the forward passes (training and validation), resolved for the training device by
+        `fusetrain.resolve_precision`. `false` or `fp32`: float32 throughout. `bf16`: `torch.autocast` with
+        bfloat16, no loss scaling. `fp16`: autocast with float16 and a `fusetrain.LossScaler` (see
+        `scaler_params`) whose unscaling, non-finite check and step skipping happen inside the fused optimizer
+        step, on the device. `true`: bf16 on CPU and on GPUs that support it, fp16 on older GPUs. Weights and
+        optimizer state stay float32. Strings are case-insensitive and normalised to lower case."""),
+    _p("scaler_params", kwargs_of(LossScaler, ("device", "enabled"), SCALER_RESERVED, "a dict of "
+                                   "fusetrain.LossScaler keyword arguments"), {}, """
+        Keyword arguments of `fusetrain.LossScaler` for fp16 training (dynamic loss scaling: the initial scale, how
+        it grows after a run of finite steps and shrinks after a non-finite one). Ignored for the other precisions.
+        `device` and `enabled` are set by the Trainer. Values are checked when the scaler is built."""),
+    _p("torch_compile", boolean(), False, """
+        Compile the model with `torch.compile(model, mode=torch_compile_mode, **torch_compile_options)` for training
+        (and the EMA model for validation). The first steps then include the compilation time."""),
+    _p("torch_compile_mode", choice(*TORCH_COMPILE_MODES), "default", """
+        The `mode` argument of `torch.compile`; `reduce-overhead` uses CUDA graphs, `max-autotune` searches for the
+        fastest kernels (long compilation). Used when `torch_compile` is true or `compile_step` is `compile`."""),
+    _p("torch_compile_options", _V_COMPILE_OPTIONS, {}, """
+        Further keyword arguments of `torch.compile`: `fullgraph` (bool), `dynamic` (bool or None), `backend` (a
+        backend name or, from Python, a callable), `options` (a dict of backend options) and `disable` (bool). The
+        mode comes from `torch_compile_mode`. Used when `torch_compile` is true or `compile_step` is `compile`."""),
+    _p("compile_step", _V_COMPILE_STEP, "off", """
+        How each training step runs (`fusetrain.TrainStep`). `off`: eagerly. `compile`: the whole step (autocast
+        forward, loss, scaled backward, the fused optimizer step with clipping and EMA, the loss-scale update) under
+        `torch.compile` with `torch_compile_mode` and `torch_compile_options`; dynamo splits it at `backward()` into
+        a forward graph (its backward compiled by AOTAutograd) and a tail graph, and with a `torch.optim`
+        optimizer only forward and backward are compiled. `cuda_graph`: the step captured as CUDA graphs and
+        replayed for every batch (a GPU and a fusetrain optimizer are required; the first 3 optimizer steps run
+        eagerly as warm-up, then the batch is copied into static buffers, gradients stay allocated and are zeroed
+        in place; with `batch_accumulate` > 1 a micro-step graph and a step graph share one memory pool). Both are
+        built for the shapes of the first batch: a smaller last batch of an epoch runs eagerly (exact, nothing
+        dropped, nothing recompiled); any other shape, dtype or device change also runs eagerly with a one-time
+        warning. The learning rate and the EMA decay are device tensors, so schedules never recompile or
+        recapture; a resumed run builds a fresh step. The model must not synchronise with the host in its
+        forward (no `.item()`, no `if` on a tensor) for `cuda_graph`; capture fails with an explanation
+        otherwise. With `torch_compile` also true, `compile_step` compiles the training step (the model is not
+        compiled a second time) and `torch_compile` compiles the model used for validation. `false` means `off`.
+        Not available in distributed runs with `cuda_graph`."""),
+    _p("ema", boolean(), False, """
+        Keep an exponential moving average of the weights (`fusetrain.ModelEMA`, configured by `ema_params`). With
+        a fusetrain optimizer the EMA update rides in the fused optimizer step, and a skipped (non-finite) step
+        leaves the EMA untouched. Validation then runs on the EMA weights, and checkpoints include the EMA."""),
+    _p("ema_params", kwargs_of(ModelEMA, ("model",), EMA_RESERVED, "a dict of fusetrain.ModelEMA keyword "
+                                "arguments"), {}, """
+        Keyword arguments of `fusetrain.ModelEMA`, e.g. `{decay: 0.9999, decay_type: exp, beta: 15}`;
+        `total_steps` defaults to the run's number of optimizer steps. Values are checked when the EMA is built.
+        Ignored when `ema` is false."""),
+    _p("clip_grad_norm", optional(float_range(min=0, min_inclusive=False)), None, """
+        Clip gradients to this global L2 norm inside the fused optimizer step (computed on the device, no host
+        sync); applied to unscaled gradients under fp16. With clipping on, a step whose gradients are not finite is
+        skipped. None disables clipping."""),
+    _p("batch_accumulate", int_range(min=1), 1, """
+        Number of batches whose gradients are accumulated before each optimizer step. Each batch's loss is divided
+        by `batch_accumulate`, so the step sees the mean gradient and the effective batch size is
+        `batch_size * batch_accumulate`; a partial group at the end of an epoch also steps. Schedules count
+        optimizer steps."""),
+    _p("sync_bn", boolean(), False, """
+        Convert BatchNorm layers to `torch.nn.SyncBatchNorm`, which synchronises batch statistics across processes.
+        Only meaningful in a `torch.distributed` run; otherwise a warning is issued and the layers stay local."""),
+    _p("channels_last", boolean(), False, """
+        Use the channels-last memory format for the model and the 4-d input batches, which speeds up convolutions on
+        tensor-core GPUs (especially with mixed precision)."""),
+    _p("loss", _V_LOSS, "cross_entropy", """
+        The loss, called as `loss(outputs, targets)` on the model's outputs and the batch's targets (any
+        structure). A name builds a loss with `loss_params` as constructor arguments: the class name of any
+        `torch.nn` loss (`CrossEntropyLoss`, `BCEWithLogitsLoss`, `HuberLoss`, ...), the snake-case aliases
+        `cross_entropy`, `mse`, `l1`, `smooth_l1`, `bce_with_logits`, `nll`, a name registered with
+        `fusetrain.register_loss`, or a class path (`package.module.MyLoss`). `model`: the model computes its own
+        loss when called with the targets (see `model_input`), as torchvision's detection models do in train mode;
+        validation then calls it without targets and reports metrics on its predictions (no validation loss). From
+        Python a callable can be given instead: an `nn.Module` instance (moved to the training device) or a
+        function. A loss returns a scalar tensor, `(loss, {name: component})` or a dict with a `loss` entry and
+        components; a model computing its own loss may return a dict of components only, whose sum is the loss.
+        Components are accumulated on the device and logged per epoch as `train_<component>` and
+        `valid_<component>` (prefixed `loss_` unless their name starts with `loss`). Anything else (a
+        non-scalar loss, say) stops training at the first batch with an error saying what was returned."""),
+    _p("loss_params", str_dict("a dict of the loss class's keyword arguments"), {}, """
+        Keyword arguments of the named loss's class (or registered factory), e.g. `{label_smoothing: 0.1}` for
+        `cross_entropy`; keys are checked against its signature. Must be empty when `loss` is a callable or
+        `model`."""),
+    _p("train_metrics", _V_METRICS, ["accuracy"], """
+        Metrics accumulated on the device over each epoch's training batches and read once at its end, reported as
+        `train_<name>`. Built in (`fusetrain.training.metrics`): `accuracy` (top-1; per pixel for segmentation
+        scores), `top5`, `loss` (the mean loss), `mean_iou` and `pixel_accuracy` (segmentation, from a confusion
+        matrix on the device; arguments `num_classes`, `ignore_index` default 255) and `map` (detection mean
+        average precision, COCO-style, through torchmetrics and pycocotools at the end of the epoch; reports
+        `map`, `map_50`, `map_75`). Also: names registered with `fusetrain.register_metric`, class paths (e.g.
+        `torchmetrics.classification.MulticlassF1Score`), one-entry mappings `{name: {arguments}}`, and from Python
+        `fusetrain.training.metrics.Metric` or `torchmetrics.Metric` objects. Classification and segmentation
+        metrics read the model's prediction: the output tensor, a dict's `out` or `logits` entry, or a tuple's
+        first item; detection metrics read per-image dicts of boxes, scores and labels. A metric that cannot handle
+        the outputs stops training at the first batch with an error naming it. The mean training loss is always
+        reported as `train_loss`."""),
+    _p("valid_metrics", _V_METRICS, ["accuracy"], """
+        Metrics computed on the validation loader(s), reported as `valid_<name>` (with several validation loaders,
+        `valid_<loader>_<name>`), and on the test loader(s) after training (`test_<name>`); the same choices as
+        `train_metrics`. The mean validation loss is always reported as `valid_loss` (unless the model computes its
+        own loss)."""),
+    _p("metric_to_watch", string("a metric name: 'loss' or a name reported by valid_metrics"), "accuracy", """
+        The validation value that selects the best checkpoint and drives `early_stopping`: `loss`, a name reported
+        by one of `valid_metrics` (`map_50` for `map`, say) or a loss component. With several validation loaders it
+        refers to the first one, or names the loader: `<loader>_<name>`."""),
+    _p("greater_metric_to_watch_is_better", boolean(), True, """
+        Whether a larger `metric_to_watch` is better: true for accuracies, false when watching `loss`."""),
+    _p("run_validation_freq", int_range(min=1), 1, """
+        Validate every `run_validation_freq` epochs; the last epoch is always validated."""),
+    _p("max_train_batches", optional(int_range(min=1)), None, """
+        Use at most this many batches of the training loader per epoch (None: all of them), e.g. for quick runs.
+        The schedules follow the shortened epochs."""),
+    _p("max_valid_batches", optional(int_range(min=1)), None, """
+        Use at most this many batches of the validation loader at each validation (None: all of them)."""),
+    _p("save_ckpt_epoch_list", _V_EPOCHS, [], """
+        Epochs (counted from 1) after which an extra checkpoint `ckpt_epoch_<N>.pth` is kept in the experiment
+        directory, besides `ckpt_latest.pth` (written after every epoch) and `ckpt_best.pth` (the best
+        `metric_to_watch` so far)."""),
+    _p("resume", boolean(), False, """
+        Continue the run from a checkpoint: `resume_path` if set, else the experiment's `ckpt_latest.pth`. The
+        model, optimizer (with master weights), loss scaler, EMA, schedule position, best metric and random states
+        are restored, so training continues where it stopped."""),
+    _p("resume_path", optional(string("a non-empty string (a checkpoint path)")), None, """
+        The checkpoint file to resume from; setting it implies `resume`. None: the experiment's `ckpt_latest.pth`
+        when `resume` is true."""),
+    _p("seed", int_range(min=0), 42, """
+        Seed of torch (CPU and CUDA), Python's `random` and NumPy, set at the start of training."""),
+    _p("cudnn_benchmark", boolean(), True, """
+        Set `torch.backends.cudnn.benchmark`: cuDNN times the candidate convolution algorithms for each new input
+        shape and keeps the fastest (faster with fixed shapes, but not bit-reproducible across runs)."""),
+    _p("early_stopping", _V_EARLY_STOPPING, None, """
+        Stop training when `metric_to_watch` has not improved by more than `min_delta` for `patience` consecutive
+        validations. `min_delta` also applies when choosing the best checkpoint. None disables early stopping."""),
+    _p("log_interval", int_range(min=0), 0, """
+        Training batches between host reads of the running loss shown in the progress bar; 0 reads it only at the
+        end of the epoch. Each read waits for the device, so small values cost some speed."""),
+    _p("model_input", _V_MODEL_INPUT, "auto", """
+        How a batch's inputs reach the model. A batch is split into inputs and targets (see `split_batch`); then
+        `auto` calls `model(**inputs)` for a dict and `model(inputs)` for anything else (a tensor, a list of images
+        as torchvision's detection models take, a tuple); `unpack` calls `model(*inputs)` for a tuple or list and
+        `model(**inputs)` for a dict; `whole` always calls `model(inputs)`. A function `fn(model, inputs)` (or its
+        path) calls the model itself. With `loss: model` the targets are passed too: `model(inputs, targets)`,
+        `model(*inputs, targets)`, `model(**inputs, targets=targets)` or `fn(model, inputs, targets)`."""),
+    _p("split_batch", _V_SPLIT_BATCH, None, """
+        How a batch is split into inputs and targets. None: a tuple or list batch is `(inputs, targets, *extras)`
+        (extras are passed to callbacks only); a dict batch's targets are its `targets`, `target`, `labels`,
+        `label`, `masks`, `mask` or `y` entry (the first present) and its inputs the other entries (the entry
+        itself when one is left). A function `batch -> (inputs, targets)` (or its path) replaces the rule. Every
+        tensor in the batch, at any depth (lists of per-image dicts included), is moved to the device; a batch
+        that cannot be split stops training before anything is written."""),
+    _p("callbacks", _V_CALLBACKS, [], """
+        Callbacks called at fixed points of the loop (`fusetrain.Callback`: `on_train_start`, `on_epoch_start`,
+        `on_train_batch_end`, `on_step_end`, `on_train_epoch_end`, `on_validation_end`, `on_epoch_end`,
+        `on_checkpoint_saved`, `on_train_end`, `on_test_end`) with a `fusetrain.TrainerState` they can read and
+        use to stop training (`state.request_stop()`). Per-step values in the state are device tensors, never
+        read on the host by the loop. Given as objects, or (from a recipe) as names registered with
+        `fusetrain.register_callback` (built in: `ThresholdStop`), class paths or one-entry mappings
+        `{name: {arguments}}`."""),
+    _p("device", any_of(choice("auto", "cpu", "cuda"), regex(r"cuda:\d+", "'cuda:N'"),
+                         description="'auto', 'cpu', 'cuda' or 'cuda:N' (N a device index)"), "auto", """
+        Where to train: `auto` picks CUDA when available, else the CPU; `cuda` is the current CUDA device,
+        `cuda:N` a given one."""),
+    _p("multi_gpu", _V_MULTI_GPU, "auto", """
+        Data-parallel training over several processes (`torch.nn.parallel.DistributedDataParallel`, one process
+        per GPU, or per CPU worker with gloo). `auto`: distributed when the process was started by a launcher
+        (`torchrun --nproc_per_node=N ...`, one node or several: `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in the
+        environment) or when `num_gpus` / `num_processes` asks for more than one process, else a single process.
+        `ddp`: the same under a launcher; otherwise the Trainer starts the workers itself on this node with
+        torch's elastic launcher, `num_gpus` GPUs (default: all visible) or `num_processes` CPU processes, each
+        running the same training (from Python the model, loaders and
+        params are pickled to the workers; a recipe rebuilds them in each worker). `off`: a single process, and
+        an error when started by a launcher with `WORLD_SIZE > 1`. Each process loads its shard of the training
+        data (`DistributedSampler`), so the effective batch size is `batch_size * batch_accumulate * world_size`.
+        Case-insensitive; `false` (YAML's bare `off`) means `off`, `true` means `ddp`. See the README's
+        "Distributed training" section."""),
+    _p("num_gpus", optional(int_range(min=1)), None, """
+        With `multi_gpu: ddp` or `auto` outside a launcher, the number of GPUs (worker processes) to start on this node;
+        None: all visible CUDA devices. Asking for more GPUs than are visible is an error. Ignored under a
+        launcher (the launcher chose the processes)."""),
+    _p("num_processes", optional(int_range(min=1)), None, """
+        With `multi_gpu: ddp` or `auto` outside a launcher on the CPU, the number of worker processes to start
+        (gloo backend); required for `ddp` there. Not allowed for a CUDA run (use `num_gpus`)."""),
+    _p("dist_backend", choice("auto", "nccl", "gloo"), "auto", """
+        The `torch.distributed` backend when the Trainer initialises the process group: `auto` is NCCL for CUDA
+        devices and gloo for the CPU. A process group the caller initialised is used as it is."""),
+    _p("dist_timeout_s", float_range(min=0, min_inclusive=False), 300.0, """
+        Timeout in seconds of the process group's collectives and of the barrier after each epoch's checkpoint:
+        if a rank dies or hangs, the others stop with an error after at most this long instead of waiting
+        forever (a launcher such as torchrun usually stops them sooner, as soon as a worker exits with an
+        error). Raise it when one rank may legitimately wait long for the others, e.g. a long first
+        compilation."""),
+    _p("find_unused_parameters", boolean(), False, """
+        `DistributedDataParallel(find_unused_parameters=...)`: set it when some parameters get no gradient in a
+        step (conditional branches); it costs a traversal of the autograd graph per step."""),
+    _p("progress_bar", boolean(), True, """
+        Show a progress bar for each epoch on stderr (when tqdm is installed)."""),
+]
+
+#: The ordered table of training parameters, by name.
+TRAINING_PARAMS: Mapping[str, ParamSpec] = MappingProxyType({s.name: s for s in _SPECS})
+del _SPECS
+
+# Common names from other libraries, pointed at the key that does the job.
+KEY_HINTS = {"lr": "initial_lr", "learning_rate": "initial_lr", "weight_decay": "optimizer_params.weight_decay",
+              "momentum": "optimizer_params.momentum", "amp": "mixed_precision", "epochs": "max_epochs"}
