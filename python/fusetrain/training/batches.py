@@ -17,6 +17,11 @@ The rules (docs/guides/custom_task.md shows them at work):
   it itself. A model that computes its own loss (``loss: model``) gets the
   targets too: ``model(inputs, targets)``, ``model(*inputs, targets)``,
   ``model(**inputs, targets=targets)`` or ``fn(model, inputs, targets)``.
+* **The prediction** (NOTE [prediction rule]): losses built from a name and
+  the classification and segmentation metrics read the model's prediction:
+  the output itself when it is a tensor, its ``"out"`` or ``"logits"`` entry
+  when it is a dict (torchvision's segmentation models return ``{"out": ...,
+  "aux": ...}``), its first item when it is a tuple or list of tensors.
 * **Counting samples** (for sample-weighted means): the first dimension of
   the inputs (of their first tensor when they are unpacked or a dict), or the
   length of a list or tuple passed whole (one tensor per image).
@@ -31,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["TARGET_KEYS", "MODEL_INPUT_MODES", "BatchError", "to_device", "split_batch", "call_model",
+__all__ = ["TARGET_KEYS", "MODEL_INPUT_MODES", "BatchError", "to_device", "split_batch", "call_model", "prediction",
            "count_samples", "describe", "Signature", "signature", "detach", "to_channels_last", "empty_like_tree",
            "copy_into"]
 
@@ -89,6 +94,20 @@ def call_model(model: Callable[..., Any], inputs: Any, mode: Union[str, Callable
     if mode == "unpack" and isinstance(inputs, (tuple, list)):
         return model(*inputs, targets) if with_targets else model(*inputs)
     return model(inputs, targets) if with_targets else model(inputs)
+
+
+def prediction(outputs: Any) -> Tensor:
+    """The tensor of scores in a model's outputs (NOTE [prediction rule])."""
+    if isinstance(outputs, Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        for key in ("out", "logits"):
+            if isinstance(outputs.get(key), Tensor):
+                return outputs[key]
+    elif isinstance(outputs, (list, tuple)) and outputs and isinstance(outputs[0], Tensor):
+        return outputs[0]
+    raise ValueError(f"it needs a tensor of scores [N, C, ...]: the output itself, a dict's 'out' or 'logits' "
+                     f"entry, or the first item of a tuple of tensors; got {describe(outputs)}")
 
 
 def count_samples(inputs: Any, mode: Union[str, Callable[..., Any]]) -> int:

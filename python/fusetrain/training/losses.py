@@ -29,11 +29,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import Tensor, nn
 
-from .batches import describe
+from .batches import describe, prediction
 from .registry import closest_hint, import_path
 
-__all__ = ["LOSS_ALIASES", "MODEL_LOSS", "LossOutputError", "register_loss", "loss_names", "loss_factory",
-           "build_loss", "split_loss", "torch_losses"]
+__all__ = ["LOSS_ALIASES", "MODEL_LOSS", "LossOutputError", "PredictionLoss", "register_loss", "loss_names",
+           "loss_factory", "build_loss", "split_loss", "torch_losses"]
 
 #: Snake-case names of common torch.nn losses (the names of earlier versions).
 LOSS_ALIASES: Dict[str, type] = {
@@ -107,13 +107,32 @@ def loss_factory(name: str, where: str = "training_params.loss") -> Optional[Cal
     raise ValueError(f"{where}: unknown loss {name!r}; {closest_hint(name, loss_names())}")
 
 
+class PredictionLoss(nn.Module):
+    """A torch.nn loss applied to the model's prediction (NOTE [prediction
+    rule] in :mod:`.batches`): ``CrossEntropyLoss`` works on the ``{"out":
+    ...}`` of torchvision's segmentation models or on ``(logits, aux)``."""
+
+    def __init__(self, loss: nn.Module) -> None:
+        super().__init__()
+        self.loss = loss
+
+    def forward(self, outputs: Any, targets: Any) -> Tensor:
+        return self.loss(outputs if isinstance(outputs, Tensor) else prediction(outputs), targets)
+
+
 def build_loss(loss: Any, params: Dict[str, Any]) -> Optional[Callable[..., Any]]:
     """The loss callable for a resolved ``loss`` / ``loss_params`` pair; None
-    for ``model``."""
+    for ``model``. torch.nn losses named by their class or alias read the
+    model's prediction (:class:`PredictionLoss`)."""
     if not isinstance(loss, str):
         return loss
     factory = loss_factory(loss)
-    return None if factory is None else factory(**params)
+    if factory is None:
+        return None
+    built = factory(**params)
+    if loss in LOSS_ALIASES or loss in torch_losses():
+        return PredictionLoss(built)
+    return built
 
 
 def split_loss(value: Any, sum_dict: bool = False, where: str = "the loss") -> Tuple[Tensor, Dict[str, Tensor]]:

@@ -12,13 +12,10 @@ constructor arguments (``{"mean_iou": {"ignore_index": 255}}``), a class path
 (``"torchmetrics.classification.MulticlassF1Score": {"num_classes": 10}``), or
 given as objects: a :class:`Metric` or a ``torchmetrics.Metric`` instance.
 
-What a metric reads (NOTE [prediction rule]): classification and segmentation
-metrics take the model's *prediction*: the output itself when it is a tensor,
-its ``"out"`` or ``"logits"`` entry when it is a dict (torchvision's
-segmentation models return ``{"out": ..., "aux": ...}``), its first item when
-it is a tuple or list of tensors. Detection metrics take a list of per-image
-dicts (``boxes``, ``scores``, ``labels``), or a dict whose ``"detections"``
-entry is one.
+What a metric reads: classification and segmentation metrics take the
+model's *prediction* (NOTE [prediction rule] in :mod:`.batches`); detection
+metrics take a list of per-image dicts (``boxes``, ``scores``, ``labels``), or
+a dict whose ``"detections"`` entry is one.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .batches import describe
+from .batches import describe, prediction
 from .registry import resolve_name, split_spec
 
 __all__ = ["Metric", "SumMetric", "Accuracy", "MeanLoss", "MeanIoU", "PixelAccuracy", "DetectionMAP", "TorchMetric",
@@ -40,20 +37,6 @@ __all__ = ["Metric", "SumMetric", "Accuracy", "MeanLoss", "MeanIoU", "PixelAccur
 
 class MetricInputError(ValueError):
     """A metric was given outputs or targets it cannot handle."""
-
-
-def prediction(outputs: Any) -> Tensor:
-    """The tensor of class scores in a model's outputs (NOTE [prediction rule])."""
-    if isinstance(outputs, Tensor):
-        return outputs
-    if isinstance(outputs, Mapping):
-        for key in ("out", "logits"):
-            if isinstance(outputs.get(key), Tensor):
-                return outputs[key]
-    elif isinstance(outputs, (list, tuple)) and outputs and isinstance(outputs[0], Tensor):
-        return outputs[0]
-    raise MetricInputError("it needs a tensor of class scores [N, C, ...] (the output itself, a dict's 'out' or "
-                           "'logits' entry, or the first item of a tuple of tensors)")
 
 
 class Metric:
@@ -111,6 +94,13 @@ class SumMetric(Metric):
         return float(self._sum.item()) / count if count > 0 else float("nan")
 
 
+def _prediction(outputs: Any) -> Tensor:
+    try:
+        return prediction(outputs)
+    except ValueError as exc:
+        raise MetricInputError(str(exc)) from None
+
+
 def _class_indices(pred: Tensor, targets: Any, what: str) -> Tensor:
     if pred.dim() < 2:
         raise MetricInputError(f"it needs class scores [N, C, ...], got {describe(pred)}")
@@ -136,7 +126,7 @@ class Accuracy(SumMetric):
 
     @torch.no_grad()
     def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
-        pred = prediction(outputs)
+        pred = _prediction(outputs)
         targets = _class_indices(pred, targets, "classification")
         k = min(self.k, pred.shape[1])
         top = pred.topk(k, dim=1).indices if k > 1 else pred.argmax(dim=1, keepdim=True)
@@ -195,7 +185,7 @@ class _ConfusionMatrix(Metric):
 
     @torch.no_grad()
     def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
-        pred = prediction(outputs)
+        pred = _prediction(outputs)
         targets = _class_indices(pred, targets, "segmentation")
         c = pred.shape[1]
         if self._cm is None:
@@ -340,7 +330,7 @@ class TorchMetric(Metric):
     def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
         try:
             preds = prediction(outputs)
-        except MetricInputError:
+        except ValueError:
             preds = outputs
         self.metric.update(preds, targets)
 

@@ -23,10 +23,11 @@ def import_path(path: str, where: str) -> Any:
 
 def closest_hint(name: str, names: Sequence[str]) -> str:
     """``"did you mean 'x'?"``, or the list of valid names when none is close."""
-    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.5)
-    if not close:  # a case slip: crossentropyloss -> CrossEntropyLoss
-        lowered = {n.lower(): n for n in names}
-        close = [lowered[name.lower()]] if name.lower() in lowered else []
+    lowered = {n.lower(): n for n in names}
+    if name.lower() in lowered:  # a case slip: crossentropyloss -> CrossEntropyLoss
+        close = [lowered[name.lower()]]
+    else:
+        close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.5)
     return f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(sorted(names))} or a class path"
 
 
