@@ -16,10 +16,14 @@ import fusetrain.train_from_recipe as tfr  # noqa: E402
 from fusetrain.training.data import validate_dataset_params  # noqa: E402
 from fusetrain.models import MODEL_NAMES, build_model, check_arch_params  # noqa: E402
 
-SHIPPED = ["cifar_resnet", "default", "seed_mnist_amp", "seed_mnist_fp32"]
+SHIPPED = ["cifar_resnet", "default", "digits_detection", "digits_segmentation", "seed_mnist_amp", "seed_mnist_fp32"]
 # Values a recipe leaves missing (???) on purpose.
 REQUIRED_OVERRIDES = {"cifar_resnet": ["dataset_params.root=/data/cifar10"]}
-INPUT_SHAPES = {"digits": (2, 1, 28, 28), "mnist": (2, 1, 28, 28), "image_folder": (2, 3, 32, 32)}
+INPUT_SHAPES = {"digits": (2, 1, 28, 28), "mnist": (2, 1, 28, 28), "image_folder": (2, 3, 32, 32),
+                "digits_detection": (2, 3, 64, 64), "digits_segmentation": (2, 3, 64, 64)}
+# The training-mode output of each recipe's model for INPUT_SHAPES, by dataset.
+OUTPUT_SHAPES = {"digits_detection": lambda c: (2, 8 * 8 + 4 * 4 + 2 * 2, 5 + c),
+                 "digits_segmentation": lambda c: (2, c, 64, 64)}
 
 
 def _trainer_importable():
@@ -46,9 +50,12 @@ def test_recipes_are_package_data():
     d = tfr.recipes_dir()
     assert d == os.path.join(os.path.dirname(os.path.abspath(fusetrain.__file__)), "recipes")
     assert tfr.list_recipes() == SHIPPED
-    for group, options in {"training_params": {"digits", "seed_mnist", "cifar_resnet"},
-                           "dataset_params": {"digits", "mnist", "image_folder"},
-                           "arch_params": {"digits_cnn", "seed_mnist", "cifar_resnet"}}.items():
+    for group, options in {"training_params": {"digits", "seed_mnist", "cifar_resnet", "digits_detection",
+                                               "digits_segmentation"},
+                           "dataset_params": {"digits", "mnist", "image_folder", "digits_detection",
+                                              "digits_segmentation", "coco_detection", "mask_folders"},
+                           "arch_params": {"digits_cnn", "seed_mnist", "cifar_resnet", "yolo_csp_digits",
+                                           "pplite_seg_digits"}}.items():
         assert set(tfr.list_recipes(os.path.join(d, group))) == options
 
 
@@ -63,10 +70,10 @@ def test_recipe_composes_and_builds(name):
     arch = dict(recipe["arch_params"])
     model_name = arch.pop("name")
     check_arch_params(model_name, arch)
-    model = build_model(model_name, **arch).eval()
+    model = build_model(model_name, **arch)
     with torch.no_grad():
         out = model(torch.rand(*INPUT_SHAPES[ds["name"]]))
-    assert out.shape == (2, arch["num_classes"])
+    assert out.shape == OUTPUT_SHAPES.get(ds["name"], lambda c: (2, c))(arch["num_classes"])
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -167,7 +174,7 @@ def test_cli_broken_override_exits_2(tmp_path, override, needs_params, expected)
     (["--config-name=seed_mnist_fp32", "dataset_params.root=MISSING_DIR"],
      ["MNIST directory not found", "MISSING_DIR"]),
     (["--config-name=nope"], ["Cannot find primary config 'nope'",
-                              "recipes there: cifar_resnet, default, seed_mnist_amp, seed_mnist_fp32"]),
+                              "recipes there: cifar_resnet, default, digits_detection, digits_segmentation, seed_mnist_amp, seed_mnist_fp32"]),
     (["+batch=3"], ["unknown top-level key(s) 'batch'"]),
     (["+dataset_params.bs=3"], ["dataset_params: unknown key 'bs' for dataset 'digits'"]),
     (["arch_params.name=vgg"],
@@ -220,3 +227,28 @@ def test_cli_trains_default_recipe(tmp_path):
     assert (ckpt / "digits_cnn").is_dir() and os.listdir(ckpt / "digits_cnn")
     assert os.listdir(cwd) == []  # Hydra's compose API writes nothing in the working directory
     assert "recipe 'default': experiment 'digits_cnn', model digits_cnn" in proc.stdout
+
+
+@pytest.mark.parametrize("name, watched", [("digits_detection", "map_50"), ("digits_segmentation", "mean_iou")])
+def test_cli_trains_detection_and_segmentation_recipes(tmp_path, name, watched):
+    ckpt = tmp_path / "ck"
+    proc = _run_cli([f"--config-name={name}", "training_params.max_epochs=1", "training_params.progress_bar=false",
+                     "dataset_params.num_train=16", "dataset_params.num_valid=8", "dataset_params.batch_size=8",
+                     "dataset_params.max_digits=2", f"ckpt_root_dir={ckpt}"], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    result = json.loads("\n".join(lines[max(i for i, line in enumerate(lines) if line == "{"):]))
+    assert result["best"]["metric"] == watched and 0.0 <= result["best"]["value"] <= 1.0
+    assert f"valid_{watched}" in result["final"] and "train_loss" in result["final"]
+    if name == "digits_detection":
+        assert {"train_loss_obj", "train_loss_box", "train_loss_cls"} <= set(result["final"])
+
+
+def test_coco_and_mask_folder_datasets_need_their_paths(tmp_path, capsys):
+    assert tfr.main(["--config-name=digits_detection", "dataset_params=coco_detection",
+                     f"ckpt_root_dir={tmp_path / 'ck'}"]) == 2
+    assert "set it on the command line: dataset_params.train_images=..." in capsys.readouterr().err
+    assert tfr.main(["--config-name=digits_segmentation", "dataset_params=mask_folders",
+                     f"dataset_params.root={tmp_path / 'nowhere'}", f"ckpt_root_dir={tmp_path / 'ck'}"]) == 2
+    assert "nowhere/train/images not found" in capsys.readouterr().err
+    assert not (tmp_path / "ck").exists()

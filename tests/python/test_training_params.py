@@ -613,3 +613,9 @@ def test_markdown_command():
 def test_unresolvable_interpolation():
     msg = _error(OmegaConf.create({"max_epochs": "${nope}"}))
     assert msg.startswith("training_params: cannot read the config: Interpolation key 'nope' not found")
+
+
+def test_importing_the_params_leaves_the_warning_filters_alone():
+    code = ("import warnings, torch; before = list(warnings.filters); import fusetrain.training.params; "
+            "assert list(warnings.filters) == before, [f for f in warnings.filters if f not in before]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
