@@ -1,5 +1,19 @@
 """Helpers shared by the Trainer and TrainStep tests."""
 
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The models are tiny: one intra-op thread is as fast, and much steadier on
+    a busy 2-core machine (no OpenMP threads spinning on a preempted sibling).
+    Import it into a test module to use it there."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 class InterruptingLoader:
     """A train loader that raises after ``after`` batches of epoch ``epoch``

@@ -247,7 +247,7 @@ def test_register_metric():
     fusetrain.register_metric("test_count", Count)
     try:
         assert isinstance(M.build_metric("test_count"), Count)
-        with pytest.raises(ValueError, match="already registered"):
+        with pytest.raises(ValueError, match="built-in metric name"):
             fusetrain.register_metric("accuracy", Count)
     finally:
         M.METRICS.pop("test_count", None)

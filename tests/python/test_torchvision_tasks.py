@@ -16,15 +16,11 @@ import torch
 from fusetrain import Trainer
 from fusetrain.training.data import build_dataloaders
 
+from _train_helpers import one_thread  # noqa: F401  (fixture)
+
 tv = pytest.importorskip("torchvision")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_fasterrcnn_trains_with_bf16_and_torch_compile(tmp_path):

@@ -24,7 +24,7 @@ from fusetrain.models import build_model
 from fusetrain.training.schedules import LRSchedule
 from fusetrain.training.trainer import Trainer
 
-from _train_helpers import InterruptingLoader
+from _train_helpers import InterruptingLoader, one_thread  # noqa: F401  (fixture)
 
 # Small, fast runs: 12x12 digits, a narrow digits_cnn, a few batches per epoch.
 FAST = dict(max_epochs=2, max_train_batches=4, max_valid_batches=2, progress_bar=False, device="cpu")
@@ -32,14 +32,6 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The models are tiny: one intra-op thread is as fast, and much steadier on
-    # a busy 2-core machine (no OpenMP threads spinning on a preempted sibling).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def loaders(batch_size=32, image_size=12, **kw):

@@ -6,7 +6,6 @@ and the compiled step on nested structures."""
 
 import json
 import os
-import warnings
 
 import pytest
 import torch
@@ -22,15 +21,11 @@ from fusetrain.training.data import build_dataloaders
 from fusetrain.training.losses import LossOutputError
 from fusetrain.training.metrics import MetricInputError
 
+from _train_helpers import one_thread  # noqa: F401  (fixture)
+
 FAST = dict(max_epochs=1, progress_bar=False, device="cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class PairDataset(Dataset):
@@ -224,27 +219,28 @@ def test_bad_input_fails_before_anything_is_written(tmp_path, case):
 
 # ---- the compiled step on structures ------------------------------------------------------------------------------
 
-def test_compiled_step_on_nested_structures_matches_eager():
+def pair_steps(mode, n, device="cpu", **kw):
+    """``n`` steps of TwoInputNet on one batch of dict items split into a tuple
+    of inputs; returns (per-step (logits, loss, components), parameters, step)."""
+    batch = next(iter(pair_loaders()[0]))
     torch.manual_seed(0)
-    batches = [next(iter(pair_loaders()[0])) for _ in range(1)] * 3
-    results = {}
-    for mode in ("off", "compile"):
-        torch.manual_seed(0)
-        model = TwoInputNet()
-        opt = fusetrain.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
-        step = TrainStep(model, loss_with_components, opt, mode=mode, model_input="unpack",
-                         compile_options={"backend": "aot_eager"})
-        outs = []
-        for batch in batches:
-            inputs = (batch["a"], batch["b"])
-            out, loss = step(inputs, batch["label"])
-            outs.append((out["logits"].clone(), loss.clone(), {k: v.clone() for k, v in step.components.items()}))
-        results[mode] = (outs, [p.detach().clone() for p in model.parameters()])
-    for (o1, l1, c1), (o2, l2, c2) in zip(results["off"][0], results["compile"][0]):
+    model = TwoInputNet().to(device)
+    opt = fusetrain.optim.AdamW(model.parameters(), lr=torch.tensor(0.01, device=device))
+    step = TrainStep(model, loss_with_components, opt, mode=mode, model_input="unpack", **kw)
+    outs = []
+    for _ in range(n):
+        out, loss = step((batch["a"].to(device), batch["b"].to(device)), batch["label"].to(device))
+        outs.append((out["logits"].clone(), loss.clone(), {k: v.clone() for k, v in step.components.items()}))
+    return outs, [p.detach().clone() for p in model.parameters()], step
+
+
+def test_compiled_step_on_nested_structures_matches_eager():
+    eager, compiled = pair_steps("off", 3), pair_steps("compile", 3, compile_options={"backend": "aot_eager"})
+    for (o1, l1, c1), (o2, l2, c2) in zip(eager[0], compiled[0]):
         torch.testing.assert_close(o1, o2)
         torch.testing.assert_close(l1, l2)
         assert set(c1) == set(c2) == {"ce", "reg"}
-    for p1, p2 in zip(results["off"][1], results["compile"][1]):
+    for p1, p2 in zip(eager[1], compiled[1]):
         torch.testing.assert_close(p1, p2)
 
 
@@ -263,21 +259,9 @@ def test_a_list_of_another_length_runs_eagerly_with_a_warning():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_keeps_a_static_buffer_per_tensor_leaf():
-    torch.manual_seed(0)
-    batches = [next(iter(pair_loaders()[0])) for _ in range(1)] * 6
-    final = {}
-    for mode in ("off", "cuda_graph"):
-        torch.manual_seed(0)
-        model = TwoInputNet().cuda()
-        opt = fusetrain.optim.AdamW(model.parameters(), lr=torch.tensor(0.01, device="cuda"))
-        step = TrainStep(model, loss_with_components, opt, mode=mode, model_input="unpack", warmup_steps=2)
-        for batch in batches:
-            b = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            step((b["a"], b["b"]), b["label"])
-        final[mode] = [p.detach().clone() for p in model.parameters()]
-        if mode == "cuda_graph":
-            assert step.captured and len(step._static[0]) == 2
-    for p1, p2 in zip(final["off"], final["cuda_graph"]):
+    eager, graphed = pair_steps("off", 6, "cuda"), pair_steps("cuda_graph", 6, "cuda", warmup_steps=2)
+    assert graphed[2].captured and len(graphed[2]._static[0]) == 2  # (a, b) inputs: a buffer each
+    for p1, p2 in zip(eager[1], graphed[1]):
         torch.testing.assert_close(p1, p2)
 
 

@@ -30,7 +30,7 @@ The rules (docs/guides/custom_task.md shows them at work):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor

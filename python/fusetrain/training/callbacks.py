@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .registry import resolve_name, split_spec
+from .registry import build_named, registrar
 
 __all__ = ["Callback", "TrainerState", "ThresholdStop", "CALLBACKS", "HOOKS", "register_callback",
            "build_callbacks", "CallbackList"]
@@ -128,32 +128,14 @@ CALLBACKS: Dict[str, Any] = {"ThresholdStop": ThresholdStop}
 _BUILTIN = frozenset(CALLBACKS)
 
 
-def register_callback(name: str, factory: Optional[Any] = None, *, replace: bool = False):
-    """Register a :class:`Callback` class (or factory) under ``name`` for
-    training params and recipes; usable as a decorator."""
-
-    def add(f: Any) -> Any:
-        if not isinstance(name, str) or not name or "." in name:
-            raise ValueError(f"register_callback: name must be a non-empty string without '.', got {name!r}")
-        if name in _BUILTIN or (name in CALLBACKS and not replace):
-            raise ValueError(f"register_callback: {name!r} is already registered"
-                             + ("" if name in _BUILTIN else "; pass replace=True to replace it"))
-        CALLBACKS[name] = f
-        return f
-
-    return add if factory is None else add(factory)
+#: ``register_callback(name, factory=None, *, replace=False)``: name a
+#: :class:`Callback` class (or factory) for training params and recipes;
+#: usable as a decorator.
+register_callback = registrar("callback", CALLBACKS, lambda n: n in _BUILTIN)
 
 
 def build_callback(spec: Any, where: str) -> Callback:
-    if not isinstance(spec, (str, dict)):
-        obj = spec
-    else:
-        name, kwargs = split_spec(spec, where)
-        factory = resolve_name(name, CALLBACKS, where, "callback")
-        try:
-            obj = factory(**kwargs)
-        except TypeError as exc:
-            raise ValueError(f"{where}: cannot build callback {name!r} with {kwargs!r}: {exc}") from exc
+    obj = build_named(spec, CALLBACKS, where, "callback")
     if not isinstance(obj, Callback):
         raise TypeError(f"{where}: got {type(obj).__name__}; allowed: a fusetrain Callback (subclass "
                         f"fusetrain.Callback and override its hooks)")

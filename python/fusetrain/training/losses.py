@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from torch import Tensor, nn
 
 from .batches import describe, prediction
-from .registry import closest_hint, import_path
+from .registry import closest_hint, import_path, registrar
 
 __all__ = ["LOSS_ALIASES", "MODEL_LOSS", "LossOutputError", "PredictionLoss", "register_loss", "loss_names",
            "loss_factory", "build_loss", "split_loss", "torch_losses"]
@@ -59,27 +59,11 @@ def torch_losses() -> Dict[str, type]:
     return out
 
 
-def register_loss(name: str, factory: Optional[Callable[..., Any]] = None, *, replace: bool = False):
-    """Register ``factory`` (an ``nn.Module`` class or a function returning the
-    loss callable; ``loss_params`` are its keyword arguments) under ``name``,
-    so that training params and recipes can name it. Usable as a decorator:
-    ``@fusetrain.register_loss("focal")``. Names of torch.nn losses, the
-    aliases and ``model`` cannot be taken; a registered name needs
-    ``replace=True`` to be replaced."""
-
-    def add(f: Callable[..., Any]) -> Callable[..., Any]:
-        if not isinstance(name, str) or not name or "." in name:
-            raise ValueError(f"register_loss: name must be a non-empty string without '.', got {name!r}")
-        if not callable(f):
-            raise TypeError(f"register_loss: {name!r} needs a callable factory, got {type(f).__name__}")
-        if name in LOSS_ALIASES or name in torch_losses() or name == MODEL_LOSS:
-            raise ValueError(f"register_loss: {name!r} is a built-in loss name")
-        if name in _REGISTERED and not replace:
-            raise ValueError(f"register_loss: {name!r} is already registered; pass replace=True to replace it")
-        _REGISTERED[name] = f
-        return f
-
-    return add if factory is None else add(factory)
+#: ``register_loss(name, factory=None, *, replace=False)``: name a loss class or
+#: factory (``loss_params`` are its keyword arguments) for training params and
+#: recipes; usable as a decorator: ``@fusetrain.register_loss("focal")``. The
+#: names of torch.nn losses, the aliases and ``model`` cannot be taken.
+register_loss = registrar("loss", _REGISTERED, lambda n: n in LOSS_ALIASES or n in torch_losses() or n == MODEL_LOSS)
 
 
 def loss_names() -> List[str]:

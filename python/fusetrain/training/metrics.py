@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .batches import describe, prediction
-from .registry import resolve_name, split_spec
+from .registry import build_named, registrar
 
 __all__ = ["Metric", "SumMetric", "Accuracy", "MeanLoss", "MeanIoU", "PixelAccuracy", "DetectionMAP", "TorchMetric",
            "MetricInputError", "MetricSet", "METRICS", "register_metric", "build_metric", "metric_names",
@@ -259,44 +259,6 @@ def _ground_truth(targets: Any, n: int) -> List[Dict[str, Tensor]]:
     raise MetricInputError(f"it needs targets as a list of {n} per-image dicts with 'boxes' [K, 4] and 'labels' [K]")
 
 
-class DetectionMAP(Metric):
-    """COCO-style mean average precision of boxes, computed at the end of an
-    epoch by ``torchmetrics.detection.MeanAveragePrecision`` (pycocotools'
-    evaluation). Reports ``map`` (IoU 0.50:0.95), ``map_50`` and ``map_75``.
-    Keyword arguments go to ``MeanAveragePrecision`` (``box_format``,
-    ``iou_thresholds``, ``class_metrics``, ``backend``, ...). It keeps every
-    image's boxes until ``compute``: a validation metric."""
-
-    name = "map"
-
-    def __init__(self, **kwargs: Any) -> None:
-        try:
-            from torchmetrics.detection import MeanAveragePrecision
-        except ImportError as exc:  # pragma: no cover - torchmetrics is a dependency
-            raise ImportError("the 'map' metric needs torchmetrics and pycocotools") from exc
-        self._impl = MeanAveragePrecision(**kwargs)
-        super().__init__()
-
-    def to(self, device: Union[str, torch.device]) -> "DetectionMAP":
-        self._impl = self._impl.to(device)
-        return super().to(device)
-
-    def reset(self) -> None:
-        self._impl.reset()
-
-    @torch.no_grad()
-    def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
-        preds = _detections(outputs)
-        self._impl.update(preds, _ground_truth(targets, len(preds)))
-
-    def compute(self) -> Dict[str, float]:
-        res = self._impl.compute()
-        return {"": float(res["map"]), "50": float(res["map_50"]), "75": float(res["map_75"])}
-
-    def result_names(self) -> Tuple[str, ...]:
-        return ("map", "map_50", "map_75")
-
-
 def _snake(name: str) -> str:
     out = []
     for i, ch in enumerate(name):
@@ -344,6 +306,34 @@ class TorchMetric(Metric):
         return None
 
 
+class DetectionMAP(TorchMetric):
+    """COCO-style mean average precision of boxes, computed at the end of an
+    epoch by ``torchmetrics.detection.MeanAveragePrecision`` (pycocotools'
+    evaluation). Reports ``map`` (IoU 0.50:0.95), ``map_50`` and ``map_75``.
+    Keyword arguments go to ``MeanAveragePrecision`` (``box_format``,
+    ``iou_thresholds``, ``class_metrics``, ``backend``, ...). It keeps every
+    image's boxes until ``compute``: a validation metric."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        try:
+            from torchmetrics.detection import MeanAveragePrecision
+        except ImportError as exc:  # pragma: no cover - torchmetrics is a dependency
+            raise ImportError("the 'map' metric needs torchmetrics and pycocotools") from exc
+        super().__init__(MeanAveragePrecision(**kwargs), "map")
+
+    @torch.no_grad()
+    def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
+        preds = _detections(outputs)
+        self.metric.update(preds, _ground_truth(targets, len(preds)))
+
+    def compute(self) -> Dict[str, float]:
+        res = self.metric.compute()
+        return {"": float(res["map"]), "50": float(res["map_50"]), "75": float(res["map_75"])}
+
+    def result_names(self) -> Tuple[str, ...]:
+        return ("map", "map_50", "map_75")
+
+
 # ---- registry ---------------------------------------------------------------------------------------------------
 
 METRICS: Dict[str, Callable[..., Metric]] = {
@@ -357,25 +347,11 @@ METRICS: Dict[str, Callable[..., Metric]] = {
 _BUILTIN = frozenset(METRICS)
 
 
-def register_metric(name: str, factory: Optional[Callable[..., Any]] = None, *, replace: bool = False):
-    """Register ``factory`` (a :class:`Metric` subclass, or any callable
-    returning a Metric or a ``torchmetrics.Metric``) under ``name`` so that
-    training params and recipes can name it. Usable as a decorator:
-    ``@register_metric("f1")``. Built-in names cannot be replaced; a name
-    already registered needs ``replace=True``."""
-
-    def add(f: Callable[..., Any]) -> Callable[..., Any]:
-        if not isinstance(name, str) or not name or "." in name:
-            raise ValueError(f"register_metric: name must be a non-empty string without '.', got {name!r}")
-        if not callable(f):
-            raise TypeError(f"register_metric: {name!r} needs a callable factory, got {type(f).__name__}")
-        if name in _BUILTIN or (name in METRICS and not replace):
-            raise ValueError(f"register_metric: {name!r} is already registered"
-                             + ("" if name in _BUILTIN else "; pass replace=True to replace it"))
-        METRICS[name] = f
-        return f
-
-    return add if factory is None else add(factory)
+#: ``register_metric(name, factory=None, *, replace=False)``: name a
+#: :class:`Metric` subclass (or a callable returning a Metric or a
+#: ``torchmetrics.Metric``) for training params and recipes; usable as a
+#: decorator: ``@fusetrain.register_metric("f1")``.
+register_metric = registrar("metric", METRICS, lambda n: n in _BUILTIN)
 
 
 def metric_names() -> List[str]:
@@ -400,15 +376,7 @@ def as_metric(obj: Any, where: str) -> Metric:
 
 def build_metric(spec: Any, where: str = "metric") -> Metric:
     """A :class:`Metric` from a name, ``{name: kwargs}``, class path or object."""
-    if not isinstance(spec, (str, Mapping)):
-        return as_metric(spec, where)
-    name, kwargs = split_spec(spec, where)
-    factory = resolve_name(name, METRICS, where, "metric")
-    try:
-        obj = factory(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"{where}: cannot build metric {name!r} with {kwargs!r}: {exc}") from exc
-    return as_metric(obj, where)
+    return as_metric(build_named(spec, METRICS, where, "metric"), where)
 
 
 class MetricSet:

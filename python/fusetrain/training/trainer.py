@@ -22,13 +22,13 @@ import resource
 import sys
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..amp import LossScaler, Precision, resolve_precision
+from ..amp import Precision, resolve_precision
 from ..ema import ModelEMA, unwrap_model
 from ..optim._base import FusedOptimizer
 from . import distributed as _dist
@@ -266,7 +266,7 @@ class Trainer:
     def _setup(self, model: nn.Module, p: TrainingParams, train_loader, valid_loader, test_loader,
                resume_path: Optional[str], ctx: "_dist.DistContext", device: torch.device) -> Run:
         if p.compile_step == "cuda_graph" and (device.type != "cuda" or ctx.enabled):
-            raise TrainingParamsError([f"training_params.compile_step: got 'cuda_graph' "
+            raise TrainingParamsError(["training_params.compile_step: got 'cuda_graph' "
                                        + (f"but the device is {device}; CUDA graphs need a GPU"
                                           if device.type != "cuda" else "in a distributed run")
                                        + "; allowed here: 'off' or 'compile'"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Dict, List, Type
+from typing import Any, Callable, List, Type
 
 import torch
 
@@ -20,8 +20,7 @@ from ..losses import LOSS_ALIASES, MODEL_LOSS, loss_factory
 from ..metrics import METRICS, Metric
 from ..registry import import_path, resolve_name, split_spec
 from .validators import (Invalid, Validator, any_of, boolean, callable_value, choice, float_range, int_range,
-                         kwargs_of, list_of, optional, record, regex, reject, show, str_dict, string, subclass_of,
-                         type_name)
+                         kwargs_of, list_of, optional, record, regex, reject, str_dict, string, subclass_of)
 
 __all__ = ["ParamSpec", "TRAINING_PARAMS", "OPTIMIZERS", "LR_MODES", "TORCH_COMPILE_MODES", "COMPILE_STEP_MODES",
            "KEY_HINTS"]
