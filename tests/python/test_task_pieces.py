@@ -135,6 +135,14 @@ def test_named_torch_losses_read_the_prediction():
         torch.testing.assert_close(loss(out, y), ref)
 
 
+def test_class_weights_from_a_recipe_become_tensors():
+    loss = L.build_loss("CrossEntropyLoss", {"weight": [0.5, 1.0, 2.0]})
+    logits, y = torch.randn(6, 3), torch.tensor([0, 1, 2, 2, 1, 0])
+    ref = nn.functional.cross_entropy(logits, y, weight=torch.tensor([0.5, 1.0, 2.0]))
+    torch.testing.assert_close(loss(logits, y), ref)
+    assert isinstance(L.build_loss("BCEWithLogitsLoss", {"pos_weight": [3.0]}).loss.pos_weight, torch.Tensor)
+
+
 def test_split_loss_forms_and_errors():
     a, b = torch.tensor(1.5), torch.tensor(0.5)
     assert L.split_loss(a) == (a, {})

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
 from torch import Tensor, nn
 
 from .batches import describe, prediction
@@ -39,6 +40,8 @@ __all__ = ["LOSS_ALIASES", "MODEL_LOSS", "LossOutputError", "PredictionLoss", "r
 LOSS_ALIASES: Dict[str, type] = {
     "cross_entropy": nn.CrossEntropyLoss, "mse": nn.MSELoss, "l1": nn.L1Loss, "smooth_l1": nn.SmoothL1Loss,
     "bce_with_logits": nn.BCEWithLogitsLoss, "nll": nn.NLLLoss}
+#: Arguments of torch.nn losses that are tensors (a list in a recipe is converted).
+_TENSOR_ARGS = ("weight", "pos_weight")
 #: ``loss: model``: the model returns its loss when called with the targets.
 MODEL_LOSS = "model"
 _REGISTERED: Dict[str, Callable[..., Any]] = {}
@@ -113,10 +116,12 @@ def build_loss(loss: Any, params: Dict[str, Any]) -> Optional[Callable[..., Any]
     factory = loss_factory(loss)
     if factory is None:
         return None
-    built = factory(**params)
     if loss in LOSS_ALIASES or loss in torch_losses():
-        return PredictionLoss(built)
-    return built
+        # A recipe gives class weights as a list: torch.nn losses take them as tensors.
+        params = {k: torch.tensor(v, dtype=torch.float32) if k in _TENSOR_ARGS and isinstance(v, (list, tuple))
+                  else v for k, v in params.items()}
+        return PredictionLoss(factory(**params))
+    return factory(**params)
 
 
 def split_loss(value: Any, sum_dict: bool = False, where: str = "the loss") -> Tuple[Tensor, Dict[str, Tensor]]:

@@ -297,6 +297,7 @@ class Trainer:
         ddp_model = ctx.wrap(model, device, p.find_unused_parameters)
         train_loader = shard_train_loader(train_loader, ctx, p.seed)
         valid_loaders = {k: shard_valid_loader(v, ctx) for k, v in valid_loaders.items()}
+        test_loaders = {k: shard_valid_loader(v, ctx) for k, v in test_loaders.items()}
         precision = resolve_precision(p.mixed_precision, device)
         scaler = precision.make_scaler(**p.scaler_params)
         opt, fused = self._build_optimizer(model, p, device)
@@ -505,7 +506,7 @@ class Trainer:
         for name, loader in run.test_loaders.items():
             metrics = MetricSet(run.p.valid_metrics, "test").to(run.device)
             res = self._evaluate(run.p, model, loader, run.loss_fn, run.precision, metrics, run.device, None,
-                                 run.ctx if loader is not None else None)
+                                 run.ctx)
             out.update(_prefixed("test", name, res))
             run.callbacks("on_test_end", run.state, name, res)
         if run.ctx.is_main:

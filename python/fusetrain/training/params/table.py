@@ -340,7 +340,8 @@ _SPECS = [
         non-scalar loss, say) stops training at the first batch with an error saying what was returned."""),
     _p("loss_params", str_dict("a dict of the loss class's keyword arguments"), {}, """
         Keyword arguments of the named loss's class (or registered factory), e.g. `{label_smoothing: 0.1}` for
-        `cross_entropy`; keys are checked against its signature. Must be empty when `loss` is a callable or
+        `cross_entropy`; keys are checked against its signature. For torch.nn losses, `weight` and `pos_weight`
+        given as lists (class weights in a recipe) become tensors. Must be empty when `loss` is a callable or
         `model`."""),
     _p("train_metrics", _V_METRICS, ["accuracy"], """
         Metrics accumulated on the device over each epoch's training batches and read once at its end, reported as
