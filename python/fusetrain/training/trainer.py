@@ -39,15 +39,6 @@ __all__ = ["Trainer"]
 
 
 
-def _pick_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"training_params.device: got {spec!r} but CUDA is not available; allowed here: 'auto', 'cpu'")
-    return dev
-
-
 def _memory_mb(device: torch.device) -> Dict[str, float]:
     if device.type == "cuda":
         return {"reserved_memory_mb": torch.cuda.memory_reserved(device) / 2**20,
@@ -331,7 +322,7 @@ class Trainer:
         ``training_params``, default those of the last ``train``)."""
         p = resolve_training_params(training_params) if training_params is not None else (
             self.params or resolve_training_params({}))
-        device = _pick_device(p.device)
+        device = _dist._single_device(p.device)
         model = model.to(device)
         precision = resolve_precision(p.mixed_precision, device)
         ms = build_metrics(metrics or list(p.valid_metrics), device)
