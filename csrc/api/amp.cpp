@@ -57,6 +57,8 @@ void LossScaler::step(FusedOptimizer& optimizer) {
   pending_found_inf_ = pending_found_inf_.defined() ? at::maximum(pending_found_inf_, f) : f;
 }
 
+void LossScaler::reset_pending() { pending_found_inf_ = at::Tensor(); }
+
 void LossScaler::update() {
   if (!options_.enabled() || !scale_.defined()) return;
   at::Tensor f = pending_found_inf_.defined() ? pending_found_inf_ : at::zeros({}, scale_.options());
@@ -154,7 +156,9 @@ const at::Tensor& ModelEMA::prepare_decay() {
     at::Tensor w = 1.0 - (t / options_.warmup_gamma() + 1.0).pow(-options_.warmup_power());
     d = at::minimum(d, w);
   }
-  decay_ = d;
+  // In place: decay_ stays the tensor made at construction, outside any CUDA
+  // graph's pool (NOTE [persistent step results] in python/fusetrain/training/step.py).
+  decay_.copy_(d);
   return decay_;
 }
 

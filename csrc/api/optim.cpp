@@ -13,8 +13,22 @@
 #include <map>
 #include <tuple>
 
+#include "capture.h"
+
 namespace fusetrain {
 namespace {
+
+// NOTE [state before capture] (python/fusetrain/optim/_base.py): what a step
+// creates or fills lazily would be recorded in a CUDA graph and redone on
+// every replay (step counters and moments reset, the lr pinned).
+[[noreturn]] void fail_capturing(const at::Device& dev, const char* what) {
+  TORCH_CHECK(false, "fusetrain: ", what, " while a CUDA graph is being captured on ", dev,
+              ": the graph would redo it on every replay. Call prepare_capture() on the optimizer before capturing "
+              "(fusetrain::TrainStep does)");
+}
+void check_not_capturing(const at::Device& dev, const char* what) {
+  if (detail::stream_is_capturing(dev)) fail_capturing(dev, what);
+}
 
 void check_range(const char* opt, const char* name, double v, double lo, double hi, bool hi_open) {
   TORCH_CHECK(v >= lo && (hi_open ? v < hi : v <= hi), opt, ": invalid ", name, " value: ", v, " (must be in [", lo,
@@ -149,12 +163,16 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
     }
   }
   std::optional<at::Tensor> found_inf = found_inf_in;
-  last_grad_norm_ = at::Tensor();
   if (items.empty()) {
+    last_grad_norm_ = at::Tensor();
     last_found_inf_ = found_inf ? *found_inf : at::Tensor();
     return;
   }
+  const bool capturing = detail::stream_is_capturing(items.front().param.device());
+  TORCH_CHECK(!capturing || result_bufs_[0].defined(), "fusetrain: a step is being captured as a CUDA graph "
+              "without prepare_capture(); call optimizer.prepare_capture() before capturing");
   // Global norm / non-finite flag, one grad_stats pass per device.
+  at::Tensor grad_norm;
   if (need_norm || (inv_scale.has_value() && !found_inf.has_value())) {
     std::map<std::string, std::vector<at::Tensor>> by_device;
     std::vector<std::string> order;
@@ -176,10 +194,21 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
       sq = sq.defined() ? sq + n * n : n * n;
       inf = inf.defined() ? at::maximum(inf, f) : f;
     }
-    last_grad_norm_ = order.size() == 1 ? single : sq.sqrt();
+    grad_norm = order.size() == 1 ? single : sq.sqrt();
     found_inf = found_inf ? at::maximum(found_inf->to(dev0), inf) : inf;
   }
-  last_found_inf_ = found_inf ? *found_inf : at::Tensor();
+  // NOTE [persistent step results] (python/fusetrain/training/step.py): the
+  // host reads these after a replay; a graph-pool tensor could be overwritten
+  // by another graph sharing the pool, so a captured step copies them into
+  // buffers made by prepare_capture(). Assigned only here, so a capture that
+  // fails earlier leaves the previous step's results.
+  auto result = [&](const at::Tensor& value, at::Tensor& buf) {
+    if (!value.defined() || !capturing) return value;
+    buf.copy_(value);
+    return buf;
+  };
+  last_grad_norm_ = result(grad_norm, result_bufs_[0]);
+  last_found_inf_ = result(found_inf ? *found_inf : at::Tensor(), result_bufs_[1]);
 
   const at::Tensor* decay = nullptr;
   if (ema_ != nullptr) decay = &ema_->prepare_decay();
@@ -191,27 +220,8 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
     auto& group = param_groups_[it.group];
     const auto& opts = group.options();
     const auto& p = it.param;
-    auto key_impl = p.unsafeGetTensorImpl();
-    auto found = state_.find(key_impl);
-    if (found == state_.end()) {
-      auto s = std::make_unique<FusedParamState>();
-      s->step(at::zeros({}, p.options().dtype(at::kFloat)));
-      init_state(*s, p, opts);
-      found = state_.emplace(key_impl, std::move(s)).first;
-    }
-    auto& s = static_cast<FusedParamState&>(*found->second);
-    // State loaded from an archive lives on the CPU: move it next to the param.
-    auto to_dev = [&](const at::Tensor& t) { return t.defined() && t.device() != p.device() ? t.to(p.device()) : t; };
-    if (!s.step().defined()) s.step(at::zeros({}, p.options().dtype(at::kFloat)));
-    s.step(to_dev(s.step()).to(at::kFloat));
-    s.exp_avg(to_dev(s.exp_avg()));
-    s.exp_avg_sq(to_dev(s.exp_avg_sq()));
-    s.max_exp_avg_sq(to_dev(s.max_exp_avg_sq()));
-    s.momentum_buffer(to_dev(s.momentum_buffer()));
-    s.master(to_dev(s.master()));
-    init_state(s, p, opts);  // fills whatever is still missing
+    auto& s = ensure_state(p, opts, capturing);
     const bool has_master = group_master_weights(opts) && p.scalar_type() != at::kFloat;
-    if (has_master && !s.master().defined()) s.master(p.detach().to(at::kFloat).clone());
     at::Tensor ema_t;
     if (ema_ != nullptr) ema_t = ema_->ema_for(p);
     auto& l = parts[{it.group, p.device().str(), has_master, ema_t.defined()}];
@@ -232,7 +242,7 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
     if (inv_scale) tail.inv_scale = inv_scale->to(dev);
     if (found_inf) tail.found_inf = found_inf->to(dev);
     tail.max_grad_norm = group_max_grad_norm(opts);
-    if (tail.max_grad_norm > 0) tail.grad_norm = last_grad_norm_.to(dev);
+    if (tail.max_grad_norm > 0) tail.grad_norm = grad_norm.to(dev);
     if (std::get<3>(key)) tail.ema_decay = decay->to(dev);
     run_update(l, lr_tensor(std::get<0>(key), dev, opts.get_lr()), opts, tail);
   }
@@ -241,6 +251,7 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
 
 const at::Tensor& FusedOptimizer::lr_tensor(size_t group, const at::Device& dev, double lr) {
   auto& entry = lr_cache_[{group, dev.str()}];
+  if (!entry.second.defined() || entry.first != lr) check_not_capturing(dev, "a group's lr tensor would be filled");
   if (!entry.second.defined()) {
     entry = {lr, at::full({}, lr, at::TensorOptions().dtype(at::kFloat).device(dev))};
   } else if (entry.first != lr) {
@@ -248,6 +259,63 @@ const at::Tensor& FusedOptimizer::lr_tensor(size_t group, const at::Device& dev,
     entry.first = lr;
   }
   return entry.second;
+}
+
+FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::optim::OptimizerOptions& opts,
+                                              bool capturing) {
+  auto key_impl = p.unsafeGetTensorImpl();
+  auto found = state_.find(key_impl);
+  auto* s = found == state_.end() ? nullptr : static_cast<FusedParamState*>(found->second.get());
+  const bool has_master = group_master_weights(opts) && p.scalar_type() != at::kFloat;
+  if (capturing) {
+    // Nothing may be created or moved now: check that the state is complete.
+    bool ready = s != nullptr && s->step().defined() && s->step().scalar_type() == at::kFloat &&
+                 (!has_master || s->master().defined());
+    if (ready) {
+      FusedParamState probe = *s;
+      init_state(probe, p, opts);  // defines what is missing; nothing is missing when ready
+      for (const auto* t : {&probe.step(), &probe.exp_avg(), &probe.exp_avg_sq(), &probe.max_exp_avg_sq(),
+                            &probe.momentum_buffer(), &probe.master()})
+        ready = ready && (!t->defined() || t->device() == p.device());
+      ready = ready && probe.exp_avg().is_same(s->exp_avg()) && probe.exp_avg_sq().is_same(s->exp_avg_sq()) &&
+              probe.max_exp_avg_sq().is_same(s->max_exp_avg_sq()) &&
+              probe.momentum_buffer().is_same(s->momentum_buffer());
+    }
+    if (!ready) fail_capturing(p.device(), "optimizer state would be created (a param's first step)");
+    return *s;
+  }
+  if (s == nullptr) {
+    auto fresh = std::make_unique<FusedParamState>();
+    s = fresh.get();
+    state_.emplace(key_impl, std::move(fresh));
+  }
+  // State loaded from an archive lives on the CPU: move it next to the param.
+  auto to_dev = [&](const at::Tensor& t) { return t.defined() && t.device() != p.device() ? t.to(p.device()) : t; };
+  if (!s->step().defined()) s->step(at::zeros({}, p.options().dtype(at::kFloat)));
+  s->step(to_dev(s->step()).to(at::kFloat));
+  s->exp_avg(to_dev(s->exp_avg()));
+  s->exp_avg_sq(to_dev(s->exp_avg_sq()));
+  s->max_exp_avg_sq(to_dev(s->max_exp_avg_sq()));
+  s->momentum_buffer(to_dev(s->momentum_buffer()));
+  s->master(to_dev(s->master()));
+  init_state(*s, p, opts);  // fills whatever is still missing
+  if (has_master && !s->master().defined()) s->master(p.detach().to(at::kFloat).clone());
+  return *s;
+}
+
+void FusedOptimizer::prepare_capture() {
+  torch::NoGradGuard no_grad;
+  for (const auto gi : c10::irange(param_groups_.size())) {
+    auto& group = param_groups_[gi];
+    for (const auto& p : group.params()) {
+      if (!p.requires_grad()) continue;
+      ensure_state(p, group.options(), /*capturing=*/false);
+      lr_tensor(gi, p.device(), group.options().get_lr());
+      if (!result_bufs_[0].defined()) {
+        for (auto& b : result_bufs_) b = at::zeros({}, p.options().dtype(at::kFloat));
+      }
+    }
+  }
 }
 
 void FusedOptimizer::refresh_lr_tensors() {

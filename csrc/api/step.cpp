@@ -5,16 +5,15 @@
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
-#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "capture.h"
+
 #ifdef FUSETRAIN_WITH_CUDA
-#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -72,27 +71,16 @@ struct Captured {
   }
 };
 
-// NOTE [failed capture]: CUDAGraph::capture_end stops at the first CUDA error,
-// before it ends the allocators' recording into the graph's memory pool. Left
-// so, the next capture into that pool would fail ("already recording"), so
-// finish that part here. Each call may legitimately fail (capture_end got
-// further than expected): those errors are ignored.
+// After a failed capture: release what capture_end left behind (NOTE [failed
+// capture] in capture.h), unless the capture did end (pool() then succeeds and
+// the graph releases its pool itself).
 void abandon_capture(at::cuda::CUDAGraph& graph, c10::DeviceIndex device, at::cuda::MempoolId_t pool) {
   try {
-    graph.pool();  // succeeds when capture_end completed; the graph then releases the pool itself
+    graph.pool();
     return;
   } catch (...) {
   }
-  auto quietly = [](const std::function<void()>& f) {
-    try {
-      f();
-    } catch (...) {
-    }
-  };
-  quietly([&] { c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool); });
-  quietly([&] { at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool); });
-  quietly([&] { c10::cuda::CUDACachingAllocator::releasePool(device, pool); });
-  quietly([&] { at::getHostAllocator(at::kCUDA)->release_pool(pool); });
+  detail::abandon_capture(device, pool);
 }
 #endif
 
@@ -189,11 +177,16 @@ struct TrainStep::Impl {
     } else {
       check_static_grads();
     }
+    std::vector<at::Tensor> no_grad_before;
+    for (const auto& group : optimizer->param_groups())
+      for (const auto& p : group.params())
+        if (p.requires_grad() && !p.grad().defined()) no_grad_before.push_back(p);
     g.x = x.detach().clone();
     g.y = y.detach().clone();
-    // The lr tensors must hold the current lr before the capture: an lr fill
-    // recorded into the graph would reset the lr on every replay.
-    optimizer->refresh_lr_tensors();
+    // State, lr tensors (holding the current lr: a fill recorded into the graph
+    // would reset the lr on every replay) and result buffers exist before the
+    // capture (NOTE [state before capture]).
+    optimizer->prepare_capture();
     if (pool.first == 0 && pool.second == 0) pool = at::cuda::graph_pool_handle();
     c10::cuda::device_synchronize();
     auto graph = std::make_unique<at::cuda::CUDAGraph>();
@@ -201,7 +194,8 @@ struct TrainStep::Impl {
     std::string why;
     {
       c10::cuda::CUDAStreamGuard guard(*side);
-      graph->capture_begin(pool);
+      // NOTE [capture mode] (python/fusetrain/training/step.py): other threads may use CUDA meanwhile.
+      graph->capture_begin(pool, cudaStreamCaptureModeThreadLocal);
       bool ending = false;
       try {
         loss = run(g.x, g.y, do_step, /*set_to_none=*/false);
@@ -217,14 +211,31 @@ struct TrainStep::Impl {
         }
       }
     }
-    if (!why.empty()) {
+    size_t late = 0;
+    if (why.empty() && options.accumulate() > 1) {
+      // The captured backward assigns these .grad tensors instead of
+      // accumulating into them: every replay would overwrite the sum so far.
+      for (auto& p : no_grad_before) {
+        if (p.grad().defined()) {
+          ++late;
+          p.mutable_grad() = at::Tensor();
+        }
+      }
+    }
+    if (!why.empty() || late > 0) {
       abandon_capture(*graph, device.index(), pool);
       graph.reset();
       g = Captured();
+      if (scaler != nullptr) scaler->reset_pending();
       if (!step_graph.graph && !micro_graph.graph) {
         pool = {0, 0};
         static_grads.clear();
       }
+      TORCH_CHECK(late == 0, "fusetrain::TrainStep: ", late, " parameter(s) got their first gradient inside the "
+                  "CUDA-graph capture, after ", options.warmup_steps(), " warm-up step(s) without one; with accumulate ",
+                  options.accumulate(), " the captured step would overwrite instead of accumulate their gradients. A "
+                  "captured step needs the same parameters to receive gradients in every step: call reset() after "
+                  "unfreezing parameters, or raise warmup_steps");
       TORCH_CHECK(false, "fusetrain::TrainStep: the training step could not be captured as a CUDA graph "
                   "(StepMode::CudaGraph). Everything in loss_fn must stay on the device: no host syncs "
                   "(.item(), .cpu(), printing tensors, data-dependent shapes such as nonzero or masked_select) "

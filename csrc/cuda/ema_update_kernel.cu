@@ -18,6 +18,7 @@ using cuda::kBlockThreads;
 using cuda::kChunkSize;
 using cuda::kILP;
 using EmaMeta = cuda::TensorListMeta<2, 192, 1280>;
+static_assert(cuda::fits_kernel_params<EmaMeta, const float*, const float*>(), "ema_update_kernel arguments too large");
 
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads) ema_update_kernel(EmaMeta meta, const float* decay,

@@ -45,6 +45,9 @@ struct KernelArgs {
   const float* ema_decay;
 };
 
+static_assert(cuda::fits_kernel_params<UpdateMeta, KernelArgs>(), "fused_update_kernel arguments too large");
+static_assert(cuda::fits_kernel_params<StepPtrs, int, const float*>(), "increment_steps_kernel arguments too large");
+
 __global__ void increment_steps_kernel(StepPtrs steps, int n, const float* found_inf) {
   if (found_inf != nullptr && *found_inf != 0.f) return;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -181,6 +184,7 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
   a.ema_decay = l.ema.empty() ? nullptr : scalar_ptr(s.ema_decay);
 
   // Steps first (the update reads the incremented step, as torch.optim does).
+  cuda::check_driver_supports_large_params();
   for (size_t b = 0; b < l.steps.size(); b += kMaxStepPtrs) {
     StepPtrs sp;
     const int n = static_cast<int>(std::min<size_t>(kMaxStepPtrs, l.steps.size() - b));

@@ -21,6 +21,7 @@ using cuda::kBlockThreads;
 using cuda::kChunkSize;
 using cuda::kILP;
 using StatsMeta = cuda::TensorListMeta<1, 384, 1280>;
+static_assert(cuda::fits_kernel_params<StatsMeta, float*, int*>(), "partial_stats_kernel arguments too large");
 
 template <typename T, typename Op>
 __device__ T block_reduce(T v, Op op, T* shared) {

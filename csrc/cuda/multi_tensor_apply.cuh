@@ -4,19 +4,44 @@
 // block handles one chunk of one tensor. A launch carries the addresses of up
 // to MaxTensors tensors and up to MaxBlocks chunks in its kernel arguments;
 // longer lists are split over several launches, and a tensor whose chunks do
-// not fit continues in the next launch. NOTE [kernel argument size]: the
-// metadata exceeds the classic 4 KiB argument limit; CUDA >= 12.1 allows
-// 32 KiB on sm_70 and newer, which every architecture we build for is.
+// not fit continues in the next launch. The metadata exceeds the classic 4 KiB
+// kernel-argument limit: NOTE [kernel argument size] in
+// csrc/common/cuda_requirements.h says what that needs.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
+
+#include "../common/cuda_requirements.h"
+
+#if !defined(CUDART_VERSION) || CUDART_VERSION < 12010
+#error "fusetrain's CUDA kernels need CUDA >= 12.1 (kernel arguments above 4 KiB); see cuda_requirements.h"
+#endif
 
 namespace fusetrain {
 namespace cuda {
+
+// Whether arguments of these types fit in one launch (NOTE [kernel argument size]).
+template <class... Args>
+constexpr bool fits_kernel_params() {
+  return (sizeof(Args) + ... + std::size_t{0}) <= kMaxKernelParamBytes;
+}
+
+// Raises once per call while the driver is too old for large kernel arguments;
+// the driver is asked once per process.
+inline void check_driver_supports_large_params() {
+  static const std::string problem = [] {
+    int version = 0;
+    if (cudaDriverGetVersion(&version) != cudaSuccess) version = 0;
+    return driver_version_problem(version);
+  }();
+  TORCH_CHECK(problem.empty(), problem);
+}
 
 constexpr int64_t kChunkSize = 65536;
 constexpr int kBlockThreads = 512;
@@ -40,7 +65,9 @@ struct TensorListMeta {
 template <class Meta, class Launch>
 int64_t multi_tensor_apply(const std::vector<const std::vector<at::Tensor>*>& lists,
                            const std::vector<at::Tensor>& steps, Launch&& launch) {
+  static_assert(fits_kernel_params<Meta>(), "multi-tensor metadata above the kernel-argument limit");
   TORCH_INTERNAL_ASSERT(static_cast<int>(lists.size()) == Meta::kDepth);
+  check_driver_supports_large_params();
   const std::vector<at::Tensor>& first = *lists[0];
   std::vector<size_t> nonempty;
   for (size_t i = 0; i < first.size(); ++i) {

@@ -5,20 +5,29 @@
 // merges the partials of each channel in double, in a fixed order (so results
 // are deterministic). Partial kernels:
 //   NCS: one block per (channel, split); the block's threads stride over the
-//        channel's elements of the split (contiguous runs of S).
+//        channel's elements of the split in (n, s) order, so short rows (7x7
+//        feature maps) keep every thread busy.
 //   NSC: 2-D tiles: 32 channels (threadIdx.x, coalesced) x 8 row lanes
 //        (threadIdx.y) per block, splits over rows in blockIdx.y.
 // Statistics are per-thread Welford updates in fp32 merged with Chan's formula
 // (NOTE [batch-norm statistics] in csrc/cpu/syncbn_kernel.cpp); gradient sums
 // are fp32 per thread. Element-wise kernels are grid-stride loops.
+//
+// NOTE [32-bit indexing]: per-element index math (the channel of a flat index,
+// the (n, s) of a channel element) uses 32-bit unsigned integers and ATen's
+// IntDivider (a multiply-high and a shift instead of a division) whenever the
+// tensor has fewer than 2^31 elements; larger tensors take a 64-bit variant.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/detail/IntegerDivider.cuh>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 
 #include "../common/syncbn.h"
 
@@ -69,28 +78,23 @@ __device__ __forceinline__ Acc shfl_down(const Acc& v, int o) {
 
 // Partial reduction of the NCS layout: block (c, split) covers the elements
 // [split * per_split, ...) of channel c, in (n, s) order.
-template <typename T, bool kGrad>
+template <typename T, typename index_t, bool kGrad>
 __global__ void __launch_bounds__(kThreads) partial_ncs_kernel(const T* __restrict__ x, const T* __restrict__ dy,
-                                                               const float* __restrict__ mean, int64_t N, int64_t C,
-                                                               int64_t S, int64_t per_split, Acc* partial) {
-  const int64_t c = blockIdx.x;
-  const int64_t L = N * S;
-  const int64_t begin = static_cast<int64_t>(blockIdx.y) * per_split;
-  const int64_t end = min(L, begin + per_split);
+                                                               const float* __restrict__ mean, index_t L, index_t C,
+                                                               at::cuda::detail::IntDivider<index_t> div_s,
+                                                               index_t per_split, Acc* partial) {
+  const index_t c = blockIdx.x;
+  const index_t S = div_s.divisor;
+  const index_t begin = static_cast<index_t>(blockIdx.y) * per_split;
+  const index_t end = min(L, begin + per_split);
   const float m = kGrad ? mean[c] : 0.f;
   Acc acc{0.f, 0.f, 0.f};
-  // Walk row segments so that the index arithmetic is per row, not per element.
-  int64_t e = begin;
-  while (e < end) {
-    const int64_t n = e / S, s = e % S;
-    const int64_t len = min(S - s, end - e);
-    const int64_t base = (n * C + c) * S + s;
-    for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
-      const float xv = static_cast<float>(x[base + i]);
-      const float gv = kGrad ? static_cast<float>(dy[base + i]) : 0.f;
-      update<kGrad>(acc, xv, gv, m);
-    }
-    e += len;
+  for (index_t e = begin + threadIdx.x; e < end; e += blockDim.x) {
+    const auto ns = div_s.divmod(e);
+    const index_t i = (ns.div * C + c) * S + ns.mod;
+    const float xv = static_cast<float>(x[i]);
+    const float gv = kGrad ? static_cast<float>(dy[i]) : 0.f;
+    update<kGrad>(acc, xv, gv, m);
   }
   __shared__ Acc shared[kThreads / 32];
   for (int o = 16; o > 0; o >>= 1) acc = merge<kGrad>(acc, shfl_down(acc, o));
@@ -100,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) partial_ncs_kernel(const T* __restri
   if (threadIdx.x == 0) {
     Acc r = shared[0];
     for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) r = merge<kGrad>(r, shared[w]);
-    partial[c * gridDim.y + blockIdx.y] = r;
+    partial[static_cast<int64_t>(c) * gridDim.y + blockIdx.y] = r;
   }
 }
 
@@ -160,6 +164,9 @@ __global__ void finish_kernel(const Acc* partial, int64_t C, int splits, float* 
 
 int target_blocks() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 4; }
 
+// NOTE [32-bit indexing]
+bool fits_32bit(const at::Tensor& x) { return x.numel() < (int64_t{1} << 31); }
+
 template <bool kGrad>
 void reduce_launch(const at::Tensor& x, const at::Tensor& dy, const BnShape& sh, const at::Tensor& mean,
                    const at::Tensor& out_a, const at::Tensor& out_b) {
@@ -192,12 +199,22 @@ void reduce_launch(const at::Tensor& x, const at::Tensor& dy, const BnShape& sh,
   at::Tensor partial = at::empty({sh.C * splits * 3}, x.options().dtype(at::kFloat));
   Acc* pp = reinterpret_cast<Acc*>(partial.data_ptr<float>());
   const float* mp = kGrad ? mean.const_data_ptr<float>() : nullptr;
+  const bool small = fits_32bit(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bn_reduce_cuda", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* gp = kGrad ? dy.const_data_ptr<scalar_t>() : nullptr;
     if (sh.layout == BnLayout::NCS) {
       const int64_t per_split = (L + splits - 1) / splits;
-      partial_ncs_kernel<scalar_t, kGrad><<<grid, block, 0, stream>>>(xp, gp, mp, sh.N, sh.C, sh.S, per_split, pp);
+      const int64_t S = std::max<int64_t>(sh.S, 1);
+      if (small) {
+        using I = uint32_t;
+        partial_ncs_kernel<scalar_t, I, kGrad><<<grid, block, 0, stream>>>(
+            xp, gp, mp, static_cast<I>(L), static_cast<I>(sh.C), at::cuda::detail::IntDivider<I>(static_cast<I>(S)),
+            static_cast<I>(per_split), pp);
+      } else {
+        partial_ncs_kernel<scalar_t, int64_t, kGrad><<<grid, block, 0, stream>>>(
+            xp, gp, mp, L, sh.C, at::cuda::detail::IntDivider<int64_t>(S), per_split, pp);
+      }
     } else {
       const int64_t rows_per_split = (L + splits - 1) / splits;
       partial_nsc_kernel<scalar_t, kGrad><<<grid, block, 0, stream>>>(xp, gp, mp, L, sh.C, rows_per_split, pp);
@@ -212,21 +229,23 @@ void reduce_launch(const at::Tensor& x, const at::Tensor& dy, const BnShape& sh,
 }
 
 // out = p*(dy) + q*(x - mean) + r with per-channel p, q, r computed from the
-// arguments in the kernel (forward: p = 0, q = invstd*w, r = b).
-template <typename T, bool kBackward>
-__global__ void elemt_kernel(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ out, int64_t total,
-                             int64_t C, int64_t S, bool nsc, const float* __restrict__ mean,
-                             const float* __restrict__ invstd, const float* __restrict__ weight,
-                             const float* __restrict__ bias, const float* __restrict__ sum_dy,
-                             const float* __restrict__ sum_dy_xmu, const float* __restrict__ count) {
+// arguments in the kernel (forward: p = 0, q = invstd*w, r = b). The channel of
+// flat index i is i mod C (NSC) or (i / S) mod C (NCS).
+template <typename T, typename index_t, bool kBackward, bool kNsc>
+__global__ void elemt_kernel(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ out, index_t total,
+                             at::cuda::detail::IntDivider<index_t> div_c, at::cuda::detail::IntDivider<index_t> div_s,
+                             const float* __restrict__ mean, const float* __restrict__ invstd,
+                             const float* __restrict__ weight, const float* __restrict__ bias,
+                             const float* __restrict__ sum_dy, const float* __restrict__ sum_dy_xmu,
+                             const float* __restrict__ count) {
   float inv_n = 0.f;
   if constexpr (kBackward) {
     const float n = *count;
     inv_n = n > 0.f ? 1.f / n : 0.f;
   }
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c = nsc ? i % C : (i / S) % C;
+  const index_t stride = static_cast<index_t>(gridDim.x) * blockDim.x;
+  for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const index_t c = kNsc ? div_c.mod(i) : div_c.mod(div_s.div(i));
     const float is = invstd[c];
     const float a = weight != nullptr ? is * weight[c] : is;
     const float xm = static_cast<float>(x[i]) - mean[c];
@@ -258,12 +277,29 @@ void elemt_launch(const at::Tensor& x, const at::Tensor& dy, const BnShape& sh, 
   const float* sdp = kBackward ? sum_dy.const_data_ptr<float>() : nullptr;
   const float* sdxp = kBackward ? sum_dy_xmu.const_data_ptr<float>() : nullptr;
   const float* cp = kBackward ? count.const_data_ptr<float>() : nullptr;
+  const bool nsc = sh.layout == BnLayout::NSC;
+  const int64_t S = std::max<int64_t>(sh.S, 1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bn_elemt_cuda", [&] {
-    elemt_kernel<scalar_t, kBackward><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-        x.const_data_ptr<scalar_t>(), kBackward ? dy.const_data_ptr<scalar_t>() : nullptr,
-        out.data_ptr<scalar_t>(), total, sh.C, std::max<int64_t>(sh.S, 1), sh.layout == BnLayout::NSC,
-        mean.const_data_ptr<float>(), invstd.const_data_ptr<float>(), wp, bp, sdp, sdxp, cp);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* gp = kBackward ? dy.const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const float* mp = mean.const_data_ptr<float>();
+    const float* ip = invstd.const_data_ptr<float>();
+    auto launch = [&](auto index_tag, auto nsc_tag) {
+      using I = decltype(index_tag);
+      constexpr bool kNsc = decltype(nsc_tag)::value;
+      elemt_kernel<scalar_t, I, kBackward, kNsc><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+          xp, gp, op, static_cast<I>(total), at::cuda::detail::IntDivider<I>(static_cast<I>(sh.C)),
+          at::cuda::detail::IntDivider<I>(static_cast<I>(S)), mp, ip, wp, bp, sdp, sdxp, cp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    using Nsc = std::true_type;
+    using Ncs = std::false_type;
+    if (fits_32bit(x)) {
+      nsc ? launch(uint32_t{}, Nsc{}) : launch(uint32_t{}, Ncs{});
+    } else {
+      nsc ? launch(int64_t{}, Nsc{}) : launch(int64_t{}, Ncs{});
+    }
   });
 }
 

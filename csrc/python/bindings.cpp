@@ -2,7 +2,9 @@
 // the PyTorch dispatcher by libfusetrain_core (loaded with this module); this
 // module exposes what is not an op.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include "../api/capture.h"
 #include "fusetrain/build_info.h"
 
 namespace py = pybind11;
@@ -25,4 +27,11 @@ PYBIND11_MODULE(_C, m) {
 #endif
     return d;
   });
+  m.def(
+      "_abandon_capture",
+      [](int device, std::pair<unsigned long long, unsigned long long> pool) {
+        fusetrain::detail::abandon_capture(static_cast<c10::DeviceIndex>(device), pool);
+      },
+      "After a failed CUDA-graph capture: end the allocators' routing into the graph's pool and release it "
+      "(NOTE [failed capture] in csrc/api/capture.h).");
 }

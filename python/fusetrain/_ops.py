@@ -19,6 +19,14 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
+def abandon_capture(device: torch.device, pool: tuple) -> None:
+    """After a CUDA-graph capture that failed before it ended: end the device
+    and pinned-host allocators' routing into the graph's memory pool and
+    release the pool (NOTE [failed capture] in csrc/api/capture.h)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _C._abandon_capture(index, tuple(pool))
+
+
 # ---- fake kernels --------------------------------------------------------------
 
 

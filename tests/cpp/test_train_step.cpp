@@ -13,7 +13,11 @@
 #include <string>
 #include <utility>
 
+#include "test_util.h"
+
 namespace {
+
+using fusetrain_test::expect_error;
 
 // A small model with AdamW (clipping on), a loss scaler and an attached EMA.
 struct Rig {
@@ -81,17 +85,6 @@ void expect_same(const Rig& a, const Rig& b, bool exact, double rtol = 1e-5, dou
   EXPECT_EQ(a.scaler->get_scale(), b.scaler->get_scale());
   EXPECT_EQ(a.ema->step_tensor().item<float>(), b.ema->step_tensor().item<float>());
 }
-
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "no error, expected one containing: " << needle;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
-
-bool have_cuda() { return torch::cuda::is_available() && fusetrain::built_with_cuda(); }
 
 }  // namespace
 
@@ -243,9 +236,6 @@ TEST(TrainStepCudaGraph, CpuTensorsRaiseNamingCuda) {
 }
 
 // ---- CUDA: captured step -------------------------------------------------------
-
-#define SKIP_WITHOUT_CUDA() \
-  if (!have_cuda()) GTEST_SKIP() << "needs a CUDA device and fusetrain built with CUDA"
 
 TEST(TrainStepCudaGraph, CapturedMatchesEager) {
   SKIP_WITHOUT_CUDA();

@@ -36,6 +36,9 @@ class LossScaler {
   void step(FusedOptimizer& optimizer);
   // Scale update from the found_inf flags of the steps since the last update.
   void update();
+  // Forgets the flags recorded by step() since the last update() (after a
+  // failed CUDA-graph capture, whose flags were never computed).
+  void reset_pending();
 
   double get_scale() const;                 // host sync
   at::Tensor get_scale_tensor() const { return scale_; }

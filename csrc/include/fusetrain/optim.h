@@ -150,6 +150,15 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // without a recapture. Not to be called while a CUDA graph is being captured.
   void refresh_lr_tensors();
 
+  // Creates, before a CUDA-graph capture of step(), everything a step would
+  // otherwise create lazily and a graph would redo on every replay: the state
+  // of every param that requires grad (also of those without a gradient yet,
+  // moved to the param's device), the lr tensor of each group and device, and
+  // the buffers that keep last_grad_norm()/last_found_inf() outside the
+  // graph's memory pool. A step that would still create state or fill an lr
+  // tensor while capturing raises. fusetrain::TrainStep calls it.
+  void prepare_capture();
+
   // Used by ModelEMA::attach / detach.
   void attach_ema(ModelEMA* ema) { ema_ = ema; }
   ModelEMA* attached_ema() const { return ema_; }
@@ -167,7 +176,11 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // The lr of (group, device) as a device tensor, refilled only when the
   // group's lr changes (no allocation per step).
   const at::Tensor& lr_tensor(size_t group, const at::Device& dev, double lr);
+  // The state of p, created or moved to p's device where needed; while
+  // capturing, raises instead when anything would be created or moved.
+  FusedParamState& ensure_state(const at::Tensor& p, const torch::optim::OptimizerOptions& opts, bool capturing);
   at::Tensor last_grad_norm_, last_found_inf_;
+  at::Tensor result_bufs_[2];  // grad norm, found_inf: written while capturing (prepare_capture)
   ModelEMA* ema_ = nullptr;
   std::map<std::pair<size_t, std::string>, std::pair<double, at::Tensor>> lr_cache_;
 };

@@ -10,6 +10,7 @@ device tensor, so ``step()`` never synchronises with the host.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
@@ -59,6 +60,14 @@ def _as_float(value) -> float:
     return float(value.item()) if isinstance(value, Tensor) else float(value)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream.
+    Asked only where a step would create or fill a tensor (never per step in
+    steady state); under torch.compile tracing it is False (no capture there)."""
+    return (device.type == "cuda" and not torch.compiler.is_compiling()
+            and torch.cuda.is_current_stream_capturing())
+
+
 class FusedOptimizer(Optimizer):
     """Base class: subclasses name their fp32 state tensors and call their op.
 
@@ -86,6 +95,7 @@ class FusedOptimizer(Optimizer):
         # assignment on a dict the optimizer holds).
         self._last: Dict[str, Optional[Tensor]] = {"grad_norm": None, "found_inf": None}
         self._amp_pending: Dict[str, Optional[Tensor]] = {"inv_scale": None, "found_inf": None}
+        self._warned: Dict[str, bool] = {}
         super().__init__(params, defaults)
 
     @property
@@ -131,6 +141,7 @@ class FusedOptimizer(Optimizer):
         self.__dict__.setdefault("_ema_decay", None)
         self.__dict__.setdefault("_last", {"grad_norm": None, "found_inf": None})
         self.__dict__.setdefault("_amp_pending", {"inv_scale": None, "found_inf": None})
+        self.__dict__.setdefault("_warned", {})
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -207,6 +218,58 @@ class FusedOptimizer(Optimizer):
     def _new_step_value(self, state: Dict[str, Any]) -> float:
         return 0.0
 
+    def _state_ready(self, group, p: Tensor) -> bool:
+        """Whether ``p`` has every state tensor a step needs, on its device."""
+        state = self.state.get(p)
+        if not state or "step" not in state:
+            return False
+        step = state["step"]
+        if not isinstance(step, Tensor) or step.device != p.device or step.dtype != torch.float32:
+            return False
+        if any(name not in state for name in self._state_names(group)):
+            return False
+        return not (group["master_weights"] and p.dtype != torch.float32 and "master_param" not in state)
+
+    def _ensure_state(self, group, p: Tensor) -> None:
+        """Create (or move next to ``p``) the state tensors a step of ``p`` needs."""
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.full((), self._new_step_value(state), dtype=torch.float32, device=p.device)
+        elif state["step"].device != p.device or state["step"].dtype != torch.float32:
+            state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+        for name in self._state_names(group):
+            if name not in state:
+                state[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        if group["master_weights"] and p.dtype != torch.float32 and "master_param" not in state:
+            state["master_param"] = p.detach().to(dtype=torch.float32, memory_format=torch.preserve_format)
+
+    def prepare_capture(self) -> None:
+        """Make a following CUDA-graph capture of ``step()`` safe.
+
+        NOTE [state before capture]: whatever a step creates or fills lazily
+        (a parameter's first state, an lr tensor made from a Python float)
+        would be recorded in a captured graph and re-done on every replay:
+        step counters and moments reset, the lr pinned. This creates the
+        state of every parameter that requires grad (also of those that had
+        no gradient yet) and checks that each group's lr is a tensor on its
+        parameters' device. ``fusetrain.TrainStep`` calls it before capturing;
+        a step that would still create state or fill an lr while capturing
+        raises instead."""
+        for gi, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.requires_grad]
+            for p in params:
+                self._ensure_state(group, p)
+            devices = {p.device for p in params}
+            lr = group["lr"]
+            for dev in devices:
+                if not isinstance(lr, Tensor) or lr.device != dev:
+                    where = f"a tensor on {lr.device}" if isinstance(lr, Tensor) else f"the Python number {lr!r}"
+                    raise ValueError(
+                        f"{self._opt_name}: param group {gi}'s lr is {where}, but a captured step reads it on "
+                        f"{dev}: a graph would keep the value of the capture forever. Set "
+                        f"param_groups[{gi}]['lr'] = torch.tensor(value, device='{dev}') and change it in place "
+                        "(lr.fill_(new_value))")
+
     def _init_group(self, group, params, grads, steps, masters, emas, state1, state2, state3):
         # Called with python values by torch.compile (dynamo runs it eagerly),
         # so lazy state creation never lands in a compiled graph.
@@ -224,16 +287,15 @@ class FusedOptimizer(Optimizer):
             if g.is_complex():
                 raise RuntimeError(f"{self._opt_name}: param {i} of group {gi} has a complex gradient; "
                                    "complex gradients are not supported")
+            if not self._state_ready(group, p):
+                if _capturing(p.device):
+                    raise RuntimeError(
+                        f"{self._opt_name}: param {i} of group {gi} has no optimizer state yet and a CUDA graph is "
+                        "being captured: the graph would re-initialise its state on every replay. Call "
+                        "optimizer.prepare_capture() before capturing (fusetrain.TrainStep does), or run an eager "
+                        "step in which it has a gradient first")
+                self._ensure_state(group, p)
             state = self.state[p]
-            if "step" not in state:
-                state["step"] = torch.full((), self._new_step_value(state), dtype=torch.float32, device=p.device)
-            elif state["step"].device != p.device or state["step"].dtype != torch.float32:
-                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
-            for name in names:
-                if name not in state:
-                    state[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            if group["master_weights"] and p.dtype != torch.float32 and "master_param" not in state:
-                state["master_param"] = p.detach().to(dtype=torch.float32, memory_format=torch.preserve_format)
             params.append(p)
             grads.append(g)
             steps.append(state["step"])
@@ -250,8 +312,15 @@ class FusedOptimizer(Optimizer):
         if isinstance(lr, Tensor):
             if lr.device == device and lr.dtype == torch.float32:
                 return lr.reshape(())
+            self._check_lr_copy(gi, lr, device)
             return lr.detach().to(device=device, dtype=torch.float32).reshape(())
         cached = self._lr_cache.get(gi)
+        if cached is None or cached[1].device != device or cached[0] != lr:
+            if _capturing(device):
+                raise RuntimeError(
+                    f"{self._opt_name}: param group {gi}'s lr is the Python number {lr!r} and a CUDA graph is being "
+                    "captured: the graph would keep this value on every replay. Use a device tensor lr "
+                    "(optimizer.prepare_capture() checks this before capturing)")
         if cached is None or cached[1].device != device:
             t = torch.full((), lr, dtype=torch.float32, device=device)
             self._lr_cache[gi] = [lr, t]
@@ -260,6 +329,20 @@ class FusedOptimizer(Optimizer):
             cached[1].fill_(lr)
             cached[0] = lr
         return cached[1]
+
+    def _check_lr_copy(self, gi: int, lr: Tensor, device: torch.device) -> None:
+        """An lr tensor that must be copied to the params' device each step."""
+        if _capturing(device):
+            raise RuntimeError(
+                f"{self._opt_name}: param group {gi}'s lr is a tensor on {lr.device} but its params are on {device}, "
+                f"and a CUDA graph is being captured: the copy would freeze the lr. Create the lr on {device}")
+        if lr.device.type == "cpu" and device.type != "cpu" and not self._warned.get("lr_device") \
+                and not torch.compiler.is_compiling():
+            self._warned["lr_device"] = True
+            warnings.warn(
+                f"{self._opt_name}: param group {gi}'s lr is a CPU tensor but its params are on {device}: every step "
+                f"copies it to the device and waits for the host. Create it on the device, e.g. "
+                f"torch.tensor(lr, device='{device}')", stacklevel=4)
 
     def _grad_stats(self, grads: List[Tensor], inv_scale: Optional[Tensor]):
         by_device: Dict[torch.device, List[Tensor]] = {}

@@ -365,13 +365,23 @@ def setup(p) -> Tuple[DistContext, torch.device]:
 
 
 def _single_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    """The device of a single-process run. A CUDA device becomes the current
+    one (``torch.cuda.set_device``), so work that names no device (a CUDA graph
+    capture, tensors made with ``device="cuda"``) lands on it too."""
+    dev = torch.device("cuda" if spec == "auto" and torch.cuda.is_available() else
+                       "cpu" if spec == "auto" else spec)
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
         raise ValueError(f"training_params.device: got {spec!r} but CUDA is not available; allowed here: 'auto', "
                          f"'cpu'")
-    return dev
+    n = torch.cuda.device_count()
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= n:
+        raise ValueError(f"training_params.device: got {spec!r} but only {n} CUDA device(s) are "
+                         f"visible{_visible_note()}; allowed: 'cuda:0' to 'cuda:{n - 1}', 'cuda', 'auto' or 'cpu'")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _rank_device(spec: str, local_rank: int) -> torch.device:

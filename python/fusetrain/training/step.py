@@ -72,6 +72,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .. import _ops
 from ..amp import LossScaler, Precision
 from ..ema import ModelEMA
 from ..optim._base import FusedOptimizer
@@ -263,7 +264,7 @@ class TrainStep:
         self._pool = None
         self._static: Optional[Tuple[Any, Any]] = None  # a buffer per tensor leaf of (inputs, targets)
         self._side_stream = None
-        self._failed_graphs = getattr(self, "_failed_graphs", [])
+        self._last_bufs: Optional[Dict[str, Tensor]] = None
         self._warm = 0  # eager optimizer steps done towards the warm-up
         self._sig: Optional[Signature] = None
         self._prev_mismatch = False
@@ -423,12 +424,19 @@ class TrainStep:
     # ---- CUDA graphs -------------------------------------------------------------------
 
     def _run_graphed(self, x, y, do_step: bool):
+        # NOTE [capture device]: everything (warm-up, capture, replay) runs with
+        # the model's device current and on a side stream created there, so a
+        # model on cuda:1 is captured on cuda:1 whatever device is current.
+        with torch.cuda.device(self.device):
+            return self._run_graphed_on_device(x, y, do_step)
+
+    def _run_graphed_on_device(self, x, y, do_step: bool):
         matches = self._matches(x, y)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.device)
         if self._warm < self.warmup_steps:
-            # Eager warm-up steps on a side stream (what capture needs: lazily
-            # created state, cuBLAS workspaces, ... exist before it).
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(device=self.device)
+            # Eager warm-up steps on the side stream (what capture needs: lazily
+            # created state, cuBLAS workspaces, the .grad tensors ... exist before it).
             cur = torch.cuda.current_stream(self.device)
             self._side_stream.wait_stream(cur)
             with torch.cuda.stream(self._side_stream):
@@ -450,39 +458,51 @@ class TrainStep:
             self.optimizer._last.update(self._graph_last)
         return self._outs[do_step]
 
-    def _capture(self, x, y, do_step: bool):
+    def _prepare_capture(self, x, y) -> None:
+        """What must exist before a capture (NOTE [state before capture])."""
+        opt = self.optimizer
+        opt.prepare_capture()  # state of every trainable param; lr tensors on the device, checked again
         if self._static is None:
             if tensor_count((x, y)) == 0:
                 raise ValueError("TrainStep(mode='cuda_graph'): the batch holds no tensor to copy into the graph's "
                                  "static buffers; use compile_step='compile' or 'off'")
-            self._static = empty_like_tree((x, y))
-        copy_into(self._static, (x, y))
+            self._static = empty_like_tree((x, y))  # a buffer per tensor leaf of (inputs, targets)
         if self._pool is None:
             # Both graphs (micro-step and full step) allocate from one pool.
             self._pool = torch.cuda.graph_pool_handle()
+        if self._last_bufs is None:
+            # NOTE [persistent step results]: with accumulate > 1 the two graphs
+            # share a pool and may replay in another order than they were
+            # captured (a last=True step), so a tensor the full step leaves for
+            # the host (non-finite flag, gradient norm) could be overwritten by
+            # the next micro-step's replay. The full graph copies them into these
+            # buffers, allocated outside the pool.
+            self._last_bufs = {k: torch.zeros((), dtype=torch.float32, device=self.device) for k in opt._last}
+
+    def _capture(self, x, y, do_step: bool):
+        self._prepare_capture(x, y)
+        copy_into(self._static, (x, y))
         opt, scaler = self.optimizer, self.scaler
         saved_last = dict(opt._last)
+        no_grad_before = [p for g in opt.param_groups for p in g["params"] if p.requires_grad and p.grad is None]
         cur = torch.cuda.current_stream(self.device)
         graph = torch.cuda.CUDAGraph()
         fn = self._full if do_step else self._fwd_bwd
+        bufs = self._last_bufs
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # NOTE [capture mode]: "thread_local" lets other threads (the
+            # DataLoader's pin-memory thread, a logger) call CUDA while this
+            # thread captures; the default "global" mode would invalidate the
+            # capture at their first call.
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream,
+                                  capture_error_mode="thread_local"):
                 outs = fn(*self._static)
+                if do_step:
+                    for k, v in opt._last.items():
+                        if v is not None:
+                            bufs[k].copy_(v)
         except Exception as e:
-            # Capture records kernels without running them, so no weight, state or
-            # gradient changed; discard what the Python side recorded meanwhile.
-            torch.cuda.set_stream(cur)  # capture_end may have failed before leaving the capture stream
-            # Kept alive: if capture_end failed early, the caching allocator may
-            # still hold a routing filter that refers to this graph object.
-            self._failed_graphs.append(graph)
-            scaler._per_optimizer.clear()
-            opt._set_amp(None, None)
-            opt._last.clear()
-            opt._last.update(saved_last)
-            self._graphs.clear()
-            self._outs.clear()
-            self._pool = None
-            torch.cuda.synchronize(self.device)
+            self._abandon(graph, cur, opt, scaler, saved_last)
             cause = _root_cause(e)
             raise RuntimeError(
                 "TrainStep: the training step could not be captured as a CUDA graph "
@@ -492,10 +512,42 @@ class TrainStep:
                 "nonzero()/masked indexing, .cpu()). Use compile_step='compile' or 'off' for this model, or find the "
                 "sync by running an eager step under torch.cuda.set_sync_debug_mode('warn'). The weights and "
                 "optimizer state are unchanged") from e
+        late = [p for p in no_grad_before if p.grad is not None]
+        if late and self.accumulate > 1:
+            # The captured backward assigns these .grad tensors instead of
+            # accumulating into them, so every micro-step replay would overwrite
+            # the gradients summed so far.
+            self._abandon(graph, cur, opt, scaler, saved_last)
+            for p in late:
+                p.grad = None
+            raise RuntimeError(
+                f"TrainStep: {len(late)} parameter(s) got their first gradient inside the CUDA-graph capture, after "
+                f"{self.warmup_steps} warm-up step(s) without one; with accumulate={self.accumulate} the captured "
+                "step would overwrite instead of accumulate their gradients. A captured step needs the same "
+                "parameters to receive gradients in every step: call invalidate() after unfreezing layers, raise "
+                "warmup_steps, or use compile_step='compile'")
         self._graphs[do_step] = graph
         self._outs[do_step] = outs
         if do_step:
-            self._graph_last = dict(opt._last)
+            self._graph_last = {k: (bufs[k] if opt._last[k] is not None else None) for k in opt._last}
+            opt._last.update(self._graph_last)
         # Capture ran nothing: this batch is trained by the first replay.
         graph.replay()
         return outs
+
+    def _abandon(self, graph, cur, opt, scaler, saved_last) -> None:
+        """Undo what a failed capture left behind. Capture records kernels
+        without running them, so no weight, state or gradient changed."""
+        torch.cuda.set_stream(cur)  # capture_end may have failed before leaving the capture stream
+        try:
+            graph.pool()  # succeeds when the capture ended: the graph then releases its pool itself
+        except Exception:
+            _ops.abandon_capture(self.device, self._pool)  # NOTE [failed capture] (csrc/api/capture.h)
+        scaler._per_optimizer.clear()
+        opt._set_amp(None, None)
+        opt._last.clear()
+        opt._last.update(saved_last)
+        self._graphs.clear()
+        self._outs.clear()
+        self._pool = None
+        torch.cuda.synchronize(self.device)

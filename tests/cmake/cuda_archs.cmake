@@ -1,0 +1,22 @@
+# Runs one function of cmake/FusetrainCuda.cmake for tests/python/test_build_config.py:
+#   cmake -DACTION=defaults|flags|check|strip -DVERSION=... -DARCHS=... -DSUPPORTED=... -DFLAGS=... -P cuda_archs.cmake
+# and prints "RESULT=<value>" (lists joined with '|').
+cmake_minimum_required(VERSION 3.24)
+include("${CMAKE_CURRENT_LIST_DIR}/../../cmake/FusetrainCuda.cmake")
+if(ACTION STREQUAL "defaults")
+  fusetrain_default_cuda_archs("${VERSION}" out)
+elseif(ACTION STREQUAL "flags")
+  string(REPLACE "," ";" archs "${ARCHS}")
+  string(REPLACE "," ";" supported "${SUPPORTED}")
+  fusetrain_cuda_arch_flags("${archs}" "${supported}" out)
+elseif(ACTION STREQUAL "check")
+  fusetrain_check_cuda_toolkit("${VERSION}")
+  set(out "ok")
+elseif(ACTION STREQUAL "strip")
+  set(out "${FLAGS}")
+  fusetrain_strip_torch_gencode(out)
+else()
+  message(FATAL_ERROR "unknown ACTION '${ACTION}'")
+endif()
+string(REPLACE ";" "|" out "${out}")
+message(STATUS "RESULT=${out}")

@@ -1,0 +1,95 @@
+"""The CUDA build configuration (cmake/FusetrainCuda.cmake), checked without a
+GPU: the toolkit requirement, the default architecture list per toolkit, the
+nvcc flags for a user's list, the removal of torch's own -gencode flags, and
+the flags the build of this checkout really used for each .cu file."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+import fusetrain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests", "cmake", "cuda_archs.cmake")
+CMAKE = shutil.which("cmake")
+
+pytestmark = pytest.mark.skipif(CMAKE is None, reason="needs cmake")
+
+
+def cmake(action, **defs):
+    args = [CMAKE, f"-DACTION={action}"] + [f"-D{k}={v}" for k, v in defs.items()] + ["-P", SCRIPT]
+    r = subprocess.run(args, capture_output=True, text=True)
+    m = re.search(r"RESULT=(.*)", r.stdout)
+    return r.returncode, (m.group(1).split("|") if m and m.group(1) else []), r.stderr
+
+
+def gen(arch, code):
+    return f"--generate-code=arch=compute_{arch},code={code}"
+
+
+def test_toolkit_older_than_12_1_fails_with_a_clear_message():
+    rc, _, err = cmake("check", VERSION="11.8.89")
+    assert rc != 0
+    assert "CUDA >= 12.1" in err and "11.8.89" in err and "FUSETRAIN_CUDA=OFF" in err
+    for ok in ("12.1.0", "12.4.131", "13.0.48"):
+        assert cmake("check", VERSION=ok)[:2] == (0, ["ok"])
+
+
+@pytest.mark.parametrize("version, expected", [
+    ("12.1.0", ["75-real", "80-real", "90-real", "90-virtual"]),
+    ("12.6.85", ["75-real", "80-real", "90-real", "90-virtual"]),
+    ("12.8.61", ["75-real", "80-real", "90-real", "100-real", "120-real", "120-virtual"]),
+    ("13.0.48", ["75-real", "80-real", "90-real", "100-real", "120-real", "120-virtual"]),
+])
+def test_default_archs_embed_ptx_of_the_newest(version, expected):
+    rc, out, _ = cmake("defaults", VERSION=version)
+    assert rc == 0 and out == expected
+    assert out[-1].endswith("-virtual"), "PTX for GPUs newer than the list"
+
+
+def test_user_archs_become_generate_code_flags():
+    rc, out, _ = cmake("flags", ARCHS="80,90a-real,100-virtual", SUPPORTED="sm_80,sm_90a,sm_100")
+    assert rc == 0
+    assert out == [gen(80, "sm_80"), gen(80, "compute_80"), gen("90a", "sm_90a"), gen(100, "compute_100")]
+
+
+@pytest.mark.parametrize("archs, supported, message", [
+    ("sm_90", "", r"entry 'sm_90' is not valid; allowed: NN .*NN-real .*NN-virtual"),
+    ("90-ptx", "", r"entry '90-ptx' is not valid"),
+    ("61-real", "", r"entry '61-real': the kernels need compute capability >= 70"),
+    ("100-real", "sm_80,sm_90", r"entry '100-real': this CUDA compiler cannot build sm_100; it knows: sm_80 sm_90"),
+])
+def test_bad_archs_fail_naming_the_option(archs, supported, message):
+    rc, _, err = cmake("flags", ARCHS=archs, SUPPORTED=supported)
+    assert rc != 0
+    assert "FUSETRAIN_CUDA_ARCHS" in err
+    assert re.search(message, " ".join(err.split())), err
+
+
+def test_torch_gencode_flags_are_removed():
+    flags = "-DONNX_NAMESPACE=onnx_c2 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -Xcudafe x"
+    rc, out, _ = cmake("strip", FLAGS=flags)
+    assert rc == 0 and out == ["-DONNX_NAMESPACE=onnx_c2 -Xcudafe x"]
+
+
+def _build_ninja():
+    path = os.path.join(ROOT, "build", "py", "build.ninja")
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.skipif(not fusetrain.build_info()["cuda"] or _build_ninja() is None,
+                    reason="needs this checkout built with CUDA in build/py (scripts/setup)")
+def test_the_build_used_exactly_the_configured_archs():
+    archs = fusetrain.build_info()["cuda_archs"].split(",")
+    rc, expected, err = cmake("flags", ARCHS=",".join(archs), SUPPORTED="")
+    assert rc == 0, err
+    text = open(_build_ninja()).read()
+    blocks = re.findall(r"^build [^\n]*csrc/cuda/(\w+)\.cu\.o:.*?\n((?:  .*\n)+)", text, re.M)
+    assert blocks, "no CUDA objects in build.ninja"
+    for name, body in blocks:
+        flags = re.search(r"^  FLAGS = (.*)$", body, re.M).group(1).split()
+        assert "-gencode" not in flags, f"{name}.cu: torch's -gencode flags leaked in"
+        assert [f for f in flags if f.startswith("--generate-code")] == expected, name
