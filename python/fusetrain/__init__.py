@@ -4,6 +4,9 @@ host-device synchronisation."""
 
 import torch  # noqa: F401  (loads libtorch before the native core)
 
+from ._torch_check import load_native as _load_native
+
+_load_native()  # loads _C; a clear ImportError when it was built against another torch
 from . import _ops  # registers the fake kernels of the native ops
 from . import nn, optim
 from ._ops import build_info

@@ -9,15 +9,7 @@ import os
 import subprocess
 import sys
 
-import pytest
-import torch
-
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")),
-]
+from _test_helpers import DEVICES, REPO  # noqa: F401  (DEVICES: re-exported to the smoke tests)
 
 
 def script_path(name: str) -> str:

@@ -26,8 +26,8 @@ import fusetrain
 from fusetrain import LossScaler, Precision, resolve_precision
 from fusetrain.optim import SGD, Adam, AdamW, Lion
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+from _test_helpers import CUDA, DEVICES
+
 # fp32 params after <= 30 coupled steps (the params feed the next backward): a
 # few ulps of O(1) values, measured ~5e-8 absolute.
 RTOL = dict(rtol=1e-5, atol=1e-6)
@@ -37,9 +37,7 @@ INJECT = {3: "inf", 4: "nan", 11: "-inf", 20: "nan", 27: "inf"}
 GROWTH_INTERVAL = 4
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(20240613)
+SEED = 20240613  # conftest.py seeds torch with it before each test
 
 
 # ---- helpers ---------------------------------------------------------------------------

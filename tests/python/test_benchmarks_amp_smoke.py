@@ -9,6 +9,8 @@ import torch
 
 from _bench_helpers import DEVICES, load_script, quick_run
 
+pytestmark = pytest.mark.bench  # runs benchmarks/ scripts: deselected in the inner loop (README, Tests)
+
 VARIANTS = {"torch", "fusetrain", "fusetrain_no_ema"}
 MODELS = ("mnist_cnn", "transformer")
 

@@ -12,6 +12,8 @@ import torch
 
 from _bench_helpers import DEVICES, load_script, quick_run
 
+pytestmark = pytest.mark.bench  # runs benchmarks/ scripts: deselected in the inner loop (README, Tests)
+
 
 def _common_header(report, device, benchmark):
     for key in ("benchmark", "device_kind", "device_name", "torch_version", "num_threads", "config", "results",

@@ -8,6 +8,8 @@ import torch
 
 from _bench_helpers import DEVICES, load_script, quick_run
 
+pytestmark = pytest.mark.bench  # runs benchmarks/ scripts: deselected in the inner loop (README, Tests)
+
 
 def test_resnet50_layout_matches_torchvision_counts():
     mod = load_script("optim_step")

@@ -11,6 +11,8 @@ import torch
 from _bench_helpers import load_script, quick_run
 from _dist_helpers import requires_gloo
 
+pytestmark = pytest.mark.bench  # runs benchmarks/ scripts: deselected in the inner loop (README, Tests)
+
 
 def test_torch_algorithm_stand_in_matches_batchnorm_in_one_process():
     # The CPU stand-in for torch's SyncBatchNorm (world of one rank) is batch norm.
@@ -36,6 +38,7 @@ def test_torch_algorithm_stand_in_matches_batchnorm_in_one_process():
 
 
 @requires_gloo
+@pytest.mark.dist
 def test_syncbn_quick_run_writes_report(tmp_path):
     proc, report = quick_run("syncbn", tmp_path, "cpu")
     for key in ("device_kind", "device_name", "torch_version", "config", "results", "ratios", "targets",

@@ -10,6 +10,8 @@ import torch
 
 from _bench_helpers import DEVICES, quick_run
 
+pytestmark = pytest.mark.bench  # runs benchmarks/ scripts: deselected in the inner loop (README, Tests)
+
 VARIANTS = ("handwritten_fp32", "trainer_fp32", "handwritten_amp", "trainer_amp")
 
 

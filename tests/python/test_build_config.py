@@ -12,7 +12,8 @@ import pytest
 
 import fusetrain
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _test_helpers import REPO as ROOT
+
 SCRIPT = os.path.join(ROOT, "tests", "cmake", "cuda_archs.cmake")
 CMAKE = shutil.which("cmake")
 

@@ -118,6 +118,7 @@ def _assert_close_relative_to_change(a, b, init, rel=0.01, what=""):
             assert diff <= rel * moved, f"{what}{k}: differs by {diff:.3g}, training moved weights by {moved:.3g}"
 
 
+@pytest.mark.dist
 def test_two_processes_match_one_process_on_the_same_global_batches(two_vs_one):
     r = two_vs_one
     exp2 = os.path.join(r["root"], "two")
@@ -143,6 +144,7 @@ def test_two_processes_match_one_process_on_the_same_global_batches(two_vs_one):
     assert r["launch_s"] < 120  # both workers started, trained and stopped
 
 
+@pytest.mark.dist
 def test_two_process_checkpoint_resumes_on_one_process(two_vs_one):
     r = two_vs_one
     params = dict(COMMON, max_epochs=3, torch_compile=False, sync_bn=False, resume=True)
@@ -167,6 +169,7 @@ RECIPE_FAST = ["training_params.max_epochs=1", "training_params.max_train_batche
                "dataset_params.image_size=8", "dataset_params.batch_size=16", "training_params.device=cpu"]
 
 
+@pytest.mark.dist
 def test_two_nodes_on_loopback(tmp_path):
     port = _free_port()
     procs = []
@@ -225,6 +228,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.dist
 def test_failing_rank_stops_the_run_and_is_named(tmp_path):
     script = tmp_path / "failing_rank.py"
     script.write_text(FAILING_SCRIPT)
@@ -254,6 +258,7 @@ class FailingLoss(nn.Module):
         return nn.functional.cross_entropy(out, y)
 
 
+@pytest.mark.dist
 def test_failing_worker_raises_an_error_naming_its_rank(tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(D.DistributedTrainingError, match=r"rank 1 .*failed first: .*injected failure") as info:

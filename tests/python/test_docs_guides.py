@@ -17,6 +17,7 @@ def test_a_guide_per_task():
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_guide_snippets_run(tmp_path, name):
     text = (GUIDES / f"{name}.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)

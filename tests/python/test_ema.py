@@ -23,16 +23,14 @@ import fusetrain
 from fusetrain import LossScaler, ModelEMA, unwrap_model
 from fusetrain.optim import SGD, AdamW
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+from _test_helpers import DEVICES
+
 DECAY_TOL = 1e-6
 EMA_TOL = dict(rtol=1e-5, atol=1e-5)
 UPDATES = 50
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(20240614)
+SEED = 20240614  # conftest.py seeds torch with it before each test
 
 
 # ---- helpers ---------------------------------------------------------------------------

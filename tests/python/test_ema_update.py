@@ -15,8 +15,8 @@ import torch
 import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain._ops import ema_update_
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+from _test_helpers import CUDA, DEVICES
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 # fp32: a couple of ulps of the operands (the ema and w * (src - ema) terms are
@@ -28,9 +28,7 @@ TOL = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(20240612)
+SEED = 20240612  # conftest.py seeds torch with it before each test
 
 
 def randn(shape, dtype, device, scale=1.0):

@@ -22,8 +22,8 @@ import fusetrain  # noqa: F401
 from fusetrain._ops import fused_adam_
 from fusetrain.optim import Adam, AdamW
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+from _test_helpers import CUDA, DEVICES
+
 LOW = [torch.float16, torch.bfloat16]
 SHAPES = [(1,), (7,), (13, 17), (1031,), (3, 5, 7)]
 STEPS = 100
@@ -35,9 +35,7 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 F32 = dict(rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(1234)
+SEED = 1234  # conftest.py seeds torch with it before each test
 
 
 # ---- helpers ---------------------------------------------------------------------------

@@ -25,8 +25,8 @@ import fusetrain  # noqa: F401
 from fusetrain._ops import fused_lion_
 from fusetrain.optim import Lion
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+from _test_helpers import CUDA, DEVICES
+
 LOW = [torch.float16, torch.bfloat16]
 SHAPES = [(1,), (7,), (13, 17), (1031,), (3, 5, 7)]
 STEPS = 100
@@ -37,9 +37,7 @@ STEPS = 100
 F32 = dict(rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(2718)
+SEED = 2718  # conftest.py seeds torch with it before each test
 
 
 class RefLion(torch.optim.Optimizer):

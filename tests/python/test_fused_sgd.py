@@ -21,8 +21,8 @@ import fusetrain  # noqa: F401
 from fusetrain._ops import fused_sgd_
 from fusetrain.optim import SGD
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+from _test_helpers import CUDA, DEVICES
+
 LOW = [torch.float16, torch.bfloat16]
 SHAPES = [(1,), (7,), (13, 17), (1031,), (3, 5, 7)]
 STEPS = 100
@@ -32,9 +32,7 @@ STEPS = 100
 F32 = dict(rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(4321)
+SEED = 4321  # conftest.py seeds torch with it before each test
 
 
 # ---- helpers ---------------------------------------------------------------------------

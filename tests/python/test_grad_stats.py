@@ -15,8 +15,8 @@ import torch
 import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain._ops import grad_stats
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+from _test_helpers import CUDA, DEVICES
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 # fp32 accumulation of up to ~65k squares: a few fp32 ulps of the norm (measured
@@ -24,9 +24,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NORM_RTOL = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(20240611)
+SEED = 20240611  # conftest.py seeds torch with it before each test
 
 
 def ref_norm(grads, inv_scale=None) -> float:

@@ -210,6 +210,7 @@ def test_main_print_config_and_list(capsys):
 # ---- end to end -----------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not _trainer_importable(), reason="fusetrain.Trainer is not importable in this build")
+@pytest.mark.slow
 def test_cli_trains_default_recipe(tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -230,6 +231,7 @@ def test_cli_trains_default_recipe(tmp_path):
 
 
 @pytest.mark.parametrize("name, watched", [("digits_detection", "map_50"), ("digits_segmentation", "mean_iou")])
+@pytest.mark.slow
 def test_cli_trains_detection_and_segmentation_recipes(tmp_path, name, watched):
     ckpt = tmp_path / "ck"
     proc = _run_cli([f"--config-name={name}", "training_params.max_epochs=1", "training_params.progress_bar=false",

@@ -103,6 +103,7 @@ def _worker_matches_concatenated_batchnorm(rank, world):
 
 
 @requires_gloo
+@pytest.mark.dist
 def test_matches_concatenated_batchnorm_two_ranks():
     # One process group for all cases (starting the processes dominates the time).
     run_distributed(_worker_matches_concatenated_batchnorm, 2)
@@ -186,6 +187,7 @@ def _worker_compile(rank, world):
 
 
 @requires_gloo
+@pytest.mark.dist
 def test_compiles_without_graph_breaks_two_ranks():
     run_distributed(_worker_compile, 2, timeout=300)
 

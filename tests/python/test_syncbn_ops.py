@@ -15,8 +15,8 @@ import torch
 import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain._ops import bn_backward_elemt, bn_backward_reduce, bn_elemt, bn_stats
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+from _test_helpers import DEVICES
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 SHAPES = [
@@ -33,9 +33,7 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(20240707)
+SEED = 20240707  # conftest.py seeds torch with it before each test
 
 
 def make_input(shape, dtype, device, channels_last=False, mean_scale=3.0):

@@ -18,6 +18,8 @@ from fusetrain.training.data import build_dataloaders
 
 from _train_helpers import one_thread  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.slow  # torchvision detectors under torch.compile: deselected in the inner loop (README, Tests)
+
 tv = pytest.importorskip("torchvision")
 
 

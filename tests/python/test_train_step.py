@@ -34,9 +34,9 @@ from fusetrain.training.data import build_dataloaders
 from fusetrain.models import build_model
 from fusetrain.training.trainer import Trainer
 
+from _test_helpers import CUDA
 from _train_helpers import InterruptingLoader
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 LR = 1e-2
 LOSS = nn.CrossEntropyLoss()
 

@@ -24,12 +24,12 @@ from fusetrain.models import build_model
 from fusetrain.training.schedules import LRSchedule
 from fusetrain.training.trainer import Trainer
 
+from _test_helpers import DEVICES
 from _train_helpers import InterruptingLoader, one_thread  # noqa: F401  (fixture)
 
 # Small, fast runs: 12x12 digits, a narrow digits_cnn, a few batches per epoch.
 FAST = dict(max_epochs=2, max_train_batches=4, max_valid_batches=2, progress_bar=False, device="cpu")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
 

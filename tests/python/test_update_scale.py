@@ -16,8 +16,8 @@ import torch
 import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain._ops import update_scale_
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+from _test_helpers import CUDA, DEVICES
+
 F32_MAX = torch.finfo(torch.float32).max
 
 

@@ -30,7 +30,10 @@ class ExperimentLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=os.path.join(self.directory, "tensorboard"))
-        except Exception as e:  # tensorboard is optional
+        except ImportError as e:  # tensorboard is optional (the `logging` extra)
+            warnings.warn(f"TensorBoard logging disabled: tensorboard is not installed ({e}); "
+                          f"install it with `pip install tensorboard` or `pip install fusetrain[logging]`", stacklevel=3)
+        except Exception as e:
             warnings.warn(f"TensorBoard logging disabled: {e}", stacklevel=3)
 
     def load_existing(self, up_to_epoch: int) -> None:
@@ -69,8 +72,14 @@ class ExperimentLogger:
                 w.writerow(r)
 
     def plot(self, filename: str = "metrics.png") -> str:
-        """Loss (left) and other metrics (right) per epoch; returns the path."""
-        import matplotlib
+        """Loss (left) and other metrics (right) per epoch; returns the path, or
+        "" (with a warning) when matplotlib is not installed."""
+        try:
+            import matplotlib
+        except ImportError:
+            warnings.warn(f"metrics plot {filename} not written: matplotlib is not installed; install it with "
+                          f"`pip install matplotlib` or `pip install fusetrain[logging]`", stacklevel=2)
+            return ""
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

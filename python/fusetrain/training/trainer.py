@@ -69,6 +69,9 @@ class _Progress:
 
                 self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
             except ImportError:
+                warnings.warn("progress_bar=True but tqdm is not installed, so no progress bar is shown; install it "
+                              "with `pip install tqdm` or `pip install fusetrain[logging]`, or set progress_bar=False",
+                              stacklevel=3)
                 self.bar = None
         self.total = total
 
