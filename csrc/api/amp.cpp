@@ -11,7 +11,6 @@
 #include <torch/utils.h>
 
 #include <map>
-#include <unordered_set>
 
 namespace fusetrain {
 
@@ -27,11 +26,16 @@ LossScaler::LossScaler(LossScalerOptions o) : options_(o) {
 
 void LossScaler::lazy_init(const at::Device& device) {
   if (!scale_.defined()) {
-    scale_ = at::full({}, options_.init_scale(), at::TensorOptions().dtype(at::kFloat).device(device));
+    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+    scale_ = at::full({}, options_.init_scale(), f32);
     growth_tracker_ = at::zeros({}, at::TensorOptions().dtype(at::kInt).device(device));
+    last_step_skipped_ = at::zeros({}, f32);
+    skipped_steps_ = at::zeros({}, f32);
   } else if (scale_.device() != device) {
     scale_ = scale_.to(device);
     growth_tracker_ = growth_tracker_.to(device);
+    last_step_skipped_ = last_step_skipped_.to(device);
+    skipped_steps_ = skipped_steps_.to(device);
   }
 }
 
@@ -48,13 +52,11 @@ void LossScaler::step(FusedOptimizer& optimizer) {
   }
   TORCH_CHECK(scale_.defined(), "fusetrain::LossScaler: step() called before scale(loss)");
   torch::NoGradGuard no_grad;
-  at::Tensor inv = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
-  optimizer.step_with(inv, std::nullopt);
+  optimizer.step_with(at::reciprocal(scale_), std::nullopt);
   at::Tensor f = optimizer.last_found_inf();
-  if (!f.defined()) f = at::zeros({}, scale_.options());
+  if (!f.defined()) return;  // nothing was stepped: no flag
   f = f.to(scale_.device());
-  last_found_inf_ = f;
-  pending_found_inf_ = pending_found_inf_.defined() ? at::maximum(pending_found_inf_, f) : f;
+  pending_found_inf_ = pending_found_inf_.defined() ? at::maximum(pending_found_inf_, f) : f.clone();
 }
 
 void LossScaler::reset_pending() { pending_found_inf_ = at::Tensor(); }
@@ -63,7 +65,7 @@ void LossScaler::update() {
   if (!options_.enabled() || !scale_.defined()) return;
   at::Tensor f = pending_found_inf_.defined() ? pending_found_inf_ : at::zeros({}, scale_.options());
   update_scale_(scale_, growth_tracker_, f, options_.growth_factor(), options_.backoff_factor(),
-                options_.growth_interval());
+                options_.growth_interval(), last_step_skipped_, skipped_steps_);
   pending_found_inf_ = at::Tensor();
 }
 
@@ -92,8 +94,9 @@ void LossScaler::load(torch::serialize::InputArchive& archive) {
   archive.read("growth_interval", v);
   options_.growth_interval(v.toInt());
   const auto dev = scale_.defined() ? scale_.device() : s.device();
-  scale_ = s.to(dev, at::kFloat).clone();
-  growth_tracker_ = g.to(dev, at::kInt).clone();
+  if (!scale_.defined()) lazy_init(dev);
+  scale_.copy_(s);
+  growth_tracker_.copy_(g);
 }
 
 // ---- ModelEMA ------------------------------------------------------------------
@@ -125,94 +128,66 @@ void ModelEMA::lazy_init() {
   auto ps = ema_->parameters();
   if (!ps.empty()) dev = ps.front().device();
   if (!step_.defined()) {
-    step_ = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(dev));
-    decay_ = at::full({}, options_.decay(), at::TensorOptions().dtype(at::kFloat).device(dev));
+    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+    step_ = at::zeros({}, f32);
+    decay_ = at::full({}, options_.decay(), f32);
+    total_ = at::full({}, static_cast<double>(std::max<int64_t>(options_.total_steps(), 1)), f32);
   }
 }
 
 void ModelEMA::set_total_steps(int64_t total_steps) {
   TORCH_CHECK(total_steps >= 0, "fusetrain::ModelEMA: total_steps must be >= 0, got ", total_steps);
   options_.total_steps(total_steps);
+  if (total_steps > 0) total_.fill_(static_cast<double>(total_steps));
 }
 
 const at::Tensor& ModelEMA::prepare_decay() {
   torch::NoGradGuard no_grad;
-  at::Tensor t = step_ + 1.0;  // the 1-based number of the update about to happen
-  const auto opts = step_.options();
-  at::Tensor d;
-  const auto& type = options_.decay_type();
-  if (type == "constant") {
-    d = at::full({}, options_.decay(), opts);
-  } else if (type == "threshold") {
-    d = at::minimum(at::full({}, options_.decay(), opts), (t + 1.0) / (t + 10.0));
-  } else {
-    TORCH_CHECK(options_.total_steps() > 0,
-                "fusetrain::ModelEMA: decay_type 'exp' needs total_steps (set it in the options or with "
-                "set_total_steps)");
-    d = ((t * (-options_.beta() / static_cast<double>(options_.total_steps()))).exp() * -1.0 + 1.0) *
-        options_.decay();
-  }
-  if (options_.warmup()) {
-    at::Tensor w = 1.0 - (t / options_.warmup_gamma() + 1.0).pow(-options_.warmup_power());
-    d = at::minimum(d, w);
-  }
-  // In place: decay_ stays the tensor made at construction, outside any CUDA
-  // graph's pool (NOTE [persistent step results] in python/fusetrain/training/step.py).
-  decay_.copy_(d);
+  std::optional<at::Tensor> total;
+  if (options_.total_steps() > 0) total = total_;
+  ema_decay_(decay_, step_, total, options_.decay_type(), options_.decay(), options_.beta(), options_.warmup(),
+             options_.warmup_gamma(), options_.warmup_power());
   return decay_;
 }
 
-std::vector<std::pair<at::Tensor, at::Tensor>> ModelEMA::float_pairs(bool params, bool buffers) const {
-  std::vector<std::pair<at::Tensor, at::Tensor>> out;
+// Source/EMA tensor pairs: floating-point ones averaged, the rest copied.
+// `params` false leaves the parameters out (they ride in the optimizer's pass).
+ModelEMA::Pairs ModelEMA::pairs(bool params) const {
+  Pairs out;
+  auto add = [&](const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src, bool average) {
+    for (size_t i = 0; i < src.size(); ++i) {
+      const bool avg = average && dst[i].is_floating_point();
+      (avg ? out.avg_dst : out.copy_dst).push_back(dst[i]);
+      (avg ? out.avg_src : out.copy_src).push_back(src[i].detach());
+    }
+  };
+  auto src_p = model_->parameters();
+  auto dst_p = ema_->parameters();
+  TORCH_CHECK(src_p.size() == dst_p.size(), "fusetrain::ModelEMA: the model's parameter count changed");
+  auto src_b = model_->buffers();
+  auto dst_b = ema_->buffers();
+  TORCH_CHECK(src_b.size() == dst_b.size(), "fusetrain::ModelEMA: the model's buffer count changed");
   if (params) {
-    auto src = model_->parameters();
-    auto dst = ema_->parameters();
-    TORCH_CHECK(src.size() == dst.size(), "fusetrain::ModelEMA: the model's parameter count changed");
-    for (size_t i = 0; i < src.size(); ++i) out.emplace_back(dst[i], src[i]);
+    add(dst_p, src_p, true);
+  } else {
+    // Non-float params are copied in either case.
+    std::vector<at::Tensor> d, s;
+    for (size_t i = 0; i < src_p.size(); ++i) {
+      if (dst_p[i].is_floating_point()) continue;
+      d.push_back(dst_p[i]);
+      s.push_back(src_p[i]);
+    }
+    add(d, s, false);
   }
-  if (buffers) {
-    auto src = model_->buffers();
-    auto dst = ema_->buffers();
-    TORCH_CHECK(src.size() == dst.size(), "fusetrain::ModelEMA: the model's buffer count changed");
-    for (size_t i = 0; i < src.size(); ++i) out.emplace_back(dst[i], src[i]);
-  }
+  add(dst_b, src_b, options_.include_buffers());
   return out;
 }
-
-namespace {
-void apply_ema(const std::vector<std::pair<at::Tensor, at::Tensor>>& pairs, const at::Tensor& decay,
-               const std::optional<at::Tensor>& found_inf) {
-  // Float tensors through ema_update_ (grouped by dtype and device); the rest copied.
-  std::map<std::string, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> groups;
-  for (const auto& [e, s] : pairs) {
-    if (e.is_floating_point() && e.scalar_type() != at::kDouble) {
-      auto key = e.device().str() + "/" + std::string(c10::toString(e.scalar_type()));
-      groups[key].first.push_back(e);
-      groups[key].second.push_back(s.detach());
-    } else if (found_inf.has_value()) {
-      // keep the skip on the device: copy only where found_inf == 0
-      e.copy_(at::where(found_inf->to(e.device()) != 0, e, s.detach()));
-    } else {
-      e.copy_(s.detach());
-    }
-  }
-  for (auto& [key, lists] : groups) {
-    const auto dev = lists.first.front().device();
-    std::optional<at::Tensor> f;
-    if (found_inf) f = found_inf->to(dev);
-    ema_update_(lists.first, lists.second, decay.to(dev), f);
-  }
-}
-}  // namespace
 
 void ModelEMA::update(const std::optional<at::Tensor>& found_inf) {
   torch::NoGradGuard no_grad;
   prepare_decay();
-  apply_ema(float_pairs(true, options_.include_buffers()), decay_, found_inf);
-  if (found_inf)
-    step_.add_(1.0 - found_inf->to(step_.device()));
-  else
-    step_.add_(1.0);
+  const auto p = pairs(true);
+  ema_step_(p.avg_dst, p.avg_src, p.copy_dst, p.copy_src, decay_, step_, found_inf);
 }
 
 void ModelEMA::attach(FusedOptimizer& optimizer) {
@@ -240,18 +215,12 @@ at::Tensor ModelEMA::ema_for(const at::Tensor& param) const {
   return it == ema_by_param_.end() ? at::Tensor() : it->second;
 }
 
-void ModelEMA::finish_step(const std::optional<at::Tensor>& found_inf, const std::vector<at::Tensor>& covered) {
+void ModelEMA::finish_step(const at::Tensor& found_inf) {
+  // The optimizer's pass updated the EMA of the params it stepped (a param
+  // without a gradient keeps its EMA); buffers and non-float params follow here.
   torch::NoGradGuard no_grad;
-  std::unordered_set<const void*> done;
-  for (const auto& p : covered) done.insert(p.unsafeGetTensorImpl());
-  std::vector<std::pair<at::Tensor, at::Tensor>> rest;
-  for (auto& pr : float_pairs(true, options_.include_buffers()))
-    if (!done.count(pr.second.unsafeGetTensorImpl())) rest.push_back(pr);
-  apply_ema(rest, decay_, found_inf);
-  if (found_inf)
-    step_.add_(1.0 - found_inf->to(step_.device()));
-  else
-    step_.add_(1.0);
+  const auto p = pairs(false);
+  ema_step_(p.avg_dst, p.avg_src, p.copy_dst, p.copy_src, decay_, step_, found_inf);
 }
 
 void ModelEMA::save(torch::serialize::OutputArchive& archive) const {
@@ -270,7 +239,7 @@ void ModelEMA::load(torch::serialize::InputArchive& archive) {
   archive.read("step", s);
   c10::IValue v;
   archive.read("total_steps", v);
-  options_.total_steps(v.toInt());
+  set_total_steps(v.toInt());
   step_.copy_(s);
 }
 

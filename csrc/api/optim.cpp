@@ -143,110 +143,73 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
 }
 
 void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
-                               const std::optional<at::Tensor>& found_inf_in) {
+                               const std::optional<at::Tensor>& found_inf) {
   torch::NoGradGuard no_grad;
-  struct Item {
-    size_t group;
-    at::Tensor param;
-  };
-  std::vector<Item> items;
-  bool need_norm = false;
+  FusedLists l;
+  std::vector<int64_t> sizes;
+  std::vector<at::Tensor> lrs;
+  std::vector<double> hyper;
+  bool capturing = false;
   for (const auto gi : c10::irange(param_groups_.size())) {
     auto& group = param_groups_[gi];
-    if (group_max_grad_norm(group.options()) > 0) need_norm = true;
+    const auto& opts = group.options();
+    std::vector<at::Tensor> params;
     for (const auto& p : group.params()) {
       const auto& g = p.grad();
       if (!g.defined()) continue;
       TORCH_CHECK(!g.is_sparse(), "fusetrain: param of group ", gi, " has a sparse gradient; not supported");
       TORCH_CHECK(!g.is_complex(), "fusetrain: param of group ", gi, " has a complex gradient; not supported");
-      items.push_back({gi, p});
+      params.push_back(p);
     }
+    if (params.empty()) continue;
+    if (sizes.empty()) capturing = detail::stream_is_capturing(params.front().device());
+    size_t with_ema = 0;
+    for (const auto& p : params) {
+      auto& st = ensure_state(p, opts, capturing);
+      l.params.push_back(p);
+      l.grads.push_back(p.grad());
+      l.steps.push_back(st.step());
+      if (group_master_weights(opts) && p.scalar_type() != at::kFloat) l.masters.push_back(st.master());
+      collect_state(l, st, opts);
+      if (ema_ == nullptr) continue;
+      at::Tensor e = ema_->ema_for(p);
+      if (!e.defined()) continue;
+      l.emas.push_back(e);
+      ++with_ema;
+    }
+    TORCH_CHECK(with_ema == 0 || with_ema == params.size(), "fusetrain: the attached ModelEMA covers ", with_ema,
+                " of the ", params.size(), " params with a gradient in group ", gi,
+                "; the EMA model must hold every param of a group, or none");
+    sizes.push_back(static_cast<int64_t>(params.size()));
+    lrs.push_back(lr_tensor(gi, params.front().device(), opts.get_lr()));
+    hyper.insert(hyper.end(), {group_max_grad_norm(opts), group_master_weights(opts) ? 1.0 : 0.0,
+                               with_ema > 0 ? 1.0 : 0.0, group_maximize(opts) ? 1.0 : 0.0});
+    kind_fields(opts, hyper);
   }
-  std::optional<at::Tensor> found_inf = found_inf_in;
-  if (items.empty()) {
+  if (l.params.empty()) {
+    // Nothing to step: no flag from this step (a stale one would make a
+    // LossScaler back off or an EMA advance for a step that did nothing).
     last_grad_norm_ = at::Tensor();
     last_found_inf_ = found_inf ? *found_inf : at::Tensor();
     return;
   }
-  const bool capturing = detail::stream_is_capturing(items.front().param.device());
-  TORCH_CHECK(!capturing || result_bufs_[0].defined(), "fusetrain: a step is being captured as a CUDA graph "
-              "without prepare_capture(); call optimizer.prepare_capture() before capturing");
-  // Global norm / non-finite flag, one grad_stats pass per device.
-  at::Tensor grad_norm;
-  if (need_norm || (inv_scale.has_value() && !found_inf.has_value())) {
-    std::map<std::string, std::vector<at::Tensor>> by_device;
-    std::vector<std::string> order;
-    for (const auto& it : items) {
-      auto key = it.param.grad().device().str();
-      if (!by_device.count(key)) order.push_back(key);
-      by_device[key].push_back(it.param.grad());
-    }
-    at::Tensor sq, inf, single;
-    const auto dev0 = items.front().param.device();
-    for (const auto& key : order) {
-      auto& grads = by_device[key];
-      std::optional<at::Tensor> inv;
-      if (inv_scale) inv = inv_scale->to(grads.front().device());
-      auto [n, f] = grad_stats(grads, inv);
-      n = n.to(dev0);
-      single = n;
-      f = f.to(dev0);
-      sq = sq.defined() ? sq + n * n : n * n;
-      inf = inf.defined() ? at::maximum(inf, f) : f;
-    }
-    grad_norm = order.size() == 1 ? single : sq.sqrt();
-    found_inf = found_inf ? at::maximum(found_inf->to(dev0), inf) : inf;
-  }
+  ensure_results(l.params.front().device(), capturing);
+  std::optional<at::Tensor> decay;
+  if (ema_ != nullptr) decay = ema_->prepare_decay();
+  fused_step_(kind(), l.params, l.grads, l.steps, l.state1, l.state2, l.state3, l.masters, l.emas, sizes, lrs, hyper,
+              inv_scale, found_inf, decay, last_grad_norm_, last_found_inf_);
+  if (ema_ != nullptr) ema_->finish_step(last_found_inf_);
+}
+
+void FusedOptimizer::ensure_results(const at::Device& dev, bool capturing) {
   // NOTE [persistent step results] (python/fusetrain/training/step.py): the
-  // host reads these after a replay; a graph-pool tensor could be overwritten
-  // by another graph sharing the pool, so a captured step copies them into
-  // buffers made by prepare_capture(). Assigned only here, so a capture that
-  // fails earlier leaves the previous step's results.
-  auto result = [&](const at::Tensor& value, at::Tensor& buf) {
-    if (!value.defined() || !capturing) return value;
-    buf.copy_(value);
-    return buf;
-  };
-  last_grad_norm_ = result(grad_norm, result_bufs_[0]);
-  last_found_inf_ = result(found_inf ? *found_inf : at::Tensor(), result_bufs_[1]);
-
-  const at::Tensor* decay = nullptr;
-  if (ema_ != nullptr) decay = &ema_->prepare_decay();
-
-  // Partition: (group, device, has master, has ema) -> one kernel call each.
-  std::map<std::tuple<size_t, std::string, bool, bool>, FusedLists> parts;
-  std::vector<at::Tensor> covered;
-  for (const auto& it : items) {
-    auto& group = param_groups_[it.group];
-    const auto& opts = group.options();
-    const auto& p = it.param;
-    auto& s = ensure_state(p, opts, capturing);
-    const bool has_master = group_master_weights(opts) && p.scalar_type() != at::kFloat;
-    at::Tensor ema_t;
-    if (ema_ != nullptr) ema_t = ema_->ema_for(p);
-    auto& l = parts[{it.group, p.device().str(), has_master, ema_t.defined()}];
-    l.params.push_back(p);
-    l.grads.push_back(p.grad());
-    l.steps.push_back(s.step());
-    if (has_master) l.masters.push_back(s.master());
-    if (ema_t.defined()) {
-      l.emas.push_back(ema_t);
-      covered.push_back(p);
-    }
-    collect_state(l, s, opts);
-  }
-  for (auto& [key, l] : parts) {
-    const auto& opts = param_groups_[std::get<0>(key)].options();
-    const auto dev = l.params.front().device();
-    FusedTail tail;
-    if (inv_scale) tail.inv_scale = inv_scale->to(dev);
-    if (found_inf) tail.found_inf = found_inf->to(dev);
-    tail.max_grad_norm = group_max_grad_norm(opts);
-    if (tail.max_grad_norm > 0) tail.grad_norm = grad_norm.to(dev);
-    if (std::get<3>(key)) tail.ema_decay = decay->to(dev);
-    run_update(l, lr_tensor(std::get<0>(key), dev, opts.get_lr()), opts, tail);
-  }
-  if (ema_ != nullptr) ema_->finish_step(found_inf, covered);
+  // host reads these after a replay, so they are made once, outside any graph.
+  if (last_grad_norm_.defined() && last_found_inf_.defined() && last_grad_norm_.device() == dev &&
+      last_found_inf_.device() == dev)
+    return;
+  check_not_capturing(dev, "the step's result tensors would be created");
+  last_grad_norm_ = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(dev));
+  last_found_inf_ = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(dev));
 }
 
 const at::Tensor& FusedOptimizer::lr_tensor(size_t group, const at::Device& dev, double lr) {
@@ -311,9 +274,7 @@ void FusedOptimizer::prepare_capture() {
       if (!p.requires_grad()) continue;
       ensure_state(p, group.options(), /*capturing=*/false);
       lr_tensor(gi, p.device(), group.options().get_lr());
-      if (!result_bufs_[0].defined()) {
-        for (auto& b : result_bufs_) b = at::zeros({}, p.options().dtype(at::kFloat));
-      }
+      if (!last_grad_norm_.defined()) ensure_results(p.device(), /*capturing=*/false);
     }
   }
 }
@@ -330,24 +291,28 @@ void FusedOptimizer::refresh_lr_tensors() {
 }
 
 // ---- concrete optimizers -------------------------------------------------------
-#define FT_SERIALIZE_METHODS(Name)                                                   \
+#define FT_SERIALIZE_METHODS(Name, Kind)                                              \
   void Name::save(torch::serialize::OutputArchive& archive) const {                 \
     torch::optim::serialize<FusedParamState, Name##Options>(archive, *this);        \
   }                                                                                  \
   void Name::load(torch::serialize::InputArchive& archive) {                        \
     torch::optim::serialize<FusedParamState, Name##Options>(archive, *this);        \
   }                                                                                  \
+  const char* Name::kind() const { return Kind; }                                    \
   double Name::group_max_grad_norm(const torch::optim::OptimizerOptions& o) const { \
     return static_cast<const Name##Options&>(o).max_grad_norm();                    \
   }                                                                                  \
   bool Name::group_master_weights(const torch::optim::OptimizerOptions& o) const {  \
     return static_cast<const Name##Options&>(o).master_weights();                   \
+  }                                                                                  \
+  bool Name::group_maximize(const torch::optim::OptimizerOptions& o) const {        \
+    return static_cast<const Name##Options&>(o).maximize();                         \
   }
 
-FT_SERIALIZE_METHODS(Adam)
-FT_SERIALIZE_METHODS(AdamW)
-FT_SERIALIZE_METHODS(SGD)
-FT_SERIALIZE_METHODS(Lion)
+FT_SERIALIZE_METHODS(Adam, "adam")
+FT_SERIALIZE_METHODS(AdamW, "adam")
+FT_SERIALIZE_METHODS(SGD, "sgd")
+FT_SERIALIZE_METHODS(Lion, "lion")
 
 template <typename O>
 static void check_adam_like(const char* name, const O& d) {
@@ -391,6 +356,12 @@ static void init_adam_state(FusedParamState& s, const at::Tensor& p, const O& o)
   if (!s.exp_avg_sq().defined()) s.exp_avg_sq(f32_zeros_like(p));
   if (o.amsgrad() && !s.max_exp_avg_sq().defined()) s.max_exp_avg_sq(f32_zeros_like(p));
 }
+// NOTE [group records] in csrc/ops/fused_step.cpp: the optimizer's own fields.
+template <typename O>
+static void adam_fields(const O& o, bool decoupled, std::vector<double>& h) {
+  h.insert(h.end(), {std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
+                     o.amsgrad() ? 1.0 : 0.0, decoupled ? 1.0 : 0.0});
+}
 template <typename O>
 static void collect_adam_state(FusedLists& l, FusedParamState& s, const O& o) {
   l.state1.push_back(s.exp_avg());
@@ -404,11 +375,11 @@ void Adam::init_state(FusedParamState& s, const at::Tensor& p, const torch::opti
 void Adam::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& o) const {
   collect_adam_state(l, s, static_cast<const AdamOptions&>(o));
 }
-void Adam::run_update(FusedLists& l, const at::Tensor& lr, const torch::optim::OptimizerOptions& oo,
-                      const FusedTail& tail) const {
-  const auto& o = static_cast<const AdamOptions&>(oo);
-  fused_adam_(l.params, l.grads, l.state1, l.state2, l.state3, l.steps, l.masters, l.emas, lr, std::get<0>(o.betas()),
-              std::get<1>(o.betas()), o.weight_decay(), o.eps(), o.amsgrad(), o.maximize(), false, tail);
+void Adam::kind_fields(const torch::optim::OptimizerOptions& o, std::vector<double>& h) const {
+  adam_fields(static_cast<const AdamOptions&>(o), false, h);
+}
+void AdamW::kind_fields(const torch::optim::OptimizerOptions& o, std::vector<double>& h) const {
+  adam_fields(static_cast<const AdamWOptions&>(o), true, h);
 }
 void AdamW::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& o) const {
   init_adam_state(s, p, static_cast<const AdamWOptions&>(o));
@@ -416,11 +387,9 @@ void AdamW::init_state(FusedParamState& s, const at::Tensor& p, const torch::opt
 void AdamW::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& o) const {
   collect_adam_state(l, s, static_cast<const AdamWOptions&>(o));
 }
-void AdamW::run_update(FusedLists& l, const at::Tensor& lr, const torch::optim::OptimizerOptions& oo,
-                       const FusedTail& tail) const {
-  const auto& o = static_cast<const AdamWOptions&>(oo);
-  fused_adam_(l.params, l.grads, l.state1, l.state2, l.state3, l.steps, l.masters, l.emas, lr, std::get<0>(o.betas()),
-              std::get<1>(o.betas()), o.weight_decay(), o.eps(), o.amsgrad(), o.maximize(), true, tail);
+void SGD::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
+  const auto& o = static_cast<const SGDOptions&>(oo);
+  h.insert(h.end(), {o.momentum(), o.dampening(), o.weight_decay(), o.nesterov() ? 1.0 : 0.0});
 }
 void SGD::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& oo) const {
   const auto& o = static_cast<const SGDOptions&>(oo);
@@ -430,23 +399,15 @@ void SGD::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::O
   const auto& o = static_cast<const SGDOptions&>(oo);
   if (o.momentum() != 0) l.state1.push_back(s.momentum_buffer());
 }
-void SGD::run_update(FusedLists& l, const at::Tensor& lr, const torch::optim::OptimizerOptions& oo,
-                     const FusedTail& tail) const {
-  const auto& o = static_cast<const SGDOptions&>(oo);
-  fused_sgd_(l.params, l.grads, l.state1, l.steps, l.masters, l.emas, lr, o.momentum(), o.dampening(),
-             o.weight_decay(), o.nesterov(), o.maximize(), tail);
+void Lion::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
+  const auto& o = static_cast<const LionOptions&>(oo);
+  h.insert(h.end(), {std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay()});
 }
 void Lion::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions&) const {
   if (!s.exp_avg().defined()) s.exp_avg(f32_zeros_like(p));
 }
 void Lion::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions&) const {
   l.state1.push_back(s.exp_avg());
-}
-void Lion::run_update(FusedLists& l, const at::Tensor& lr, const torch::optim::OptimizerOptions& oo,
-                      const FusedTail& tail) const {
-  const auto& o = static_cast<const LionOptions&>(oo);
-  fused_lion_(l.params, l.grads, l.state1, l.steps, l.masters, l.emas, lr, std::get<0>(o.betas()),
-              std::get<1>(o.betas()), o.weight_decay(), o.maximize(), tail);
 }
 
 }  // namespace fusetrain

@@ -5,8 +5,11 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
+#include <tuple>
 #include <vector>
 
+#include "dispatch.h"
 #include "optim_math.h"
 
 namespace fusetrain {
@@ -40,24 +43,59 @@ struct UpdateScalars {
   at::Tensor lr, inv_scale, found_inf, grad_norm, ema_decay;
 };
 
+// ---- kernels (csrc/cpu/*_kernel.cpp, csrc/cuda/*_kernel.cu) ----------------------
+using UpdateKernel = void (*)(const UpdateLists& lists, const OptimHyper& hyper, const UpdateScalars& scalars);
+using GradStatsKernel = void (*)(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
+                                 const at::Tensor& norm_out, const at::Tensor& found_inf_out);
+using EmaUpdateKernel = void (*)(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src,
+                                 const at::Tensor& decay, const at::Tensor& found_inf);
+using UpdateScaleKernel = void (*)(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                                   const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                                   int64_t growth_interval);
+
 void fused_update_cpu(const UpdateLists& lists, const OptimHyper& hyper, const UpdateScalars& scalars);
 void grad_stats_cpu(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
                     const at::Tensor& norm_out, const at::Tensor& found_inf_out);
-
 void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src, const at::Tensor& decay,
                     const at::Tensor& found_inf);
 void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
                       double growth_factor, double backoff_factor, int64_t growth_interval);
-
-#ifdef FUSETRAIN_WITH_CUDA
+void fused_update_cuda(const UpdateLists& lists, const OptimHyper& hyper, const UpdateScalars& scalars);
+void grad_stats_cuda(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
+                     const at::Tensor& norm_out, const at::Tensor& found_inf_out);
 void ema_update_cuda(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src, const at::Tensor& decay,
                      const at::Tensor& found_inf);
 void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
                        double growth_factor, double backoff_factor, int64_t growth_interval);
-void fused_update_cuda(const UpdateLists& lists, const OptimHyper& hyper, const UpdateScalars& scalars);
-void grad_stats_cuda(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
-                     const at::Tensor& norm_out, const at::Tensor& found_inf_out);
-#endif
+
+// ---- op implementations (csrc/ops/<op>.cpp), registered by the kernel files ------
+// NOTE [kernel registration] in dispatch.h. Each is the op's schema in C++ types
+// with the device kernel first.
+using OptT = std::optional<at::Tensor>;
+
+void fused_adam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
+                     at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double beta1,
+                     double beta2, double weight_decay, double eps, bool amsgrad, bool maximize,
+                     bool decoupled_weight_decay, const OptT& inv_scale, const OptT& found_inf,
+                     const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay);
+void fused_sgd_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                    at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
+                    const at::Tensor& lr, double momentum, double dampening, double weight_decay, bool nesterov,
+                    bool maximize, const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm,
+                    double max_grad_norm, const OptT& ema_decay);
+void fused_lion_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
+                     const at::Tensor& lr, double beta1, double beta2, double weight_decay, bool maximize,
+                     const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
+                     const OptT& ema_decay);
+std::tuple<at::Tensor, at::Tensor> grad_stats_impl(GradStatsKernel kernel, at::TensorList grads,
+                                                   const OptT& inv_scale);
+void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList src, const at::Tensor& decay,
+                     const OptT& found_inf);
+void update_scale_impl(UpdateScaleKernel kernel, const at::Tensor& scale, const at::Tensor& growth_tracker,
+                       const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                       int64_t growth_interval, const OptT& last_skipped, const OptT& skipped_steps);
 
 // The CPU kernels are compiled for AVX2+FMA (FUSETRAIN_CPU_AVX2); refuse to run
 // them on a processor without those instructions instead of crashing.
@@ -73,10 +111,10 @@ inline void check_cpu_features(const char* op) {
 
 inline at::Tensor opt_or_undef(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
 
-// Argument checks, dtype bucketing and device dispatch shared by every
-// update op (csrc/ops/fused_update.cpp).
+// Argument checks and dtype bucketing shared by every update op
+// (csrc/ops/fused_update.cpp); each bucket goes to `kernel`.
 void run_fused_update(const char* op_name, const UpdateLists& lists, const OptimHyper& hyper,
-                      const UpdateScalars& scalars);
+                      const UpdateScalars& scalars, UpdateKernel kernel);
 
 }  // namespace detail
 }  // namespace fusetrain

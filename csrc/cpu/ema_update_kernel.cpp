@@ -1,5 +1,6 @@
 // CPU kernel of fusetrain::ema_update_: (tensor, chunk) items over
 // at::parallel_for, fp32 Vectorized math on L1-resident blocks.
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -71,3 +72,9 @@ void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Te
 
 }  // namespace detail
 }  // namespace fusetrain
+
+// NOTE [kernel registration] in csrc/common/dispatch.h.
+TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
+  using namespace fusetrain::detail;
+  m.impl("ema_update_", bind_kernel<&ema_update_impl, &ema_update_cpu>());
+}

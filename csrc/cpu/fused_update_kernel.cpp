@@ -5,6 +5,7 @@
 // block buffers, the shared math of optim_math.h runs on Vectorized<float>,
 // and the results are written back (master weights, rounded params, EMA) while
 // the block is still in L1. Each element is read and written once.
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -216,3 +217,11 @@ void fused_update_cpu(const UpdateLists& l, const OptimHyper& h, const UpdateSca
 
 }  // namespace detail
 }  // namespace fusetrain
+
+// NOTE [kernel registration] in csrc/common/dispatch.h.
+TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
+  using namespace fusetrain::detail;
+  m.impl("fused_adam_", bind_kernel<&fused_adam_impl, &fused_update_cpu>());
+  m.impl("fused_sgd_", bind_kernel<&fused_sgd_impl, &fused_update_cpu>());
+  m.impl("fused_lion_", bind_kernel<&fused_lion_impl, &fused_update_cpu>());
+}

@@ -3,6 +3,7 @@
 // non-finite flag. NOTE [non-finite probe]: x * 0 is NaN exactly when x is inf
 // or NaN, so summing x * 0 detects non-finite values without a compare and
 // without being fooled by a sum of squares that overflows.
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -104,3 +105,18 @@ void grad_stats_cpu(const std::vector<at::Tensor>& grads, const at::Tensor& inv_
 
 }  // namespace detail
 }  // namespace fusetrain
+
+// NOTE [kernel registration] in csrc/common/dispatch.h.
+TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
+  using namespace fusetrain::detail;
+  m.impl("grad_stats", bind_kernel<&grad_stats_impl, &grad_stats_cpu>());
+}
+// With an empty list and no inv_scale there is no tensor to dispatch on; the
+// dispatcher then uses this registration (the result lives on the CPU).
+TORCH_LIBRARY_IMPL(fusetrain, CompositeExplicitAutograd, m) {
+  m.impl("grad_stats", [](at::TensorList grads, const std::optional<at::Tensor>& inv_scale) {
+    TORCH_CHECK(grads.empty() && !inv_scale.has_value(), "grad_stats: no kernel for the device of ",
+                grads.empty() ? inv_scale->device() : grads[0].device(), " in this build of fusetrain");
+    return fusetrain::detail::grad_stats_impl(&fusetrain::detail::grad_stats_cpu, grads, inv_scale);
+  });
+}

@@ -16,6 +16,7 @@
 // cancellation against the mean), which is as accurate as a two-pass float64
 // computation for any realistic block; shifted or raw sums of squares lose
 // accuracy when |mean| >> std.
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "../common/bn_math.h"
 #include "../common/syncbn.h"
 
 namespace fusetrain {
@@ -54,15 +56,7 @@ inline void to_float(const T* src, float* dst, int64_t len) {
 // Per-channel partial statistics in double, merged with Chan's formula.
 struct Moments {
   double n = 0.0, mean = 0.0, m2 = 0.0;
-  void merge(double nb, double mean_b, double m2_b) {
-    if (nb == 0.0) return;
-    const double tot = n + nb;
-    const double delta = mean_b - mean;
-    const double fb = nb / tot;
-    mean += delta * fb;
-    m2 += m2_b + delta * delta * n * fb;
-    n = tot;
-  }
+  void merge(double nb, double mean_b, double m2_b) { chan_merge(n, mean, m2, nb, mean_b, m2_b); }
 };
 
 // Elements [begin, end) of channel c of an NCS input (in (n, s) order) are
@@ -413,3 +407,12 @@ void bn_backward_elemt_cpu(const at::Tensor& dy, const at::Tensor& x, const BnSh
 
 }  // namespace detail
 }  // namespace fusetrain
+
+// NOTE [kernel registration] in csrc/common/dispatch.h.
+TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
+  using namespace fusetrain::detail;
+  m.impl("bn_stats", bind_kernel<&bn_stats_impl, &bn_stats_cpu>());
+  m.impl("bn_backward_reduce", bind_kernel<&bn_backward_reduce_impl, &bn_backward_reduce_cpu>());
+  m.impl("bn_elemt", bind_kernel<&bn_elemt_impl, &bn_elemt_cpu>());
+  m.impl("bn_backward_elemt", bind_kernel<&bn_backward_elemt_impl, &bn_backward_elemt_cpu>());
+}

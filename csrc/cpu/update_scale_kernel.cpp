@@ -1,4 +1,5 @@
 // CPU kernel of fusetrain::update_scale_ (math in csrc/common/optim_math.h).
+#include <torch/library.h>
 #include <ATen/core/Tensor.h>
 
 #include "../common/update_args.h"
@@ -15,3 +16,9 @@ void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
 
 }  // namespace detail
 }  // namespace fusetrain
+
+// NOTE [kernel registration] in csrc/common/dispatch.h.
+TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
+  using namespace fusetrain::detail;
+  m.impl("update_scale_", bind_kernel<&update_scale_impl, &update_scale_cpu>());
+}

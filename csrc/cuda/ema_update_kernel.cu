@@ -1,5 +1,6 @@
 // CUDA kernel of fusetrain::ema_update_: chunked multi-tensor launches
 // (multi_tensor_apply.cuh), decay and found_inf read on the device.
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -79,3 +80,9 @@ void ema_update_cuda(const std::vector<at::Tensor>& ema, const std::vector<at::T
 
 }  // namespace detail
 }  // namespace fusetrain
+
+// NOTE [kernel registration] in csrc/common/dispatch.h.
+TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
+  using namespace fusetrain::detail;
+  m.impl("ema_update_", bind_kernel<&ema_update_impl, &ema_update_cuda>());
+}

@@ -5,6 +5,7 @@
 // the EMA are applied in registers. Every changing scalar (lr, step, inverse
 // scale, found_inf, grad norm, EMA decay) is read from device memory, so the
 // launch sequence is the same every step and can be captured in a CUDA graph.
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -227,3 +228,11 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
 
 }  // namespace detail
 }  // namespace fusetrain
+
+// NOTE [kernel registration] in csrc/common/dispatch.h.
+TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
+  using namespace fusetrain::detail;
+  m.impl("fused_adam_", bind_kernel<&fused_adam_impl, &fused_update_cuda>());
+  m.impl("fused_sgd_", bind_kernel<&fused_sgd_impl, &fused_update_cuda>());
+  m.impl("fused_lion_", bind_kernel<&fused_lion_impl, &fused_update_cuda>());
+}

@@ -2,6 +2,7 @@
 // partial sum of squares and a non-finite flag; a second single-block kernel
 // combines the partials (deterministically, in double) and writes the norm and
 // the flag to device memory. No host synchronisation.
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -143,3 +144,9 @@ void grad_stats_cuda(const std::vector<at::Tensor>& grads, const at::Tensor& inv
 
 }  // namespace detail
 }  // namespace fusetrain
+
+// NOTE [kernel registration] in csrc/common/dispatch.h.
+TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
+  using namespace fusetrain::detail;
+  m.impl("grad_stats", bind_kernel<&grad_stats_impl, &grad_stats_cuda>());
+}

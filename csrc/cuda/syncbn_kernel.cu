@@ -17,6 +17,7 @@
 // the (n, s) of a channel element) uses 32-bit unsigned integers and ATen's
 // IntDivider (a multiply-high and a shift instead of a division) whenever the
 // tensor has fewer than 2^31 elements; larger tensors take a 64-bit variant.
+#include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/detail/IntegerDivider.cuh>
@@ -29,6 +30,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/bn_math.h"
 #include "../common/syncbn.h"
 
 namespace fusetrain {
@@ -50,11 +52,9 @@ __device__ __forceinline__ Acc merge(const Acc& x, const Acc& y) {
   if constexpr (kGrad) {
     return {0.f, x.a + y.a, x.b + y.b};
   } else {
-    const float n = x.n + y.n;
-    if (n == 0.f) return {0.f, 0.f, 0.f};
-    const float delta = y.a - x.a;
-    const float fy = y.n / n;
-    return {n, x.a + delta * fy, x.b + y.b + delta * delta * x.n * fy};
+    Acc r = x;
+    chan_merge(r.n, r.a, r.b, y.n, y.a, y.b);
+    return r;
   }
 }
 
@@ -149,13 +149,7 @@ __global__ void finish_kernel(const Acc* partial, int64_t C, int splits, float* 
       a += p.a;
       b += p.b;
     } else {
-      if (p.n == 0.f) continue;
-      const double tot = n + p.n;
-      const double delta = static_cast<double>(p.a) - a;
-      const double fb = p.n / tot;
-      a += delta * fb;
-      b += static_cast<double>(p.b) + delta * delta * n * fb;
-      n = tot;
+      chan_merge(n, a, b, static_cast<double>(p.n), static_cast<double>(p.a), static_cast<double>(p.b));
     }
   }
   out_a[c] = static_cast<float>(a);
@@ -328,3 +322,12 @@ void bn_backward_elemt_cuda(const at::Tensor& dy, const at::Tensor& x, const BnS
 
 }  // namespace detail
 }  // namespace fusetrain
+
+// NOTE [kernel registration] in csrc/common/dispatch.h.
+TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
+  using namespace fusetrain::detail;
+  m.impl("bn_stats", bind_kernel<&bn_stats_impl, &bn_stats_cuda>());
+  m.impl("bn_backward_reduce", bind_kernel<&bn_backward_reduce_impl, &bn_backward_reduce_cuda>());
+  m.impl("bn_elemt", bind_kernel<&bn_elemt_impl, &bn_elemt_cuda>());
+  m.impl("bn_backward_elemt", bind_kernel<&bn_backward_elemt_impl, &bn_backward_elemt_cuda>());
+}

@@ -1,5 +1,6 @@
 // CUDA kernel of fusetrain::update_scale_: one thread applies the scale update
 // (math in csrc/common/optim_math.h) in device memory.
+#include <torch/library.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -28,3 +29,9 @@ void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker
 
 }  // namespace detail
 }  // namespace fusetrain
+
+// NOTE [kernel registration] in csrc/common/dispatch.h.
+TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
+  using namespace fusetrain::detail;
+  m.impl("update_scale_", bind_kernel<&update_scale_impl, &update_scale_cuda>());
+}

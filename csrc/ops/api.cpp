@@ -2,23 +2,24 @@
 // dispatcher, so C++ callers get the same kernels and checks as Python.
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include "fusetrain/build_info.h"
 #include "fusetrain/ops.h"
+
+#include "../common/update_args.h"
 
 namespace fusetrain {
 namespace {
 
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+// The handle's C++ type is the implementation's signature without its kernel
+// argument (detail::OpSignature), so no signature is spelled twice.
+template <auto Impl>
+c10::TypedOperatorHandle<detail::OpSignature<Impl>> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<detail::OpSignature<Impl>>();
 }
-
-using OptT = const std::optional<at::Tensor>&;
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> grad_stats(at::TensorList grads, const std::optional<at::Tensor>& inv_scale) {
-  static auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(at::TensorList, OptT)>("fusetrain::grad_stats");
+  static auto op = op_handle<&detail::grad_stats_impl>("fusetrain::grad_stats");
   return op.call(grads, inv_scale);
 }
 
@@ -26,10 +27,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  at::TensorList max_exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
                  at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double weight_decay,
                  double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, const FusedTail& tail) {
-  static auto op = op_handle<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                                  at::TensorList, at::TensorList, at::TensorList, const at::Tensor&, double, double,
-                                  double, double, bool, bool, bool, OptT, OptT, OptT, double, OptT)>(
-      "fusetrain::fused_adam_");
+  static auto op = op_handle<&detail::fused_adam_impl>("fusetrain::fused_adam_");
   op.call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, ema_params, lr, beta1,
           beta2, weight_decay, eps, amsgrad, maximize, decoupled_weight_decay, tail.inv_scale, tail.found_inf,
           tail.grad_norm, tail.max_grad_norm, tail.ema_decay);
@@ -39,9 +37,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
                 const at::Tensor& lr, double momentum, double dampening, double weight_decay, bool nesterov,
                 bool maximize, const FusedTail& tail) {
-  static auto op = op_handle<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                                  at::TensorList, const at::Tensor&, double, double, double, bool, bool, OptT, OptT,
-                                  OptT, double, OptT)>("fusetrain::fused_sgd_");
+  static auto op = op_handle<&detail::fused_sgd_impl>("fusetrain::fused_sgd_");
   op.call(params, grads, momentum_buffers, state_steps, master_params, ema_params, lr, momentum, dampening,
           weight_decay, nesterov, maximize, tail.inv_scale, tail.found_inf, tail.grad_norm, tail.max_grad_norm,
           tail.ema_decay);
@@ -50,32 +46,51 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
 void fused_lion_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList state_steps,
                  at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double beta1,
                  double beta2, double weight_decay, bool maximize, const FusedTail& tail) {
-  static auto op = op_handle<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                                  at::TensorList, const at::Tensor&, double, double, double, bool, OptT, OptT, OptT,
-                                  double, OptT)>("fusetrain::fused_lion_");
+  static auto op = op_handle<&detail::fused_lion_impl>("fusetrain::fused_lion_");
   op.call(params, grads, exp_avgs, state_steps, master_params, ema_params, lr, beta1, beta2, weight_decay, maximize,
           tail.inv_scale, tail.found_inf, tail.grad_norm, tail.max_grad_norm, tail.ema_decay);
 }
 
 void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay,
                  const std::optional<at::Tensor>& found_inf) {
-  static auto op = op_handle<void(at::TensorList, at::TensorList, const at::Tensor&, OptT)>("fusetrain::ema_update_");
+  static auto op = op_handle<&detail::ema_update_impl>("fusetrain::ema_update_");
   op.call(ema, src, decay, found_inf);
 }
 
 void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
-                   double growth_factor, double backoff_factor, int64_t growth_interval) {
-  static auto op = op_handle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, int64_t)>(
-      "fusetrain::update_scale_");
-  op.call(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval);
+                   double growth_factor, double backoff_factor, int64_t growth_interval,
+                   const std::optional<at::Tensor>& last_skipped, const std::optional<at::Tensor>& skipped_steps) {
+  static auto op = op_handle<&detail::update_scale_impl>("fusetrain::update_scale_");
+  op.call(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval, last_skipped,
+          skipped_steps);
 }
 
-bool built_with_cuda() {
-#ifdef FUSETRAIN_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
+// Composite ops (no kernel argument): the handle's type is the public function's.
+void fused_step_(c10::string_view optimizer, at::TensorList params, at::TensorList grads, at::TensorList state_steps,
+                 at::TensorList state1, at::TensorList state2, at::TensorList state3, at::TensorList master_params,
+                 at::TensorList ema_params, at::IntArrayRef group_sizes, at::TensorList lrs,
+                 at::ArrayRef<double> hyper, const std::optional<at::Tensor>& inv_scale,
+                 const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& ema_decay,
+                 const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out) {
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fusetrain::fused_step_", "").typed<decltype(fused_step_)>();
+  op.call(optimizer, params, grads, state_steps, state1, state2, state3, master_params, ema_params, group_sizes, lrs,
+          hyper, inv_scale, found_inf, ema_decay, grad_norm_out, found_inf_out);
+}
+
+void ema_decay_(const at::Tensor& decay_out, const at::Tensor& step, const std::optional<at::Tensor>& total_steps,
+                c10::string_view decay_type, double decay, double beta, bool warmup, double warmup_gamma,
+                double warmup_power) {
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fusetrain::ema_decay_", "").typed<decltype(ema_decay_)>();
+  op.call(decay_out, step, total_steps, decay_type, decay, beta, warmup, warmup_gamma, warmup_power);
+}
+
+void ema_step_(at::TensorList ema, at::TensorList src, at::TensorList copy_dst, at::TensorList copy_src,
+               const at::Tensor& decay, const at::Tensor& step, const std::optional<at::Tensor>& found_inf) {
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fusetrain::ema_step_", "").typed<decltype(ema_step_)>();
+  op.call(ema, src, copy_dst, copy_src, decay, step, found_inf);
 }
 
 }  // namespace fusetrain

@@ -8,9 +8,8 @@
 
 namespace fusetrain {
 namespace detail {
-namespace {
 
-void ema_update_impl(at::TensorList ema, at::TensorList src, const at::Tensor& decay,
+void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList src, const at::Tensor& decay,
                      const std::optional<at::Tensor>& found_inf) {
   const char* op = "ema_update_";
   TORCH_CHECK(ema.size() == src.size(), op, ": got ", ema.size(), " ema tensors but ", src.size(), " src tensors");
@@ -43,20 +42,10 @@ void ema_update_impl(at::TensorList ema, at::TensorList src, const at::Tensor& d
     es.push_back(e);
     ss.push_back(s);
   }
-  if (dev.is_cpu()) {
-    check_cpu_features(op);
-    ema_update_cpu(es, ss, decay, fi);
-  } else {
-#ifdef FUSETRAIN_WITH_CUDA
-    TORCH_CHECK(dev.is_cuda(), op, ": tensors must be on CPU or CUDA, got ", dev);
-    ema_update_cuda(es, ss, decay, fi);
-#else
-    TORCH_CHECK(false, op, ": tensors are on ", dev, " but fusetrain was built without CUDA");
-#endif
-  }
+  if (dev.is_cpu()) check_cpu_features(op);
+  kernel(es, ss, decay, fi);
 }
 
-}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
 
@@ -64,8 +53,3 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
   m.set_python_module("fusetrain._ops");
   m.def("ema_update_(Tensor(a!)[] ema, Tensor[] src, Tensor decay, Tensor? found_inf=None) -> ()");
 }
-
-TORCH_LIBRARY_IMPL(fusetrain, CPU, m) { m.impl("ema_update_", &fusetrain::detail::ema_update_impl); }
-#ifdef FUSETRAIN_WITH_CUDA
-TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) { m.impl("ema_update_", &fusetrain::detail::ema_update_impl); }
-#endif

@@ -8,9 +8,8 @@
 
 namespace fusetrain {
 namespace detail {
-namespace {
 
-void fused_adam_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+void fused_adam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                      at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
                      at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr,
                      double beta1, double beta2, double weight_decay, double eps, bool amsgrad, bool maximize,
@@ -46,10 +45,9 @@ void fused_adam_impl(at::TensorList params, at::TensorList grads, at::TensorList
   h.max_grad_norm = max_grad_norm;
   UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
                   opt_or_undef(ema_decay)};
-  run_fused_update(op, l, h, s);
+  run_fused_update(op, l, h, s, kernel);
 }
 
-}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
 
@@ -63,8 +61,3 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
       "Tensor? found_inf=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
       "Tensor? ema_decay=None) -> ()");
 }
-
-TORCH_LIBRARY_IMPL(fusetrain, CPU, m) { m.impl("fused_adam_", &fusetrain::detail::fused_adam_impl); }
-#ifdef FUSETRAIN_WITH_CUDA
-TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) { m.impl("fused_adam_", &fusetrain::detail::fused_adam_impl); }
-#endif

@@ -8,9 +8,8 @@
 
 namespace fusetrain {
 namespace detail {
-namespace {
 
-void fused_lion_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+void fused_lion_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                      at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
                      const at::Tensor& lr, double beta1, double beta2, double weight_decay, bool maximize,
                      const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf,
@@ -38,10 +37,9 @@ void fused_lion_impl(at::TensorList params, at::TensorList grads, at::TensorList
   h.max_grad_norm = max_grad_norm;
   UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
                   opt_or_undef(ema_decay)};
-  run_fused_update(op, l, h, s);
+  run_fused_update(op, l, h, s, kernel);
 }
 
-}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
 
@@ -53,8 +51,3 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
       "float weight_decay, bool maximize, Tensor? inv_scale=None, Tensor? found_inf=None, "
       "Tensor? grad_norm=None, float max_grad_norm=0.0, Tensor? ema_decay=None) -> ()");
 }
-
-TORCH_LIBRARY_IMPL(fusetrain, CPU, m) { m.impl("fused_lion_", &fusetrain::detail::fused_lion_impl); }
-#ifdef FUSETRAIN_WITH_CUDA
-TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) { m.impl("fused_lion_", &fusetrain::detail::fused_lion_impl); }
-#endif

@@ -8,9 +8,8 @@
 
 namespace fusetrain {
 namespace detail {
-namespace {
 
-void fused_sgd_impl(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+void fused_sgd_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                     at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
                     const at::Tensor& lr, double momentum, double dampening, double weight_decay, bool nesterov,
                     bool maximize, const std::optional<at::Tensor>& inv_scale,
@@ -41,10 +40,9 @@ void fused_sgd_impl(at::TensorList params, at::TensorList grads, at::TensorList 
   h.max_grad_norm = max_grad_norm;
   UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
                   opt_or_undef(ema_decay)};
-  run_fused_update(op, l, h, s);
+  run_fused_update(op, l, h, s, kernel);
 }
 
-}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
 
@@ -57,8 +55,3 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
       "Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
       "Tensor? ema_decay=None) -> ()");
 }
-
-TORCH_LIBRARY_IMPL(fusetrain, CPU, m) { m.impl("fused_sgd_", &fusetrain::detail::fused_sgd_impl); }
-#ifdef FUSETRAIN_WITH_CUDA
-TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) { m.impl("fused_sgd_", &fusetrain::detail::fused_sgd_impl); }
-#endif

@@ -1,6 +1,8 @@
-// Checks, dtype bucketing and device dispatch shared by the fused optimizer
-// update ops (fused_adam_, fused_sgd_, fused_lion_).
+// Checks and dtype bucketing shared by the fused optimizer update ops
+// (fused_adam_, fused_sgd_, fused_lion_); the kernel comes from the caller's
+// registration (NOTE [kernel registration] in csrc/common/dispatch.h).
 #include <ATen/core/Tensor.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/util/Exception.h>
 
@@ -53,7 +55,7 @@ void check_list_size(const char* op, const char* list, const std::vector<at::Ten
 }  // namespace
 
 void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper& hyper,
-                      const UpdateScalars& scalars) {
+                      const UpdateScalars& scalars, UpdateKernel kernel) {
   const size_t n = lists.params.size();
   TORCH_CHECK(lists.grads.size() == n, op, ": got ", n, " params but ", lists.grads.size(), " grads");
   TORCH_CHECK(lists.steps.size() == n, op, ": got ", n, " params but ", lists.steps.size(), " state_steps");
@@ -76,16 +78,25 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
 
   // Bucket by (param dtype, grad dtype): each bucket is one kernel family.
   std::map<std::pair<int, int>, UpdateLists> buckets;
+  // NOTE [strided params]: a param that is a strided view (a slice of a larger
+  // tensor) is updated through a dense copy, written back after the kernels;
+  // its state has the copy's (contiguous) layout, as torch's zeros_like gives.
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
   for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = lists.params[i];
+    at::Tensor p = lists.params[i];
     TORCH_CHECK(p.defined(), op, ": params[", i, "] is undefined");
     TORCH_CHECK(p.device() == dev, op, ": params[", i, "] is on ", p.device(), " but params[0] is on ", dev,
                 "; all params of one group must be on one device");
     TORCH_CHECK(p.layout() == at::kStrided, op, ": params[", i, "] must be dense, got ", p.layout());
     TORCH_CHECK(is_supported_float(p.scalar_type()), op, ": params[", i, "] has dtype ", p.scalar_type(),
                 "; supported: float32, float16, bfloat16");
-    TORCH_CHECK(p.is_non_overlapping_and_dense(), op, ": params[", i,
-                "] must be non-overlapping and dense (a whole tensor, not a strided view)");
+    if (!p.is_non_overlapping_and_dense()) {
+      TORCH_CHECK(at::has_internal_overlap(p) != at::MemOverlap::Yes, op, ": params[", i,
+                  "] has elements that share memory (an expanded view); it cannot be updated in place");
+      at::Tensor dense = p.contiguous();
+      write_back.emplace_back(p, dense);
+      p = dense;
+    }
     at::Tensor g = lists.grads[i];
     TORCH_CHECK(g.defined(), op, ": grads[", i, "] is undefined");
     TORCH_CHECK(g.layout() == at::kStrided, op, ": grads[", i, "] is ", g.layout(),
@@ -124,18 +135,9 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     if (!lists.ema.empty()) b.ema.push_back(lists.ema[i]);
   }
 
-  for (auto& kv : buckets) {
-    if (dev.is_cpu()) {
-      check_cpu_features(op);
-      fused_update_cpu(kv.second, hyper, scalars);
-    } else {
-#ifdef FUSETRAIN_WITH_CUDA
-      fused_update_cuda(kv.second, hyper, scalars);
-#else
-      TORCH_CHECK(false, op, ": fusetrain was built without CUDA; rebuild with FUSETRAIN_CUDA=ON");
-#endif
-    }
-  }
+  if (dev.is_cpu()) check_cpu_features(op);
+  for (auto& kv : buckets) kernel(kv.second, hyper, scalars);
+  for (auto& [view, dense] : write_back) view.copy_(dense);
 }
 
 }  // namespace detail

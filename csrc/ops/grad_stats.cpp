@@ -8,9 +8,9 @@
 
 namespace fusetrain {
 namespace detail {
-namespace {
 
-std::tuple<at::Tensor, at::Tensor> grad_stats_impl(at::TensorList grads, const std::optional<at::Tensor>& inv_scale) {
+std::tuple<at::Tensor, at::Tensor> grad_stats_impl(GradStatsKernel kernel, at::TensorList grads,
+                                                   const OptT& inv_scale) {
   const char* op = "grad_stats";
   at::Device dev = at::kCPU;
   if (!grads.empty()) {
@@ -43,21 +43,11 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_impl(at::TensorList grads, const s
   auto opts = at::TensorOptions().dtype(at::kFloat).device(dev);
   at::Tensor norm = at::zeros({}, opts);
   at::Tensor found_inf = at::zeros({}, opts);
-  TORCH_CHECK(dev.is_cpu() || dev.is_cuda(), op, ": grads must be on CPU or CUDA, got ", dev);
-  if (dev.is_cpu()) {
-    check_cpu_features(op);
-    grad_stats_cpu(gs, inv, norm, found_inf);
-  } else {
-#ifdef FUSETRAIN_WITH_CUDA
-    grad_stats_cuda(gs, inv, norm, found_inf);
-#else
-    TORCH_CHECK(false, op, ": fusetrain was built without CUDA; rebuild with FUSETRAIN_CUDA=ON");
-#endif
-  }
+  if (dev.is_cpu()) check_cpu_features(op);
+  kernel(gs, inv, norm, found_inf);
   return {norm, found_inf};
 }
 
-}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
 
@@ -65,13 +55,3 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
   m.set_python_module("fusetrain._ops");
   m.def("grad_stats(Tensor[] grads, Tensor? inv_scale=None) -> (Tensor norm, Tensor found_inf)");
 }
-
-TORCH_LIBRARY_IMPL(fusetrain, CPU, m) { m.impl("grad_stats", &fusetrain::detail::grad_stats_impl); }
-// With an empty list and no inv_scale there is no tensor to dispatch on; the
-// dispatcher then uses this registration (the result lives on the CPU).
-TORCH_LIBRARY_IMPL(fusetrain, CompositeExplicitAutograd, m) {
-  m.impl("grad_stats", &fusetrain::detail::grad_stats_impl);
-}
-#ifdef FUSETRAIN_WITH_CUDA
-TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) { m.impl("grad_stats", &fusetrain::detail::grad_stats_impl); }
-#endif

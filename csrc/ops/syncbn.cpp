@@ -110,7 +110,9 @@ at::Tensor affine_vector(const char* op, const char* name, const std::optional<a
   return t->to(at::kFloat).contiguous();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_stats_impl(const at::Tensor& x_in) {
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_stats_impl(BnStatsKernel kernel, const at::Tensor& x_in) {
   const char* op = "bn_stats";
   BnShape shape;
   at::Tensor x = prepare_input(op, "x", x_in, shape);
@@ -118,20 +120,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_stats_impl(const at::Tensor& x
   at::Tensor count = at::full({}, static_cast<double>(shape.per_channel()), opts);
   at::Tensor mean = at::empty({shape.C}, opts);
   at::Tensor m2 = at::empty({shape.C}, opts);
-  if (x.device().is_cpu()) {
-    check_cpu_features(op);
-    bn_stats_cpu(x, shape, mean, m2);
-  } else {
-#ifdef FUSETRAIN_WITH_CUDA
-    bn_stats_cuda(x, shape, mean, m2);
-#else
-    TORCH_CHECK(false, op, ": fusetrain was built without CUDA; rebuild with FUSETRAIN_CUDA=ON");
-#endif
-  }
+  if (x.device().is_cpu()) check_cpu_features(op);
+  kernel(x, shape, mean, m2);
   return {count, mean, m2};
 }
 
-std::tuple<at::Tensor, at::Tensor> bn_backward_reduce_impl(const at::Tensor& dy_in, const at::Tensor& x_in,
+std::tuple<at::Tensor, at::Tensor> bn_backward_reduce_impl(BnBackwardReduceKernel kernel,
+                                                           const at::Tensor& dy_in, const at::Tensor& x_in,
                                                            const at::Tensor& mean_in) {
   const char* op = "bn_backward_reduce";
   BnShape shape;
@@ -141,20 +136,12 @@ std::tuple<at::Tensor, at::Tensor> bn_backward_reduce_impl(const at::Tensor& dy_
   auto opts = x.options().dtype(at::kFloat);
   at::Tensor sum_dy = at::empty({shape.C}, opts);
   at::Tensor sum_dy_xmu = at::empty({shape.C}, opts);
-  if (x.device().is_cpu()) {
-    check_cpu_features(op);
-    bn_backward_reduce_cpu(dy, x, shape, mean, sum_dy, sum_dy_xmu);
-  } else {
-#ifdef FUSETRAIN_WITH_CUDA
-    bn_backward_reduce_cuda(dy, x, shape, mean, sum_dy, sum_dy_xmu);
-#else
-    TORCH_CHECK(false, op, ": fusetrain was built without CUDA; rebuild with FUSETRAIN_CUDA=ON");
-#endif
-  }
+  if (x.device().is_cpu()) check_cpu_features(op);
+  kernel(dy, x, shape, mean, sum_dy, sum_dy_xmu);
   return {sum_dy, sum_dy_xmu};
 }
 
-at::Tensor bn_elemt_impl(const at::Tensor& x_in, const at::Tensor& mean_in, const at::Tensor& invstd_in,
+at::Tensor bn_elemt_impl(BnElemtKernel kernel, const at::Tensor& x_in, const at::Tensor& mean_in, const at::Tensor& invstd_in,
                          const std::optional<at::Tensor>& weight_in, const std::optional<at::Tensor>& bias_in) {
   const char* op = "bn_elemt";
   BnShape shape;
@@ -165,21 +152,13 @@ at::Tensor bn_elemt_impl(const at::Tensor& x_in, const at::Tensor& mean_in, cons
   at::Tensor bias = affine_vector(op, "bias", bias_in, x, shape.C);
   at::Tensor result = at::empty_like(x_in);
   at::Tensor out = output_in_layout(result, x, shape);
-  if (x.device().is_cpu()) {
-    check_cpu_features(op);
-    bn_elemt_cpu(x, shape, mean, invstd, weight, bias, out);
-  } else {
-#ifdef FUSETRAIN_WITH_CUDA
-    bn_elemt_cuda(x, shape, mean, invstd, weight, bias, out);
-#else
-    TORCH_CHECK(false, op, ": fusetrain was built without CUDA; rebuild with FUSETRAIN_CUDA=ON");
-#endif
-  }
+  if (x.device().is_cpu()) check_cpu_features(op);
+  kernel(x, shape, mean, invstd, weight, bias, out);
   if (!out.is_same(result)) result.copy_(out);
   return result;
 }
 
-at::Tensor bn_backward_elemt_impl(const at::Tensor& dy_in, const at::Tensor& x_in, const at::Tensor& mean_in,
+at::Tensor bn_backward_elemt_impl(BnBackwardElemtKernel kernel, const at::Tensor& dy_in, const at::Tensor& x_in, const at::Tensor& mean_in,
                                   const at::Tensor& invstd_in, const std::optional<at::Tensor>& weight_in,
                                   const at::Tensor& sum_dy_in, const at::Tensor& sum_dy_xmu_in,
                                   const at::Tensor& count) {
@@ -198,21 +177,12 @@ at::Tensor bn_backward_elemt_impl(const at::Tensor& dy_in, const at::Tensor& x_i
   TORCH_CHECK(count.device() == x.device(), op, ": count is on ", count.device(), " but x is on ", x.device());
   at::Tensor result = at::empty_like(x_in);
   at::Tensor dx = output_in_layout(result, x, shape);
-  if (x.device().is_cpu()) {
-    check_cpu_features(op);
-    bn_backward_elemt_cpu(dy, x, shape, mean, invstd, weight, sum_dy, sum_dy_xmu, count, dx);
-  } else {
-#ifdef FUSETRAIN_WITH_CUDA
-    bn_backward_elemt_cuda(dy, x, shape, mean, invstd, weight, sum_dy, sum_dy_xmu, count, dx);
-#else
-    TORCH_CHECK(false, op, ": fusetrain was built without CUDA; rebuild with FUSETRAIN_CUDA=ON");
-#endif
-  }
+  if (x.device().is_cpu()) check_cpu_features(op);
+  kernel(dy, x, shape, mean, invstd, weight, sum_dy, sum_dy_xmu, count, dx);
   if (!dx.is_same(result)) result.copy_(dx);
   return result;
 }
 
-}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
 
@@ -232,18 +202,3 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
       "Tensor sum_dy_xmu, Tensor count) -> Tensor",
       tags);
 }
-
-TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
-  m.impl("bn_stats", &fusetrain::detail::bn_stats_impl);
-  m.impl("bn_backward_reduce", &fusetrain::detail::bn_backward_reduce_impl);
-  m.impl("bn_elemt", &fusetrain::detail::bn_elemt_impl);
-  m.impl("bn_backward_elemt", &fusetrain::detail::bn_backward_elemt_impl);
-}
-#ifdef FUSETRAIN_WITH_CUDA
-TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
-  m.impl("bn_stats", &fusetrain::detail::bn_stats_impl);
-  m.impl("bn_backward_reduce", &fusetrain::detail::bn_backward_reduce_impl);
-  m.impl("bn_elemt", &fusetrain::detail::bn_elemt_impl);
-  m.impl("bn_backward_elemt", &fusetrain::detail::bn_backward_elemt_impl);
-}
-#endif

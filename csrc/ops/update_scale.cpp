@@ -7,10 +7,10 @@
 
 namespace fusetrain {
 namespace detail {
-namespace {
 
-void update_scale_impl(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
-                       double growth_factor, double backoff_factor, int64_t growth_interval) {
+void update_scale_impl(UpdateScaleKernel kernel, const at::Tensor& scale, const at::Tensor& growth_tracker,
+                       const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                       int64_t growth_interval, const OptT& last_skipped, const OptT& skipped_steps) {
   const char* op = "update_scale_";
   TORCH_CHECK(scale.numel() == 1 && scale.scalar_type() == at::kFloat, op,
               ": scale must be a float32 tensor with one element, got ", scale.scalar_type(), " of shape ",
@@ -28,19 +28,18 @@ void update_scale_impl(const at::Tensor& scale, const at::Tensor& growth_tracker
   TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, op, ": backoff_factor must be in (0, 1), got ",
               backoff_factor);
   TORCH_CHECK(growth_interval > 0, op, ": growth_interval must be > 0, got ", growth_interval);
-  if (scale.device().is_cpu()) {
-    update_scale_cpu(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval);
-  } else {
-#ifdef FUSETRAIN_WITH_CUDA
-    TORCH_CHECK(scale.device().is_cuda(), op, ": tensors must be on CPU or CUDA, got ", scale.device());
-    update_scale_cuda(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval);
-#else
-    TORCH_CHECK(false, op, ": tensors are on ", scale.device(), " but fusetrain was built without CUDA");
-#endif
+  // The skip counters a logger reads: the flag of this update and a running count.
+  for (const auto* t : {&last_skipped, &skipped_steps}) {
+    if (!t->has_value()) continue;
+    TORCH_CHECK((*t)->numel() == 1 && (*t)->scalar_type() == at::kFloat && (*t)->device() == scale.device(), op,
+                ": ", t == &last_skipped ? "last_skipped" : "skipped_steps",
+                " must be a float32 tensor with one element on ", scale.device());
   }
+  if (last_skipped.has_value()) last_skipped->copy_(found_inf);
+  if (skipped_steps.has_value()) skipped_steps->add_(found_inf);
+  kernel(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval);
 }
 
-}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
 
@@ -48,10 +47,6 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
   m.set_python_module("fusetrain._ops");
   m.def(
       "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor found_inf, float growth_factor, "
-      "float backoff_factor, int growth_interval) -> ()");
+      "float backoff_factor, int growth_interval, Tensor(c!)? last_skipped=None, "
+      "Tensor(d!)? skipped_steps=None) -> ()");
 }
-
-TORCH_LIBRARY_IMPL(fusetrain, CPU, m) { m.impl("update_scale_", &fusetrain::detail::update_scale_impl); }
-#ifdef FUSETRAIN_WITH_CUDA
-TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) { m.impl("update_scale_", &fusetrain::detail::update_scale_impl); }
-#endif

@@ -49,7 +49,8 @@ def _update_fake(*args, **kwargs):
     return None
 
 
-for _name in ("fused_adam_", "fused_sgd_", "fused_lion_", "ema_update_", "update_scale_"):
+for _name in ("fused_adam_", "fused_sgd_", "fused_lion_", "ema_update_", "update_scale_", "fused_step_",
+              "ema_decay_", "ema_step_"):
     torch.library.register_fake(f"fusetrain::{_name}")(_update_fake)
 
 
@@ -91,6 +92,35 @@ def fused_lion_(params, grads, exp_avgs, state_steps, master_params, ema_params,
                      found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
 
 
+def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
+                group_sizes, lrs, hyper, *, inv_scale=None, found_inf=None, ema_decay=None, grad_norm_out=None,
+                found_inf_out=None) -> None:
+    """The whole optimizer tail for every group of one optimizer ("adam",
+    "sgd" or "lion"): the stats pass when a group clips or the gradients are
+    loss-scaled without a flag, then one update pass per group. Lists are
+    flattened over groups; ``group_sizes``, ``lrs`` and ``hyper`` describe the
+    groups (NOTE [group records] in csrc/ops/fused_step.cpp). ``grad_norm_out``
+    and ``found_inf_out`` receive the global norm (NaN when none was measured)
+    and the step's non-finite flag."""
+    _ops.fused_step_(optimizer, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
+                     group_sizes, lrs, hyper, inv_scale, found_inf, ema_decay, grad_norm_out, found_inf_out)
+
+
+def ema_decay_(decay_out: Tensor, step: Tensor, total_steps: Optional[Tensor], decay_type: str, decay: float,
+               beta: float, warmup: bool, warmup_gamma: float, warmup_power: float) -> None:
+    """The EMA decay of update number ``step + 1`` into ``decay_out`` (the
+    schedules of :class:`fusetrain.ModelEMA`), evaluated on the device."""
+    _ops.ema_decay_(decay_out, step, total_steps, decay_type, decay, beta, warmup, warmup_gamma, warmup_power)
+
+
+def ema_step_(ema: Sequence[Tensor], src: Sequence[Tensor], copy_dst: Sequence[Tensor], copy_src: Sequence[Tensor],
+              decay: Tensor, step: Tensor, found_inf: Optional[Tensor] = None) -> None:
+    """One EMA update: ``ema += (1 - decay) * (src - ema)`` pairwise,
+    ``copy_dst <- copy_src`` and ``step += 1``; nothing changes when
+    ``found_inf`` is non-zero (decided on the device)."""
+    _ops.ema_step_(list(ema), list(src), list(copy_dst), list(copy_src), decay, step, found_inf)
+
+
 def ema_update_(ema: Sequence[Tensor], src: Sequence[Tensor], decay: Tensor, found_inf: Optional[Tensor] = None) -> None:
     """``ema += (1 - decay) * (src - ema)`` for every pair, in one multi-tensor
     pass; ``decay`` is a 0-d float32 device tensor; nothing changes when
@@ -99,11 +129,15 @@ def ema_update_(ema: Sequence[Tensor], src: Sequence[Tensor], decay: Tensor, fou
 
 
 def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
-                  backoff_factor: float, growth_interval: int) -> None:
+                  backoff_factor: float, growth_interval: int, last_skipped: Optional[Tensor] = None,
+                  skipped_steps: Optional[Tensor] = None) -> None:
     """Dynamic loss-scale update in device memory (GradScaler semantics):
     ``scale *= backoff_factor`` on a non-finite step, ``scale *= growth_factor``
-    after ``growth_interval`` consecutive clean steps."""
-    _ops.update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+    after ``growth_interval`` consecutive clean steps. The optional skip
+    counters get ``found_inf`` copied (``last_skipped``) and added
+    (``skipped_steps``)."""
+    _ops.update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
+                       last_skipped, skipped_steps)
 
 
 # ---- batch norm (fusetrain.nn.SyncBatchNorm) -----------------------------------------

@@ -207,9 +207,8 @@ class LossScaler:
             for f in flags[1:]:
                 found = torch.maximum(found, f.to(self._scale.device))
             _ops.update_scale_(self._scale, self._growth_tracker, found, self._growth_factor,
-                               self._backoff_factor, self._growth_interval)
-            self._stats["last_step_skipped"].copy_(found)
-            self._stats["skipped_steps"].add_(found)
+                               self._backoff_factor, self._growth_interval,
+                               self._stats["last_step_skipped"], self._stats["skipped_steps"])
         self._per_optimizer.clear()
 
     # ---- accessors ------------------------------------------------------------------

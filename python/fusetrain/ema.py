@@ -10,7 +10,6 @@ counter untouched without asking the host.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -131,70 +130,38 @@ class ModelEMA:
         return self._decay
 
     def _compute_decay(self) -> Tensor:
-        """Evaluate the schedule for update number ``step + 1`` into the decay tensor."""
-        if self.decay_type == "exp" and self.total_steps is None:
-            raise ValueError("ModelEMA: decay_type='exp' needs total_steps (pass it to the constructor or call "
-                             "set_total_steps(n)); or use decay_type='constant' or 'threshold'")
-        t = self._step + 1.0
-        if self.decay_type == "constant":
-            d = torch.full_like(t, self.decay)
-        elif self.decay_type == "threshold":
-            d = torch.clamp_max((1.0 + t) / (10.0 + t), self.decay)
-        else:
-            d = self.decay * (1.0 - torch.exp(-self.beta * t / self._total))
-        if self.warmup:
-            d = torch.minimum(d, 1.0 - torch.pow(1.0 + t / self.warmup_gamma, -self.warmup_power))
-        self._decay.copy_(d)
+        """Evaluate the schedule for update number ``step + 1`` into the decay
+        tensor (``fusetrain::ema_decay_``, on the device)."""
+        total = self._total if self.total_steps is not None else None
+        _ops.ema_decay_(self._decay, self._step, total, self.decay_type, self.decay, self.beta, self.warmup,
+                        self.warmup_gamma, self.warmup_power)
         return self._decay
 
     def _sources(self, model: nn.Module) -> Dict[str, Tensor]:
         base = unwrap_model(model)
         return {**dict(base.named_parameters()), **dict(base.named_buffers())}
 
-    def _advance(self, found_inf: Optional[Tensor]) -> None:
-        if found_inf is None:
-            self._step.add_(1.0)
-        else:
-            self._step.add_(1.0 - found_inf.to(self._step.device))
-
     # ---- updates -------------------------------------------------------------------
 
     @torch.no_grad()
     def update(self, model: nn.Module, found_inf: Optional[Tensor] = None) -> None:
-        """One EMA update from ``model`` (wrapped or not) in one fused
-        multi-tensor pass. With ``found_inf`` (a device flag, e.g. from the
-        optimizer's ``last_found_inf``) a non-zero value skips it on the device."""
+        """One EMA update from ``model`` (wrapped or not): floating-point
+        tensors averaged in one fused multi-tensor pass, the rest copied, the
+        counter advanced (``fusetrain::ema_step_``). With ``found_inf`` (a
+        device flag, e.g. from the optimizer's ``last_found_inf``) a non-zero
+        value skips it on the device."""
         src = self._sources(model)
         decay = self._compute_decay()
-        names = self._avg_names + self._buf_avg_names
-        self._check_sources(src, names + self._copy_names + self._buf_copy_names)
-        _ops.ema_update_([self._ema_tensors[n] for n in names], [src[n].detach() for n in names], decay, found_inf)
-        self._copy_rest(src, found_inf)
-        self._advance(found_inf)
+        self._check_sources(src, self._avg_names + self._buf_avg_names + self._copy_names + self._buf_copy_names)
+        self._step_tensors(src, self._avg_names + self._buf_avg_names, decay, found_inf)
 
-    def _copy_rest(self, src: Dict[str, Tensor], found_inf: Optional[Tensor]) -> None:
-        names = self._copy_names + self._buf_copy_names
-        if not names:
-            return
-        dst = [self._ema_tensors[n] for n in names]
-        if found_inf is None:
-            torch._foreach_copy_(dst, [src[n].detach() for n in names])
-        else:
-            # Gated copy: one select per group of same-shaped tensors (e.g. the
-            # num_batches_tracked counter of every BatchNorm) instead of one per
-            # tensor, so a skipped-step-aware copy costs a handful of launches.
-            keep = found_inf.to(dst[0].device) != 0
-            groups: Dict[Any, List[int]] = {}
-            for i, d in enumerate(dst):
-                groups.setdefault((d.dtype, d.device, tuple(d.shape)), []).append(i)
-            for idx in groups.values():
-                ds = [dst[i] for i in idx]
-                ss = [src[names[i]].detach() for i in idx]
-                if len(idx) == 1:
-                    ds[0].copy_(torch.where(keep, ds[0], ss[0]))
-                    continue
-                chosen = torch.where(keep, torch.stack(ds), torch.stack(ss))
-                torch._foreach_copy_(ds, list(chosen.unbind(0)))
+    def _step_tensors(self, src: Dict[str, Tensor], avg_names: List[str], decay: Tensor,
+                      found_inf: Optional[Tensor]) -> None:
+        """Average ``avg_names``, copy the non-averaged tensors, advance the counter."""
+        copy_names = self._copy_names + self._buf_copy_names
+        _ops.ema_step_([self._ema_tensors[n] for n in avg_names], [src[n].detach() for n in avg_names],
+                       [self._ema_tensors[n] for n in copy_names], [src[n].detach() for n in copy_names],
+                       decay, self._step, found_inf)
 
     def _check_sources(self, src: Dict[str, Tensor], names: List[str]) -> None:
         missing = [n for n in names if n not in src]
@@ -231,14 +198,11 @@ class ModelEMA:
             self._compute_decay()
 
         def post_hook(opt, args, kwargs):
-            found_inf = opt.last_found_inf
-            srcs = self._sources(self._model)
-            buf_names = self._buf_avg_names  # read per step: load_state_dict may change include_buffers
-            if buf_names:
-                _ops.ema_update_([self._ema_tensors[n] for n in buf_names], [srcs[n].detach() for n in buf_names],
-                                 self._decay, found_inf)
-            self._copy_rest(srcs, found_inf)
-            self._advance(found_inf)
+            # Params rode in the update pass; buffers and non-float params follow.
+            # _buf_avg_names is read per step: load_state_dict may change include_buffers.
+            if opt.last_found_inf is None:
+                return  # the step applied no gradient: no EMA update
+            self._step_tensors(self._sources(self._model), self._buf_avg_names, self._decay, opt.last_found_inf)
 
         self._hooks = [optimizer.register_step_pre_hook(pre_hook), optimizer.register_step_post_hook(post_hook)]
         self._optimizer = optimizer

@@ -233,8 +233,10 @@ TEST(CppApiAmp, LossScalerMatchesUnscaledStepAndBacksOff) {
   a[0].mutable_grad()[0] = std::nan("");
   scaler.scale(torch::ones({}));
   scaler.step(ours);
-  EXPECT_EQ(scaler.last_step_skipped().item<float>(), 1.0f);
+  EXPECT_EQ(ours.last_found_inf().item<float>(), 1.0f);
   scaler.update();
+  EXPECT_EQ(scaler.last_step_skipped().item<float>(), 1.0f);
+  EXPECT_EQ(scaler.skipped_steps().item<float>(), 1.0f);
   EXPECT_DOUBLE_EQ(scaler.get_scale(), 1024.0 * 4);
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], before[i]));
   // save / load

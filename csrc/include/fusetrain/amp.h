@@ -43,8 +43,11 @@ class LossScaler {
   double get_scale() const;                 // host sync
   at::Tensor get_scale_tensor() const { return scale_; }
   at::Tensor growth_tracker() const { return growth_tracker_; }
-  // 0-d float32 device tensor, 1.0 when the last step() was skipped.
-  at::Tensor last_step_skipped() const { return last_found_inf_; }
+  // 0-d float32 device tensors (undefined before the first scale()): 1.0 when
+  // the last update() saw non-finite gradients (its step was skipped), and the
+  // number of skipped steps so far.
+  at::Tensor last_step_skipped() const { return last_step_skipped_; }
+  at::Tensor skipped_steps() const { return skipped_steps_; }
   bool is_enabled() const { return options_.enabled(); }
   const LossScalerOptions& options() const { return options_; }
 
@@ -54,7 +57,7 @@ class LossScaler {
  private:
   void lazy_init(const at::Device& device);
   LossScalerOptions options_;
-  at::Tensor scale_, growth_tracker_, last_found_inf_, pending_found_inf_;
+  at::Tensor scale_, growth_tracker_, last_step_skipped_, skipped_steps_, pending_found_inf_;
 };
 
 struct ModelEMAOptions {
@@ -106,18 +109,22 @@ class ModelEMA {
   void save(torch::serialize::OutputArchive& archive) const;
   void load(torch::serialize::InputArchive& archive);
 
-  // Used by FusedOptimizer: decay for the next update, and the EMA tensor of a
-  // param of the source model (undefined if none).
+  // Used by FusedOptimizer: the decay of the next update (fusetrain::ema_decay_),
+  // the EMA tensor of a param of the source model (undefined if none), and the
+  // buffers' update after the step (fusetrain::ema_step_, gated by found_inf).
   const at::Tensor& prepare_decay();
   at::Tensor ema_for(const at::Tensor& param) const;
-  void finish_step(const std::optional<at::Tensor>& found_inf, const std::vector<at::Tensor>& covered_params);
+  void finish_step(const at::Tensor& found_inf);
 
  private:
+  struct Pairs {
+    std::vector<at::Tensor> avg_dst, avg_src, copy_dst, copy_src;
+  };
   void lazy_init();
-  std::vector<std::pair<at::Tensor, at::Tensor>> float_pairs(bool params, bool buffers) const;
+  Pairs pairs(bool params) const;
   std::shared_ptr<torch::nn::Module> model_, ema_;
   ModelEMAOptions options_;
-  at::Tensor step_, decay_;
+  at::Tensor step_, decay_, total_;
   FusedOptimizer* optimizer_ = nullptr;
   // Source param (TensorImpl) -> EMA param, built once on first use.
   mutable std::unordered_map<const void*, at::Tensor> ema_by_param_;

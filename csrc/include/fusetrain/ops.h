@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/string_view.h>
 
 #include <optional>
 #include <tuple>
@@ -51,8 +52,40 @@ void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay
                  const std::optional<at::Tensor>& found_inf = std::nullopt);
 
 // Dynamic loss-scale update in device memory (torch.amp.GradScaler semantics).
-// scale: 0-d float32; growth_tracker: 0-d int32; found_inf: 0-d float32.
+// scale: 0-d float32; growth_tracker: 0-d int32; found_inf: 0-d float32. The
+// optional skip counters (0-d float32) get found_inf copied / added.
 void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
-                   double growth_factor, double backoff_factor, int64_t growth_interval);
+                   double growth_factor, double backoff_factor, int64_t growth_interval,
+                   const std::optional<at::Tensor>& last_skipped = std::nullopt,
+                   const std::optional<at::Tensor>& skipped_steps = std::nullopt);
+
+// The whole tail of an optimizer step for every group of one optimizer
+// ("adam", "sgd" or "lion"): the stats pass when a group clips or the
+// gradients are loss-scaled without a flag, then one update pass per group.
+// Lists are flattened over groups; group_sizes, lrs (0-d float32 each) and
+// hyper (one record per group) describe the groups: NOTE [group records] in
+// csrc/ops/fused_step.cpp. grad_norm_out / found_inf_out (0-d float32), when
+// given, receive the global norm (NaN when none was measured) and the step's
+// non-finite flag. This is what fusetrain::FusedOptimizer and
+// fusetrain.optim.* call.
+void fused_step_(c10::string_view optimizer, at::TensorList params, at::TensorList grads, at::TensorList state_steps,
+                 at::TensorList state1, at::TensorList state2, at::TensorList state3, at::TensorList master_params,
+                 at::TensorList ema_params, at::IntArrayRef group_sizes, at::TensorList lrs,
+                 at::ArrayRef<double> hyper, const std::optional<at::Tensor>& inv_scale,
+                 const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& ema_decay,
+                 const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out);
+
+// The EMA decay of the next update (1-based number step + 1) into decay_out:
+// decay_type "constant", "threshold" or "exp" (needs total_steps), optionally
+// capped by the warmup schedule (fusetrain::ModelEMA's docs).
+void ema_decay_(const at::Tensor& decay_out, const at::Tensor& step, const std::optional<at::Tensor>& total_steps,
+                c10::string_view decay_type, double decay, double beta, bool warmup, double warmup_gamma,
+                double warmup_power);
+
+// One EMA update: ema += (1 - decay) * (src - ema) pairwise, copy_dst <- copy_src,
+// step += 1; nothing changes when found_inf is non-zero (decided on the device).
+void ema_step_(at::TensorList ema, at::TensorList src, at::TensorList copy_dst, at::TensorList copy_src,
+               const at::Tensor& decay, const at::Tensor& step,
+               const std::optional<at::Tensor>& found_inf = std::nullopt);
 
 }  // namespace fusetrain

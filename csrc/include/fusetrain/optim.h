@@ -121,12 +121,15 @@ struct LionOptions : public torch::optim::OptimizerCloneableOptions<LionOptions>
   void set_lr(const double lr) override { this->lr(lr); }
 };
 
-// Lists handed to one fused kernel call (params of one group, one device).
+// The state tensors of one step, flattened over groups in the layout of
+// fusetrain::fused_step_ (NOTE [group records] in csrc/ops/fused_step.cpp).
 struct FusedLists {
   std::vector<at::Tensor> params, grads, steps, masters, emas, state1, state2, state3;
 };
 
-// Common base: lazy state, clipping, loss-scale entry, EMA attachment.
+// Common base: lazy state, the loss-scale entry, EMA attachment. A step is one
+// call of fusetrain::fused_step_, which holds the step's logic (stats pass,
+// clipping, skip on non-finite gradients, master weights, EMA).
 class FusedOptimizer : public torch::optim::Optimizer {
  public:
   using torch::optim::Optimizer::Optimizer;
@@ -140,7 +143,10 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // grad_stats pass, also giving the clipping norm).
   void step_with(const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf);
 
-  // Device tensors from the last step (undefined when not computed).
+  // Device tensors written by every step that updated something (undefined
+  // before): the global gradient norm (NaN when the step measured none: no
+  // clipping and no loss scaling) and the non-finite flag. They are the same
+  // tensors from step to step (created outside any CUDA graph's pool).
   const at::Tensor& last_grad_norm() const { return last_grad_norm_; }
   const at::Tensor& last_found_inf() const { return last_found_inf_; }
 
@@ -154,9 +160,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // otherwise create lazily and a graph would redo on every replay: the state
   // of every param that requires grad (also of those without a gradient yet,
   // moved to the param's device), the lr tensor of each group and device, and
-  // the buffers that keep last_grad_norm()/last_found_inf() outside the
-  // graph's memory pool. A step that would still create state or fill an lr
-  // tensor while capturing raises. fusetrain::TrainStep calls it.
+  // the result tensors behind last_grad_norm()/last_found_inf(). A step that
+  // would still create state or fill an lr tensor while capturing raises.
+  // fusetrain::TrainStep calls it.
   void prepare_capture();
 
   // Used by ModelEMA::attach / detach.
@@ -164,13 +170,16 @@ class FusedOptimizer : public torch::optim::Optimizer {
   ModelEMA* attached_ema() const { return ema_; }
 
  protected:
+  // The op's optimizer name ("adam", "sgd", "lion") and a group's record:
+  // the common fields come from these accessors, the rest from kind_fields.
+  virtual const char* kind() const = 0;
   virtual double group_max_grad_norm(const torch::optim::OptimizerOptions& o) const = 0;
   virtual bool group_master_weights(const torch::optim::OptimizerOptions& o) const = 0;
+  virtual bool group_maximize(const torch::optim::OptimizerOptions& o) const = 0;
+  virtual void kind_fields(const torch::optim::OptimizerOptions& o, std::vector<double>& hyper) const = 0;
   virtual void init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& o) const = 0;
-  // state1..3 of FusedLists in the order the kernel expects.
+  // Appends the param's state1..3 entries that its group uses.
   virtual void collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& o) const = 0;
-  virtual void run_update(FusedLists& l, const at::Tensor& lr, const torch::optim::OptimizerOptions& o,
-                          const FusedTail& tail) const = 0;
 
  private:
   // The lr of (group, device) as a device tensor, refilled only when the
@@ -179,8 +188,8 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // The state of p, created or moved to p's device where needed; while
   // capturing, raises instead when anything would be created or moved.
   FusedParamState& ensure_state(const at::Tensor& p, const torch::optim::OptimizerOptions& opts, bool capturing);
+  void ensure_results(const at::Device& dev, bool capturing);
   at::Tensor last_grad_norm_, last_found_inf_;
-  at::Tensor result_bufs_[2];  // grad norm, found_inf: written while capturing (prepare_capture)
   ModelEMA* ema_ = nullptr;
   std::map<std::pair<size_t, std::string>, std::pair<double, at::Tensor>> lr_cache_;
 };
@@ -196,12 +205,13 @@ class FusedOptimizer : public torch::optim::Optimizer {
     void load(torch::serialize::InputArchive& archive) override;                                                \
                                                                                                                 \
    protected:                                                                                                   \
+    const char* kind() const override;                                                                          \
     double group_max_grad_norm(const torch::optim::OptimizerOptions& o) const override;                         \
     bool group_master_weights(const torch::optim::OptimizerOptions& o) const override;                          \
+    bool group_maximize(const torch::optim::OptimizerOptions& o) const override;                                \
+    void kind_fields(const torch::optim::OptimizerOptions& o, std::vector<double>& hyper) const override;      \
     void init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& o) const override; \
     void collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& o) const override; \
-    void run_update(FusedLists& l, const at::Tensor& lr, const torch::optim::OptimizerOptions& o,              \
-                    const FusedTail& tail) const override;                                                      \
   };
 
 FUSETRAIN_DECLARE_OPTIMIZER(Adam)

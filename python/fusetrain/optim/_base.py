@@ -1,17 +1,19 @@
 """Shared machinery of fusetrain's fused optimizers.
 
-A step is at most two passes over the gradients: an optional read-only
-reduction (``fusetrain::grad_stats``: global norm + non-finite flag, needed for
+A step is one call of ``fusetrain::fused_step_``, the C++ core's optimizer
+tail: an optional read-only reduction (global norm + non-finite flag, needed for
 clipping or loss-scaled steps) and one fused update pass per parameter group
-that writes params, optimizer state, master weights and EMA together. Every
-changing scalar (lr, step, inverse scale, found_inf, norm, EMA decay) is a
-device tensor, so ``step()`` never synchronises with the host.
+that writes params, optimizer state, master weights and EMA together. These
+classes only collect the state tensors and describe the groups (NOTE [group
+records] in csrc/ops/fused_step.cpp). Every changing scalar (lr, step, inverse
+scale, found_inf, norm, EMA decay) is a device tensor, so ``step()`` never
+synchronises with the host.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -19,10 +21,10 @@ from torch.optim import Optimizer
 
 from .. import _ops
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Keys of torch.optim's constructors that fusetrain accepts for compatibility:
-# fusetrain steps are always fused and capturable.
-_COMPAT_KEYS = ("foreach", "capturable", "differentiable", "fused")
+# complex64 params are updated as float32 real views (torch.view_as_real), as
+# torch.optim does; their state is complex64 like torch's.
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.complex64)
+_LOW = (torch.float16, torch.bfloat16)
 
 
 def _check_range(opt: str, name: str, value: Any, low: float, high: Optional[float] = None,
@@ -47,17 +49,19 @@ def _check_betas(opt: str, betas: Any) -> None:
     _check_range(opt, "betas[1]", betas[1], 0.0, 1.0)
 
 
-def _compat_kwargs(opt: str, foreach, capturable, differentiable, fused) -> Dict[str, Any]:
+def _torch_checks(torch_cls, **kwargs) -> None:
+    """torch.optim's own argument checks, run by building the matching torch
+    optimizer over a stand-in parameter: the same exception types and messages
+    for the same configurations, so code written against torch may match them.
+    ``foreach``, ``fused`` and ``capturable`` only name an implementation (the
+    fused step is always used) but combinations torch rejects are rejected."""
+    torch_cls([torch.zeros(1)], **kwargs)
+
+
+def _no_differentiable(opt: str, differentiable: Any) -> None:
     if differentiable:
-        raise ValueError(f"{opt}: differentiable=True is not supported by fused optimizers; use torch.optim")
-    if fused is False:
-        raise ValueError(f"{opt}: fused=False is not supported; fusetrain optimizers are always fused "
-                         "(use torch.optim for an unfused step)")
-    return {"foreach": foreach, "capturable": capturable, "differentiable": False, "fused": fused}
-
-
-def _as_float(value) -> float:
-    return float(value.item()) if isinstance(value, Tensor) else float(value)
+        raise ValueError(f"{opt}: differentiable=True is not supported: the fused step runs outside autograd; "
+                         f"use torch.optim.{opt} to differentiate through optimizer steps")
 
 
 def _capturing(device: torch.device) -> bool:
@@ -72,10 +76,13 @@ class FusedOptimizer(Optimizer):
     """Base class: subclasses name their fp32 state tensors and call their op.
 
     Subclass contract:
+      * ``_kind``: the optimizer's name in ``fusetrain::fused_step_``;
       * ``_state_names(group)``: names of the per-param fp32 state tensors, at
         most three, in the order the op takes them;
-      * ``_update(group, lists, lr, tail)``: call the fused op.
+      * ``_kind_fields(group)``: the optimizer's own fields of the group record.
     """
+
+    _kind = ""
 
     _opt_name = "FusedOptimizer"
 
@@ -90,9 +97,13 @@ class FusedOptimizer(Optimizer):
         self._lr_cache: Dict[int, List[Any]] = {}
         self._ema_lists: Optional[List[Optional[List[Tensor]]]] = None
         self._ema_decay: Optional[Tensor] = None
-        # Written by step(): a dict rather than attributes because torch.compile
+        # Written by step(): dicts rather than attributes because torch.compile
         # cannot trace attribute assignment on an optimizer (it can trace item
-        # assignment on a dict the optimizer holds).
+        # assignment on a dict the optimizer holds). _results holds the tensors
+        # every step writes into (NOTE [persistent step results] in
+        # training/step.py); _last what the last step left (None: no step yet,
+        # or the last one had no gradient to apply).
+        self._results: Dict[str, Optional[Tensor]] = {"grad_norm": None, "found_inf": None}
         self._last: Dict[str, Optional[Tensor]] = {"grad_norm": None, "found_inf": None}
         self._amp_pending: Dict[str, Optional[Tensor]] = {"inv_scale": None, "found_inf": None}
         self._warned: Dict[str, bool] = {}
@@ -100,13 +111,15 @@ class FusedOptimizer(Optimizer):
 
     @property
     def last_grad_norm(self) -> Optional[Tensor]:
-        """Global gradient norm of the last step (0-d device tensor), or None
-        when the last step computed none."""
+        """Global gradient norm of the last step (0-d device tensor; NaN when
+        the step measured none: no clipping and no loss scaling), or None when
+        no step has applied a gradient yet. The same tensor from step to step."""
         return self._last["grad_norm"]
 
     @property
     def last_found_inf(self) -> Optional[Tensor]:
-        """Non-finite flag of the last step (0-d device tensor), or None."""
+        """Non-finite flag of the last step (0-d device tensor, 1.0 when the
+        step was skipped), or None when no step has applied a gradient yet."""
         return self._last["found_inf"]
 
     # ---- torch.optim compatibility -------------------------------------------------
@@ -117,18 +130,18 @@ class FusedOptimizer(Optimizer):
         gi = len(self.param_groups) - 1
         devices = set()
         for i, p in enumerate(group["params"]):
-            if p.is_complex():
-                raise ValueError(f"{self._opt_name}: param {i} of group {gi} is complex ({p.dtype}); "
-                                 "complex params are not supported")
             if p.dtype not in _SUPPORTED_DTYPES:
                 raise TypeError(f"{self._opt_name}: param {i} of group {gi} has dtype {p.dtype}; "
-                                "supported: float32, float16, bfloat16")
+                                "supported: float32, float16, bfloat16, complex64")
             if p.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{self._opt_name}: param {i} of group {gi} is on {p.device}; supported: cpu, cuda")
             devices.add(p.device)
         if len(devices) > 1:
             raise ValueError(f"{self._opt_name}: params of group {gi} are on different devices "
                              f"{sorted(str(d) for d in devices)}; put each device's params in its own group")
+        if devices and self._results["found_inf"] is None:
+            # Made here rather than in the first step, which torch.compile may trace.
+            self._ensure_results(next(iter(devices)))
         if self._ema_lists is not None:
             self._ema_lists.append(None)
 
@@ -139,18 +152,25 @@ class FusedOptimizer(Optimizer):
         self.__dict__.setdefault("_lr_cache", {})
         self.__dict__.setdefault("_ema_lists", None)
         self.__dict__.setdefault("_ema_decay", None)
+        self.__dict__.setdefault("_results", {"grad_norm": None, "found_inf": None})
         self.__dict__.setdefault("_last", {"grad_norm": None, "found_inf": None})
         self.__dict__.setdefault("_amp_pending", {"inv_scale": None, "found_inf": None})
         self.__dict__.setdefault("_warned", {})
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "step" in st and not isinstance(st["step"], Tensor):
+                    # A Python-number step (older torch checkpoints), as torch does.
+                    st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32, device=p.device)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict saved by this optimizer or by the matching
         torch.optim optimizer. Optimizer state stays float32 whatever the
-        param dtype (torch would cast it to the param dtype) and step counters
-        move to the param's device."""
+        param dtype (torch would cast it to the param dtype; complex64 params
+        keep complex64 state, as in torch) and step counters move to the
+        param's device as float32 tensors."""
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         super().load_state_dict(state_dict)
@@ -164,7 +184,8 @@ class FusedOptimizer(Optimizer):
                 continue
             for k, v in st.items():
                 if isinstance(v, Tensor):
-                    self.state[p][k] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                    dtype = torch.complex64 if (p.is_complex() and v.is_complex()) else torch.float32
+                    self.state[p][k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
         self._lr_cache.clear()
 
     # ---- EMA riding in the update pass -----------------------------------------------
@@ -226,9 +247,10 @@ class FusedOptimizer(Optimizer):
         step = state["step"]
         if not isinstance(step, Tensor) or step.device != p.device or step.dtype != torch.float32:
             return False
-        if any(name not in state for name in self._state_names(group)):
-            return False
-        return not (group["master_weights"] and p.dtype != torch.float32 and "master_param" not in state)
+        for name in self._state_names(group):
+            if name not in state:
+                return False
+        return not (group["master_weights"] and p.dtype in _LOW and "master_param" not in state)
 
     def _ensure_state(self, group, p: Tensor) -> None:
         """Create (or move next to ``p``) the state tensors a step of ``p`` needs."""
@@ -239,8 +261,9 @@ class FusedOptimizer(Optimizer):
             state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
         for name in self._state_names(group):
             if name not in state:
-                state[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        if group["master_weights"] and p.dtype != torch.float32 and "master_param" not in state:
+                dtype = p.dtype if p.is_complex() else torch.float32
+                state[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        if group["master_weights"] and p.dtype in _LOW and "master_param" not in state:
             state["master_param"] = p.detach().to(dtype=torch.float32, memory_format=torch.preserve_format)
 
     def prepare_capture(self) -> None:
@@ -259,6 +282,8 @@ class FusedOptimizer(Optimizer):
             params = [p for p in group["params"] if p.requires_grad]
             for p in params:
                 self._ensure_state(group, p)
+            if params:
+                self._ensure_results(params[0].device)
             devices = {p.device for p in params}
             lr = group["lr"]
             for dev in devices:
@@ -277,6 +302,7 @@ class FusedOptimizer(Optimizer):
         outs = (state1, state2, state3)
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         ema_list = self._ema_lists[gi] if self._ema_lists is not None else None
+        master = group["master_weights"]
         for i, p in enumerate(group["params"]):
             g = p.grad
             if g is None:
@@ -284,9 +310,10 @@ class FusedOptimizer(Optimizer):
             if g.is_sparse:
                 raise RuntimeError(f"{self._opt_name}: param {i} of group {gi} has a sparse gradient; "
                                    "sparse gradients are not supported")
-            if g.is_complex():
-                raise RuntimeError(f"{self._opt_name}: param {i} of group {gi} has a complex gradient; "
-                                   "complex gradients are not supported")
+            cplx = p.is_complex()
+            if g.is_complex() != cplx:
+                raise RuntimeError(f"{self._opt_name}: param {i} of group {gi} has dtype {p.dtype} but its "
+                                   f"gradient has dtype {g.dtype}")
             if not self._state_ready(group, p):
                 if _capturing(p.device):
                     raise RuntimeError(
@@ -296,10 +323,18 @@ class FusedOptimizer(Optimizer):
                         "step in which it has a gradient first")
                 self._ensure_state(group, p)
             state = self.state[p]
+            steps.append(state["step"])
+            if cplx:  # complex64: the op updates float32 real views, as torch.optim does
+                params.append(torch.view_as_real(p))
+                grads.append(torch.view_as_real(g))
+                if ema_list is not None:
+                    emas.append(torch.view_as_real(ema_list[i]))
+                for out, name in zip(outs, names):
+                    out.append(torch.view_as_real(state[name]))
+                continue
             params.append(p)
             grads.append(g)
-            steps.append(state["step"])
-            if group["master_weights"] and p.dtype != torch.float32:
+            if master and p.dtype in _LOW:
                 masters.append(state["master_param"])
             if ema_list is not None:
                 emas.append(ema_list[i])
@@ -344,22 +379,19 @@ class FusedOptimizer(Optimizer):
                 f"copies it to the device and waits for the host. Create it on the device, e.g. "
                 f"torch.tensor(lr, device='{device}')", stacklevel=4)
 
-    def _grad_stats(self, grads: List[Tensor], inv_scale: Optional[Tensor]):
-        by_device: Dict[torch.device, List[Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        if len(by_device) <= 1:
-            return _ops.grad_stats(grads, inv_scale)
-        # Several devices: combine per-device norms on the first device.
-        first = next(iter(by_device))
-        sq, nf = None, None
-        for dev, gs in by_device.items():
-            inv = inv_scale.to(dev) if inv_scale is not None else None
-            n, f = _ops.grad_stats(gs, inv)
-            n, f = n.to(first), f.to(first)
-            sq = n * n if sq is None else sq + n * n
-            nf = f if nf is None else torch.maximum(nf, f)
-        return sq.sqrt(), nf
+    def _ensure_results(self, device: torch.device) -> None:
+        """The tensors every step writes its norm and flag into, made once."""
+        res = self._results
+        if res["found_inf"] is not None and res["found_inf"].device == device:
+            return
+        if _capturing(device):
+            raise RuntimeError(f"{self._opt_name}: the step's result tensors would be created while a CUDA graph is "
+                               "being captured; call optimizer.prepare_capture() before capturing")
+        res["grad_norm"] = torch.zeros((), dtype=torch.float32, device=device)
+        res["found_inf"] = torch.zeros((), dtype=torch.float32, device=device)
+
+    def _kind_fields(self, group: Dict[str, Any]) -> List[float]:
+        raise NotImplementedError
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -388,66 +420,41 @@ class FusedOptimizer(Optimizer):
         """The step with an optional loss-scale tail: ``inv_scale`` (gradients
         are multiplied by it) and ``found_inf`` (when non-zero on the device,
         nothing changes). With ``inv_scale`` and no ``found_inf`` the flag is
-        computed here. With ``max_grad_norm`` set, gradients are clipped to the
-        global norm and a step whose gradients are not finite is skipped."""
-        prepared = []
-        all_grads: List[Tensor] = []
+        computed in the step. With ``max_grad_norm`` set, gradients are clipped
+        to the global norm and a step whose gradients are not finite is skipped."""
+        params: List[Tensor] = []
+        grads: List[Tensor] = []
+        steps: List[Tensor] = []
+        masters: List[Tensor] = []
+        emas: List[Tensor] = []
+        s1: List[Tensor] = []
+        s2: List[Tensor] = []
+        s3: List[Tensor] = []
+        sizes: List[int] = []
+        lrs: List[Tensor] = []
+        hyper: List[float] = []
         for gi, group in enumerate(self.param_groups):
-            params: List[Tensor] = []
-            grads: List[Tensor] = []
-            steps: List[Tensor] = []
-            masters: List[Tensor] = []
-            emas: List[Tensor] = []
-            s1: List[Tensor] = []
-            s2: List[Tensor] = []
-            s3: List[Tensor] = []
-            if self._init_group(group, params, grads, steps, masters, emas, s1, s2, s3):
-                prepared.append((gi, group, params, grads, steps, masters, emas, (s1, s2, s3)))
-                all_grads.extend(grads)
-        if not prepared:
+            start, ema_start = len(params), len(emas)
+            if not self._init_group(group, params, grads, steps, masters, emas, s1, s2, s3):
+                continue
+            sizes.append(len(params) - start)
+            lrs.append(self._lr_tensor(gi, group, params[start].device))
+            max_norm = group["max_grad_norm"]
+            hyper.append(0.0 if max_norm is None else float(max_norm))
+            hyper.append(1.0 if group["master_weights"] else 0.0)
+            hyper.append(1.0 if len(emas) > ema_start else 0.0)
+            hyper.append(1.0 if group["maximize"] else 0.0)
+            hyper.extend(self._kind_fields(group))
+        if not params:
             # Nothing to step: no flag from this step (a stale one would make a
             # LossScaler back off or an EMA advance for a step that did nothing).
             self._last["grad_norm"] = None
             self._last["found_inf"] = None
             return
-        grad_norm = None
-        need_norm = any(item[1]["max_grad_norm"] is not None for item in prepared)
-        if need_norm or (inv_scale is not None and found_inf is None):
-            grad_norm, computed_inf = self._grad_stats(all_grads, inv_scale)
-            found_inf = computed_inf if found_inf is None else torch.maximum(found_inf, computed_inf)
-            self._last["grad_norm"] = grad_norm
-        self._last["found_inf"] = found_inf
-        for gi, group, params, grads, steps, masters, emas, states in prepared:
-            device = params[0].device
-            lr = self._lr_tensor(gi, group, device)
-            max_norm = group["max_grad_norm"]
-            tail = {
-                "inv_scale": None if inv_scale is None else inv_scale.to(device),
-                "found_inf": None if found_inf is None else found_inf.to(device),
-                "grad_norm": None if (grad_norm is None or max_norm is None) else grad_norm.to(device),
-                "max_grad_norm": 0.0 if max_norm is None else float(max_norm),
-                "ema_decay": None if not emas else self._ema_decay.to(device),
-            }
-            for part in self._partitions(group, params, masters):
-                idx, part_masters = part
-                sel = lambda lst: [lst[i] for i in idx] if lst else []  # noqa: E731
-                self._update(group, {
-                    "params": sel(params), "grads": sel(grads), "steps": sel(steps), "masters": part_masters,
-                    "emas": sel(emas), "states": tuple(sel(s) for s in states),
-                }, lr, tail)
-
-    @staticmethod
-    def _partitions(group, params, masters):
-        """Index sets that share one kind of master handling: params updated
-        through an fp32 master copy, and params updated in place."""
-        if not group["master_weights"] or not masters:
-            return [(list(range(len(params))), [])]
-        low = [i for i, p in enumerate(params) if p.dtype != torch.float32]
-        full = [i for i, p in enumerate(params) if p.dtype == torch.float32]
-        parts = [(low, masters)]
-        if full:
-            parts.append((full, []))
-        return parts
-
-    def _update(self, group, lists, lr, tail) -> None:
-        raise NotImplementedError
+        self._ensure_results(params[0].device)
+        res = self._results
+        _ops.fused_step_(self._kind, params, grads, steps, s1, s2, s3, masters, emas, sizes, lrs, hyper,
+                         inv_scale=inv_scale, found_inf=found_inf, ema_decay=self._ema_decay if emas else None,
+                         grad_norm_out=res["grad_norm"], found_inf_out=res["found_inf"])
+        self._last["grad_norm"] = res["grad_norm"]
+        self._last["found_inf"] = res["found_inf"]

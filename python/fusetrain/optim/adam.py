@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import _ops
-from ._base import FusedOptimizer, _check_betas, _check_range, _compat_kwargs
+import torch
+
+from ._base import FusedOptimizer, _no_differentiable, _torch_checks
 
 
 class Adam(FusedOptimizer):
@@ -19,11 +20,14 @@ class Adam(FusedOptimizer):
       master_weights: keep an fp32 master copy of fp16/bf16 params; the update
         runs on the master and writes the rounded param in the same pass.
 
-    ``foreach``, ``capturable`` and ``fused`` are accepted for compatibility
-    (the step is always fused and capturable); ``differentiable`` is not supported.
+    Arguments are checked by torch.optim.Adam's own checks (same exceptions and
+    messages). ``foreach``, ``capturable`` and ``fused`` are accepted with any
+    value torch accepts (they only name an implementation: the step is always
+    fused and capturable); ``differentiable=True`` is not supported.
     """
 
     _opt_name = "Adam"
+    _kind = "adam"
     _decoupled_default = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
@@ -31,16 +35,15 @@ class Adam(FusedOptimizer):
                  differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: Optional[bool] = None, max_grad_norm: Optional[float] = None,
                  master_weights: bool = False):
-        name = self._opt_name
-        _check_range(name, "lr", lr, 0.0)
-        _check_range(name, "eps", eps, 0.0)
-        _check_range(name, "weight_decay", weight_decay, 0.0)
-        _check_betas(name, betas)
+        _no_differentiable(self._opt_name, differentiable)
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled_default
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
-                        maximize=bool(maximize), **_compat_kwargs(name, foreach, capturable, differentiable, fused),
-                        decoupled_weight_decay=bool(decoupled_weight_decay))
+        _torch_checks(torch.optim.Adam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                      foreach=foreach, maximize=maximize, capturable=capturable, fused=fused,
+                      decoupled_weight_decay=decoupled_weight_decay)
+        defaults = dict(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=bool(amsgrad), maximize=bool(maximize), foreach=foreach, capturable=capturable,
+                        differentiable=False, fused=fused, decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults, max_grad_norm, master_weights)
 
     def _state_names(self, group):
@@ -48,17 +51,20 @@ class Adam(FusedOptimizer):
             return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
         return ("exp_avg", "exp_avg_sq")
 
-    def _update(self, group, lists, lr, tail) -> None:
+    def _kind_fields(self, group):
         beta1, beta2 = group["betas"]
-        s1, s2, s3 = lists["states"]
-        _ops.fused_adam_(lists["params"], lists["grads"], s1, s2, s3, lists["steps"], lists["masters"],
-                         lists["emas"], lr=lr, beta1=float(beta1), beta2=float(beta2),
-                         weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
-                         amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
-                         decoupled_weight_decay=bool(group["decoupled_weight_decay"]), **tail)
+        return [float(beta1), float(beta2), float(group["weight_decay"]), float(group["eps"]),
+                1.0 if group["amsgrad"] else 0.0, 1.0 if group["decoupled_weight_decay"] else 0.0]
 
 
 class AdamW(Adam):
+    # torch.optim.AdamW keeps decoupled weight decay whatever state it loads
+    # (an Adam state dict included).
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
+
     """AdamW (decoupled weight decay) with the arguments and defaults of
     :class:`torch.optim.AdamW` (weight_decay=1e-2); see :class:`Adam` for the
     fused step and the extra arguments."""

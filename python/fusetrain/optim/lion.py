@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import _ops
 from ._base import FusedOptimizer, _check_betas, _check_range
 
 
@@ -17,6 +16,7 @@ class Lion(FusedOptimizer):
     """
 
     _opt_name = "Lion"
+    _kind = "lion"
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize: bool = False,
                  max_grad_norm: Optional[float] = None, master_weights: bool = False):
@@ -30,9 +30,6 @@ class Lion(FusedOptimizer):
     def _state_names(self, group):
         return ("exp_avg",)
 
-    def _update(self, group, lists, lr, tail) -> None:
+    def _kind_fields(self, group):
         beta1, beta2 = group["betas"]
-        s1, _, _ = lists["states"]
-        _ops.fused_lion_(lists["params"], lists["grads"], s1, lists["steps"], lists["masters"], lists["emas"], lr=lr,
-                         beta1=float(beta1), beta2=float(beta2), weight_decay=float(group["weight_decay"]),
-                         maximize=bool(group["maximize"]), **tail)
+        return [float(beta1), float(beta2), float(group["weight_decay"])]

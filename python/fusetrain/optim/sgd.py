@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import _ops
-from ._base import FusedOptimizer, _check_range, _compat_kwargs
+import torch
+
+from ._base import FusedOptimizer, _no_differentiable, _torch_checks
 
 
 class SGD(FusedOptimizer):
@@ -19,22 +20,19 @@ class SGD(FusedOptimizer):
     """
 
     _opt_name = "SGD"
+    _kind = "sgd"
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize: bool = False, foreach: Optional[bool] = None, differentiable: bool = False,
                  fused: Optional[bool] = None, max_grad_norm: Optional[float] = None, master_weights: bool = False):
-        name = self._opt_name
-        _check_range(name, "lr", lr, 0.0)
-        _check_range(name, "momentum", momentum, 0.0)
-        _check_range(name, "dampening", dampening, 0.0)
-        _check_range(name, "weight_decay", weight_decay, 0.0)
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError(f"{name}: nesterov=True requires momentum > 0 and dampening == 0, "
-                             f"got momentum={momentum}, dampening={dampening}")
-        compat = _compat_kwargs(name, foreach, False, differentiable, fused)
-        compat.pop("capturable")
+        _no_differentiable(self._opt_name, differentiable)
+        _torch_checks(torch.optim.SGD, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                      nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused)
+        if isinstance(weight_decay, torch.Tensor):
+            weight_decay = float(weight_decay)  # read once here, not by every step
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=bool(nesterov), maximize=bool(maximize), **compat)
+                        nesterov=bool(nesterov), maximize=bool(maximize), foreach=foreach, differentiable=False,
+                        fused=fused)
         super().__init__(params, defaults, max_grad_norm, master_weights)
 
     def _state_names(self, group):
@@ -44,9 +42,6 @@ class SGD(FusedOptimizer):
         # A momentum buffer loaded from torch.optim.SGD is past its first step.
         return 1.0 if state.get("momentum_buffer") is not None else 0.0
 
-    def _update(self, group, lists, lr, tail) -> None:
-        s1, _, _ = lists["states"]
-        _ops.fused_sgd_(lists["params"], lists["grads"], s1, lists["steps"], lists["masters"], lists["emas"], lr=lr,
-                        momentum=float(group["momentum"]), dampening=float(group["dampening"]),
-                        weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
-                        maximize=bool(group["maximize"]), **tail)
+    def _kind_fields(self, group):
+        return [float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
+                1.0 if group["nesterov"] else 0.0]

@@ -260,11 +260,9 @@ class TrainStep:
         ``"cuda_graph"`` the warm-up steps run again."""
         self._graphs: Dict[bool, Any] = {}
         self._outs: Dict[bool, Tuple[Any, Tensor, Dict[str, Tensor]]] = {}
-        self._graph_last: Dict[str, Any] = {}
         self._pool = None
         self._static: Optional[Tuple[Any, Any]] = None  # a buffer per tensor leaf of (inputs, targets)
         self._side_stream = None
-        self._last_bufs: Optional[Dict[str, Tensor]] = None
         self._warm = 0  # eager optimizer steps done towards the warm-up
         self._sig: Optional[Signature] = None
         self._prev_mismatch = False
@@ -454,8 +452,10 @@ class TrainStep:
         copy_into(self._static, (x, y))
         graph.replay()
         if do_step:
-            # Eager steps (mismatching batches) point these at their own tensors.
-            self.optimizer._last.update(self._graph_last)
+            # The replayed step wrote the optimizer's result tensors (NOTE
+            # [persistent step results]); an eager step without gradients may
+            # have cleared what last_grad_norm / last_found_inf point at.
+            self.optimizer._last.update(self.optimizer._results)
         return self._outs[do_step]
 
     def _prepare_capture(self, x, y) -> None:
@@ -470,14 +470,13 @@ class TrainStep:
         if self._pool is None:
             # Both graphs (micro-step and full step) allocate from one pool.
             self._pool = torch.cuda.graph_pool_handle()
-        if self._last_bufs is None:
-            # NOTE [persistent step results]: with accumulate > 1 the two graphs
-            # share a pool and may replay in another order than they were
-            # captured (a last=True step), so a tensor the full step leaves for
-            # the host (non-finite flag, gradient norm) could be overwritten by
-            # the next micro-step's replay. The full graph copies them into these
-            # buffers, allocated outside the pool.
-            self._last_bufs = {k: torch.zeros((), dtype=torch.float32, device=self.device) for k in opt._last}
+        # NOTE [persistent step results]: with accumulate > 1 the two graphs
+        # share a pool and may replay in another order than they were captured
+        # (a last=True step), so a tensor the full step leaves for the host
+        # (non-finite flag, gradient norm) must not live in the pool, where the
+        # next micro-step's replay could overwrite it. The optimizer's step
+        # writes them into its result tensors, which prepare_capture() made
+        # outside the pool (fusetrain::fused_step_'s grad_norm_out/found_inf_out).
 
     def _capture(self, x, y, do_step: bool):
         self._prepare_capture(x, y)
@@ -488,7 +487,6 @@ class TrainStep:
         cur = torch.cuda.current_stream(self.device)
         graph = torch.cuda.CUDAGraph()
         fn = self._full if do_step else self._fwd_bwd
-        bufs = self._last_bufs
         try:
             # NOTE [capture mode]: "thread_local" lets other threads (the
             # DataLoader's pin-memory thread, a logger) call CUDA while this
@@ -497,10 +495,6 @@ class TrainStep:
             with torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream,
                                   capture_error_mode="thread_local"):
                 outs = fn(*self._static)
-                if do_step:
-                    for k, v in opt._last.items():
-                        if v is not None:
-                            bufs[k].copy_(v)
         except Exception as e:
             self._abandon(graph, cur, opt, scaler, saved_last)
             cause = _root_cause(e)
@@ -529,8 +523,7 @@ class TrainStep:
         self._graphs[do_step] = graph
         self._outs[do_step] = outs
         if do_step:
-            self._graph_last = {k: (bufs[k] if opt._last[k] is not None else None) for k in opt._last}
-            opt._last.update(self._graph_last)
+            opt._last.update(opt._results)
         # Capture ran nothing: this batch is trained by the first replay.
         graph.replay()
         return outs

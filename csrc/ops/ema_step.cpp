@@ -1,0 +1,171 @@
+// The EMA bookkeeping that both front ends (fusetrain.ModelEMA,
+// fusetrain::ModelEMA) run, written once:
+//   fusetrain::ema_decay_ — evaluates the decay schedule for the next update
+//     into a device tensor (no host sync, no recompile when it changes);
+//   fusetrain::ema_step_ — one EMA update of a set of tensors: floating-point
+//     pairs averaged (ema_update_), the rest copied, the update counter
+//     advanced, everything gated on the step's non-finite flag on the device.
+// Composite: the ops they call dispatch on the tensors' devices.
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/clamp_max.h>
+#include <ATen/ops/exp.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/lerp.h>
+#include <ATen/ops/minimum.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/where.h>
+#include <torch/library.h>
+
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fusetrain/ops.h"
+
+namespace fusetrain {
+namespace detail {
+namespace {
+
+void check_scalar(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.defined() && t.numel() == 1 && t.scalar_type() == at::kFloat, op, ": ", name,
+                    " must be a float32 tensor with one element, got ",
+                    t.defined() ? c10::str(t.scalar_type(), " of shape ", t.sizes()) : std::string("undefined"));
+}
+
+// t is the 1-based number of the update about to happen (ModelEMA's docs):
+//   constant: decay;  threshold: min(decay, (1 + t) / (10 + t));
+//   exp: decay * (1 - exp(-beta * t / total_steps));
+//   warmup also caps it at 1 - (1 + t / warmup_gamma) ^ -warmup_power.
+void ema_decay_impl(const at::Tensor& decay_out, const at::Tensor& step, const std::optional<at::Tensor>& total_steps,
+                    c10::string_view decay_type, double decay, double beta, bool warmup, double warmup_gamma,
+                    double warmup_power) {
+  const char* op = "ema_decay_";
+  check_scalar(op, "decay_out", decay_out);
+  check_scalar(op, "step", step);
+  TORCH_CHECK_VALUE(step.device() == decay_out.device(), op, ": step is on ", step.device(), " but decay_out is on ",
+                    decay_out.device());
+  TORCH_CHECK_VALUE(decay >= 0.0 && decay <= 1.0, op, ": decay must be in [0, 1], got ", decay);
+  TORCH_CHECK_VALUE(beta > 0.0 && warmup_gamma > 0.0 && warmup_power > 0.0, op,
+                    ": beta, warmup_gamma and warmup_power must be > 0, got ", beta, ", ", warmup_gamma, ", ",
+                    warmup_power);
+  const at::Tensor t = step + 1.0;
+  at::Tensor d;
+  if (decay_type == "constant") {
+    d = at::full_like(t, decay);
+  } else if (decay_type == "threshold") {
+    d = at::clamp_max((t + 1.0) / (t + 10.0), decay);
+  } else if (decay_type == "exp") {
+    TORCH_CHECK_VALUE(total_steps.has_value(), op, ": decay_type 'exp' needs total_steps (the run's number of "
+                      "optimizer steps); or use decay_type 'constant' or 'threshold'");
+    check_scalar(op, "total_steps", *total_steps);
+    d = (1.0 - at::exp(t * (-beta) / total_steps->to(t.device()))) * decay;
+  } else {
+    TORCH_CHECK_VALUE(false, op, ": decay_type must be one of 'constant', 'threshold', 'exp', got '", decay_type,
+                      "'");
+  }
+  if (warmup) d = at::minimum(d, 1.0 - at::pow(t / warmup_gamma + 1.0, -warmup_power));
+  // In place: the caller's tensor stays outside any CUDA graph's pool (NOTE
+  // [persistent step results] in python/fusetrain/training/step.py).
+  decay_out.copy_(d);
+}
+
+using Key = std::tuple<std::string, int, std::vector<int64_t>>;
+
+void ema_step_impl(at::TensorList ema, at::TensorList src, at::TensorList copy_dst, at::TensorList copy_src,
+                   const at::Tensor& decay, const at::Tensor& step, const std::optional<at::Tensor>& found_inf) {
+  const char* op = "ema_step_";
+  TORCH_CHECK_VALUE(ema.size() == src.size(), op, ": got ", ema.size(), " ema tensors but ", src.size(),
+                    " src tensors");
+  TORCH_CHECK_VALUE(copy_dst.size() == copy_src.size(), op, ": got ", copy_dst.size(), " copy_dst tensors but ",
+                    copy_src.size(), " copy_src tensors");
+  check_scalar(op, "decay", decay);
+  check_scalar(op, "step", step);
+  if (found_inf.has_value()) check_scalar(op, "found_inf", *found_inf);
+  auto flag_on = [&](const at::Device& dev) -> std::optional<at::Tensor> {
+    if (!found_inf.has_value()) return std::nullopt;
+    return found_inf->device() == dev ? *found_inf : found_inf->to(dev);
+  };
+
+  // Averaged: one ema_update_ pass per device; float64 tensors (which the
+  // kernels do not take) with ATen's lerp.
+  std::map<std::string, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> by_device;
+  for (size_t i = 0; i < ema.size(); ++i) {
+    TORCH_CHECK_VALUE(ema[i].sizes() == src[i].sizes() && ema[i].scalar_type() == src[i].scalar_type(), op,
+                      ": ema[", i, "] (", ema[i].scalar_type(), ema[i].sizes(), ") and src[", i, "] (",
+                      src[i].scalar_type(), src[i].sizes(), ") differ in dtype or shape");
+    if (ema[i].scalar_type() == at::kDouble) {
+      const auto dev = ema[i].device();
+      at::Tensor w = 1.0 - decay.to(dev, at::kDouble);
+      at::Tensor next = at::lerp(ema[i], src[i], w);
+      auto f = flag_on(dev);
+      ema[i].copy_(f ? at::where(*f != 0, ema[i], next) : next);
+      continue;
+    }
+    auto& lists = by_device[ema[i].device().str()];
+    lists.first.push_back(ema[i]);
+    lists.second.push_back(src[i]);
+  }
+  for (auto& [key, lists] : by_device) {
+    const auto dev = lists.first.front().device();
+    ema_update_(lists.first, lists.second, decay.device() == dev ? decay : decay.to(dev), flag_on(dev));
+  }
+
+  // Copied: with a flag, one select per group of same-shaped tensors (e.g. the
+  // num_batches_tracked counter of every BatchNorm) instead of one per tensor.
+  std::map<Key, std::vector<size_t>> groups;
+  for (size_t i = 0; i < copy_dst.size(); ++i) {
+    const auto& d = copy_dst[i];
+    TORCH_CHECK_VALUE(d.sizes() == copy_src[i].sizes(), op, ": copy_dst[", i, "] has shape ", d.sizes(),
+                      " but copy_src[", i, "] has shape ", copy_src[i].sizes());
+    groups[{d.device().str(), static_cast<int>(d.scalar_type()), d.sizes().vec()}].push_back(i);
+  }
+  for (const auto& [key, idx] : groups) {
+    const auto dev = copy_dst[idx.front()].device();
+    auto f = flag_on(dev);
+    if (!f) {
+      for (size_t i : idx) copy_dst[i].copy_(copy_src[i]);
+      continue;
+    }
+    const at::Tensor keep = *f != 0;
+    if (idx.size() == 1) {
+      copy_dst[idx[0]].copy_(at::where(keep, copy_dst[idx[0]], copy_src[idx[0]]));
+      continue;
+    }
+    std::vector<at::Tensor> ds, ss;
+    for (size_t i : idx) {
+      ds.push_back(copy_dst[i]);
+      ss.push_back(copy_src[i]);
+    }
+    const at::Tensor chosen = at::where(keep, at::stack(ds), at::stack(ss));
+    for (size_t j = 0; j < idx.size(); ++j) copy_dst[idx[j]].copy_(chosen[static_cast<int64_t>(j)]);
+  }
+
+  // The counter of updates done (skipped steps excluded).
+  auto f = flag_on(step.device());
+  if (f) {
+    step.add_(1.0 - *f);
+  } else {
+    step.add_(1.0);
+  }
+}
+
+}  // namespace
+}  // namespace detail
+}  // namespace fusetrain
+
+TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
+  m.set_python_module("fusetrain._ops");
+  m.def(
+      "ema_decay_(Tensor(a!) decay_out, Tensor step, Tensor? total_steps, str decay_type, float decay, float beta, "
+      "bool warmup, float warmup_gamma, float warmup_power) -> ()");
+  m.def(
+      "ema_step_(Tensor(a!)[] ema, Tensor[] src, Tensor(b!)[] copy_dst, Tensor[] copy_src, Tensor decay, "
+      "Tensor(c!) step, Tensor? found_inf=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fusetrain, CompositeExplicitAutograd, m) {
+  m.impl("ema_decay_", &fusetrain::detail::ema_decay_impl);
+  m.impl("ema_step_", &fusetrain::detail::ema_step_impl);
+}
