@@ -4,8 +4,8 @@ import meets, each case run against torch.optim itself.
 Argument checks are torch's own (same exception type and message), a loaded
 state dict whose ``step`` is a Python number steps, AdamW keeps decoupled
 weight decay whatever it loads, complex64 params are updated as real views and
-strided views as whole tensors, and ``foreach``/``fused``/``capturable`` only
-name an implementation."""
+strided views as whole tensors, SGD takes sparse gradients, and
+``foreach``/``fused``/``capturable`` only name an implementation."""
 
 import copy
 
@@ -143,3 +143,35 @@ def test_strided_view_params_match_torch(name, kw):
     torch.testing.assert_close(b[0], a[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(base_b, base_a, rtol=1e-6, atol=1e-6)  # the other columns untouched alike
     assert torch.equal(base_b[:, 1::2], base_a[:, 1::2])
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(momentum=0.9), dict(momentum=0.9, nesterov=True),
+                                dict(momentum=0.5, dampening=0.2, maximize=True)])
+def test_sgd_sparse_gradients_match_torch(kw):
+    """An embedding with sparse=True, as torch.optim.SGD trains it."""
+    ref = torch.nn.Embedding(20, 4, sparse=True)
+    ours_emb = copy.deepcopy(ref)
+    theirs, ours = torch.optim.SGD(ref.parameters(), lr=0.1, **kw), SGD(ours_emb.parameters(), lr=0.1, **kw)
+    for step in range(4):
+        idx = torch.randint(0, 20, (6,))
+        target = torch.randn(6, 4)
+        for emb, opt in ((ref, theirs), (ours_emb, ours)):
+            opt.zero_grad()
+            ((emb(idx) - target) ** 2).sum().backward()
+            assert emb.weight.grad.is_sparse
+            opt.step()
+        torch.testing.assert_close(ours_emb.weight, ref.weight, rtol=1e-6, atol=1e-6)
+    # torch's sparse momentum buffer loads (densified) and training goes on alike.
+    if kw.get("momentum"):
+        again = SGD(copy.deepcopy(ref).parameters(), lr=0.1, **kw)
+        again.load_state_dict(theirs.state_dict())
+        assert not next(iter(again.state.values()))["momentum_buffer"].is_sparse
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_adam_sparse_gradient_error_is_torchs(name):
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    theirs = outcome(lambda: TORCH[name](emb.parameters()).step())
+    ours = outcome(lambda: OURS[name](emb.parameters()).step())
+    assert ours == theirs and ours[0] is RuntimeError

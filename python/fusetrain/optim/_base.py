@@ -83,6 +83,7 @@ class FusedOptimizer(Optimizer):
     """
 
     _kind = ""
+    _sparse_grads = False  # whether sparse gradients are accepted (NOTE [sparse gradients])
 
     _opt_name = "FusedOptimizer"
 
@@ -184,6 +185,8 @@ class FusedOptimizer(Optimizer):
                 continue
             for k, v in st.items():
                 if isinstance(v, Tensor):
+                    if v.is_sparse:  # torch's SGD keeps a sparse momentum buffer for sparse gradients
+                        v = v.to_dense()
                     dtype = torch.complex64 if (p.is_complex() and v.is_complex()) else torch.float32
                     self.state[p][k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
         self._lr_cache.clear()
@@ -308,8 +311,14 @@ class FusedOptimizer(Optimizer):
             if g is None:
                 continue
             if g.is_sparse:
-                raise RuntimeError(f"{self._opt_name}: param {i} of group {gi} has a sparse gradient; "
-                                   "sparse gradients are not supported")
+                if not self._sparse_grads:
+                    raise RuntimeError(self._sparse_error())
+                # NOTE [sparse gradients]: SGD's update of a sparse gradient is
+                # its update of the dense form (entries the gradient lacks are
+                # zero), so the fused pass runs on g.to_dense(): the same
+                # numbers as torch.optim.SGD's sparse path, at the memory of a
+                # dense gradient.
+                g = g.to_dense()
             cplx = p.is_complex()
             if g.is_complex() != cplx:
                 raise RuntimeError(f"{self._opt_name}: param {i} of group {gi} has dtype {p.dtype} but its "
@@ -392,6 +401,9 @@ class FusedOptimizer(Optimizer):
 
     def _kind_fields(self, group: Dict[str, Any]) -> List[float]:
         raise NotImplementedError
+
+    def _sparse_error(self) -> str:
+        return f"{self._opt_name} does not support sparse gradients"
 
     @torch.no_grad()
     def step(self, closure=None):

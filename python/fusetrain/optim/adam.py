@@ -46,6 +46,9 @@ class Adam(FusedOptimizer):
                         differentiable=False, fused=fused, decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults, max_grad_norm, master_weights)
 
+    def _sparse_error(self) -> str:
+        return "Adam does not support sparse gradients, please consider SparseAdam instead"  # torch's message
+
     def _state_names(self, group):
         if group["amsgrad"]:
             return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")

@@ -21,6 +21,7 @@ class SGD(FusedOptimizer):
 
     _opt_name = "SGD"
     _kind = "sgd"
+    _sparse_grads = True  # as torch.optim.SGD (NOTE [sparse gradients] in _base.py)
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize: bool = False, foreach: Optional[bool] = None, differentiable: bool = False,
