@@ -24,7 +24,7 @@ std::vector<Case> read_cases() {
     std::istringstream words(line);
     Case c{{"optimizer", "adamw"}, {"dtype", "fp32"}, {"master", "0"}, {"clip", "0"}, {"amsgrad", "0"},
            {"scaler", "0"}, {"ema", "0"}, {"accumulate", "1"}, {"steps", "4"}, {"inf_step", "-1"},
-           {"lr", "0.01"}, {"lr_decay", "1"}, {"seed", "0"}};
+           {"lr", "0.01"}, {"lr_decay", "1"}, {"seed", "0"}, {"groups", "1"}};
     words >> c["name"];
     std::string kv;
     while (words >> kv) {
@@ -52,23 +52,33 @@ struct ToyImpl : torch::nn::Cloneable<ToyImpl> {
 };
 TORCH_MODULE(Toy);
 
+// groups=2: the last param in a group of its own without weight decay.
+template <typename Opt, typename Options>
+std::unique_ptr<fusetrain::FusedOptimizer> make(const Case& c, std::vector<torch::Tensor> params, Options o) {
+  if (c.at("groups") == "1") return std::make_unique<Opt>(params, o);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>(params.begin(), params.end() - 1),
+                      std::make_unique<Options>(o));
+  groups.emplace_back(std::vector<torch::Tensor>{params.back()}, std::make_unique<Options>(Options(o).weight_decay(0.0)));
+  return std::make_unique<Opt>(groups, o);
+}
+
 std::unique_ptr<fusetrain::FusedOptimizer> make_optimizer(const Case& c, std::vector<torch::Tensor> params) {
   const double lr = std::stod(c.at("lr")), clip = std::stod(c.at("clip"));
   const bool master = c.at("master") == "1", amsgrad = c.at("amsgrad") == "1";
   const auto& name = c.at("optimizer");
   if (name == "adam")
-    return std::make_unique<fusetrain::Adam>(params, fusetrain::AdamOptions(lr).betas({0.9, 0.99}).weight_decay(0.01)
-                                                         .amsgrad(amsgrad).max_grad_norm(clip).master_weights(master));
+    return make<fusetrain::Adam>(c, params, fusetrain::AdamOptions(lr).betas({0.9, 0.99}).weight_decay(0.01)
+                                                .amsgrad(amsgrad).max_grad_norm(clip).master_weights(master));
   if (name == "adamw")
-    return std::make_unique<fusetrain::AdamW>(params, fusetrain::AdamWOptions(lr).betas({0.9, 0.99})
-                                                          .weight_decay(0.05).amsgrad(amsgrad).max_grad_norm(clip)
-                                                          .master_weights(master));
+    return make<fusetrain::AdamW>(c, params, fusetrain::AdamWOptions(lr).betas({0.9, 0.99}).weight_decay(0.05)
+                                                 .amsgrad(amsgrad).max_grad_norm(clip).master_weights(master));
   if (name == "sgd")
-    return std::make_unique<fusetrain::SGD>(params, fusetrain::SGDOptions(lr).momentum(0.9).nesterov(true)
-                                                        .weight_decay(0.01).max_grad_norm(clip).master_weights(master));
+    return make<fusetrain::SGD>(c, params, fusetrain::SGDOptions(lr).momentum(0.9).nesterov(true).weight_decay(0.01)
+                                               .max_grad_norm(clip).master_weights(master));
   EXPECT_EQ(name, "lion");
-  return std::make_unique<fusetrain::Lion>(params, fusetrain::LionOptions(lr).betas({0.9, 0.99}).weight_decay(0.1)
-                                                       .max_grad_norm(clip).master_weights(master));
+  return make<fusetrain::Lion>(c, params, fusetrain::LionOptions(lr).betas({0.9, 0.99}).weight_decay(0.1)
+                                              .max_grad_norm(clip).master_weights(master));
 }
 
 // Runs one case; returns its results under "<name>/...".

@@ -19,7 +19,7 @@ from fusetrain.optim import SGD, Adam, AdamW, Lion
 SHAPES = [(7,), (13, 5), (3, 4, 2)]
 DEFAULTS = {"optimizer": "adamw", "dtype": "fp32", "master": "0", "clip": "0", "amsgrad": "0", "scaler": "0",
             "ema": "0", "accumulate": "1", "steps": "4", "inf_step": "-1", "lr": "0.01", "lr_decay": "1",
-            "seed": "0"}
+            "seed": "0", "groups": "1"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "master_param")
 
@@ -52,6 +52,8 @@ class Toy(nn.Module):
 def make_optimizer(c, params):
     lr, clip = float(c["lr"]), float(c["clip"]) or None
     common = dict(lr=lr, max_grad_norm=clip, master_weights=c["master"] == "1")
+    if c["groups"] == "2":  # the last param in a group of its own without weight decay
+        params = [dict(params=params[:-1]), dict(params=params[-1:], weight_decay=0.0)]
     if c["optimizer"] == "adam":
         return Adam(params, betas=(0.9, 0.99), weight_decay=0.01, amsgrad=c["amsgrad"] == "1", **common)
     if c["optimizer"] == "adamw":
@@ -152,6 +154,7 @@ def test_cases_file_is_well_formed():
         assert any(c[key] == "1" for c in cases), key
     assert any(c["inf_step"] != "-1" for c in cases) and any(c["accumulate"] != "1" for c in cases)
     assert any(c["clip"] != "0" for c in cases) and any(c["lr_decay"] != "1" for c in cases)
+    assert any(c["groups"] == "2" for c in cases)
 
 
 @pytest.mark.parametrize("case", read_cases(), ids=lambda c: c["name"])
