@@ -1,15 +1,22 @@
 """Run a function in several CPU processes joined by a gloo process group.
 
-``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes on
-127.0.0.1 with a free port, calls ``fn(rank, world_size, *args)`` in each after
-``init_process_group("gloo")``, and re-raises the first failure (with the
-child's traceback) in the caller. ``fn`` must be importable (module level).
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes,
+calls ``fn(rank, world_size, *args)`` in each after ``init_process_group("gloo")``,
+and re-raises the first failure (with the child's traceback) in the caller.
+``fn`` must be importable (module level).
+
+The ranks meet through a file store in a fresh temporary directory, not a TCP
+store: no port to pick (and race for), and no store server thread in rank 0,
+which could abort rank 0 at exit ("terminate called without an active
+exception") while another rank was still tearing down. Each rank passes a
+barrier before destroying the process group, so no collective is in flight.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import tempfile
 
 import pytest
 import torch
@@ -26,18 +33,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args):
+def _worker(rank, world_size, store_file, fn, args):
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
+    ok = False
     try:
         fn(rank, world_size, *args)
+        ok = True
     finally:
+        if ok:
+            dist.barrier()  # a failed rank skips it: the others then fail on their own collective
         dist.destroy_process_group()
 
 
 def run_distributed(fn, world_size: int = 2, *args, timeout: float = 120.0) -> None:
-    ctx = mp.spawn(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=False)
-    ctx_timeout = timeout
-    while not ctx.join(timeout=ctx_timeout):
-        pass
+    with tempfile.TemporaryDirectory(prefix="fusetrain-dist-") as tmp:
+        ctx = mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size,
+                       join=False)
+        while not ctx.join(timeout=timeout):
+            pass
