@@ -3,14 +3,11 @@
 
 #include <ATen/ops/full.h>
 #include <ATen/ops/maximum.h>
-#include <ATen/ops/minimum.h>
-#include <ATen/ops/where.h>
+#include <ATen/ops/reciprocal.h>
 #include <ATen/ops/zeros.h>
 #include <torch/nn/module.h>
 #include <torch/serialize/archive.h>
 #include <torch/utils.h>
-
-#include <map>
 
 namespace fusetrain {
 
@@ -56,7 +53,8 @@ void LossScaler::step(FusedOptimizer& optimizer) {
   at::Tensor f = optimizer.last_found_inf();
   if (!f.defined()) return;  // nothing was stepped: no flag
   f = f.to(scale_.device());
-  pending_found_inf_ = pending_found_inf_.defined() ? at::maximum(pending_found_inf_, f) : f.clone();
+  // f is the optimizer's persistent flag, read by update() before the next step writes it.
+  pending_found_inf_ = pending_found_inf_.defined() ? at::maximum(pending_found_inf_, f) : f;
 }
 
 void LossScaler::reset_pending() { pending_found_inf_ = at::Tensor(); }

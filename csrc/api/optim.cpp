@@ -3,7 +3,6 @@
 #include <fusetrain/optim.h>
 
 #include <ATen/ops/full.h>
-#include <ATen/ops/maximum.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/irange.h>
