@@ -43,9 +43,13 @@ void check_betas(const char* opt, const std::tuple<double, double>& b) {
               std::get<1>(b), " (must be in [0, 1))");
 }
 
-at::Tensor f32_zeros_like(const at::Tensor& p) {
-  return at::zeros_like(p, p.options().dtype(at::kFloat), at::MemoryFormat::Preserve);
+// NOTE [float64 params] in csrc/ops/fused_update.cpp: float64 state for float64
+// params, float32 for the others; fp32 masters for float16/bfloat16 params.
+at::Tensor state_zeros_like(const at::Tensor& p) {
+  const auto dtype = p.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
 }
+bool needs_master(const at::Tensor& p) { return p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16; }
 
 }  // namespace
 
@@ -168,7 +172,7 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
       l.params.push_back(p);
       l.grads.push_back(p.grad());
       l.steps.push_back(st.step());
-      if (group_master_weights(opts) && p.scalar_type() != at::kFloat) l.masters.push_back(st.master());
+      if (group_master_weights(opts) && needs_master(p)) l.masters.push_back(st.master());
       collect_state(l, st, opts);
       if (ema_ == nullptr) continue;
       at::Tensor e = ema_->ema_for(p);
@@ -228,7 +232,7 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
   auto key_impl = p.unsafeGetTensorImpl();
   auto found = state_.find(key_impl);
   auto* s = found == state_.end() ? nullptr : static_cast<FusedParamState*>(found->second.get());
-  const bool has_master = group_master_weights(opts) && p.scalar_type() != at::kFloat;
+  const bool has_master = group_master_weights(opts) && needs_master(p);
   if (capturing) {
     // Nothing may be created or moved now: check that the state is complete.
     bool ready = s != nullptr && s->step().defined() && s->step().scalar_type() == at::kFloat &&
@@ -351,9 +355,9 @@ Lion::Lion(const std::vector<torch::optim::OptimizerParamGroup>& groups, LionOpt
 
 template <typename O>
 static void init_adam_state(FusedParamState& s, const at::Tensor& p, const O& o) {
-  if (!s.exp_avg().defined()) s.exp_avg(f32_zeros_like(p));
-  if (!s.exp_avg_sq().defined()) s.exp_avg_sq(f32_zeros_like(p));
-  if (o.amsgrad() && !s.max_exp_avg_sq().defined()) s.max_exp_avg_sq(f32_zeros_like(p));
+  if (!s.exp_avg().defined()) s.exp_avg(state_zeros_like(p));
+  if (!s.exp_avg_sq().defined()) s.exp_avg_sq(state_zeros_like(p));
+  if (o.amsgrad() && !s.max_exp_avg_sq().defined()) s.max_exp_avg_sq(state_zeros_like(p));
 }
 // NOTE [group records] in csrc/ops/fused_step.cpp: the optimizer's own fields.
 template <typename O>
@@ -392,7 +396,7 @@ void SGD::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<doub
 }
 void SGD::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& oo) const {
   const auto& o = static_cast<const SGDOptions&>(oo);
-  if (o.momentum() != 0 && !s.momentum_buffer().defined()) s.momentum_buffer(f32_zeros_like(p));
+  if (o.momentum() != 0 && !s.momentum_buffer().defined()) s.momentum_buffer(state_zeros_like(p));
 }
 void SGD::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& oo) const {
   const auto& o = static_cast<const SGDOptions&>(oo);
@@ -403,7 +407,7 @@ void Lion::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<dou
   h.insert(h.end(), {std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay()});
 }
 void Lion::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions&) const {
-  if (!s.exp_avg().defined()) s.exp_avg(f32_zeros_like(p));
+  if (!s.exp_avg().defined()) s.exp_avg(state_zeros_like(p));
 }
 void Lion::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions&) const {
   l.state1.push_back(s.exp_avg());

@@ -1,9 +1,10 @@
 // Element-wise optimizer math shared by the CPU and CUDA kernels.
 //
-// Every function is written once, templated on the value type V: `float` in
-// the CUDA kernels and `at::vec::Vectorized<float>` in the CPU kernels. The
-// helpers vsqrt/vmax/vsign have overloads for both (the Vectorized ones live in
-// the CPU kernel file). The operation order follows torch.optim's single-tensor
+// Every function is written once, templated on the value type V: `float` or
+// `double` in the CUDA kernels and `at::vec::Vectorized<float|double>` in the
+// CPU kernels, and on the coefficient type T (float, or double for float64
+// params). The helpers vsqrt/vmax/vsign have overloads for each V (the
+// Vectorized ones live in the CPU kernel file). The operation order follows torch.optim's single-tensor
 // implementations so that fp32 results agree to rounding; the one exception is
 // Adam's bias correction of the second moment, applied as a multiplication by
 // 1/sqrt(1 - beta2^t) instead of a division (one division less per element,
@@ -24,44 +25,51 @@ namespace detail {
 FT_HD float vsqrt(float x) { return ::sqrtf(x); }
 FT_HD float vmax(float a, float b) { return a > b ? a : (b != b ? b : a); }
 FT_HD float vsign(float x) { return static_cast<float>((x > 0.f) - (x < 0.f)); }
+FT_HD double vsqrt(double x) { return ::sqrt(x); }
+FT_HD double vmax(double a, double b) { return a > b ? a : (b != b ? b : a); }
+FT_HD double vsign(double x) { return static_cast<double>((x > 0.0) - (x < 0.0)); }
 
 // Per-tensor coefficients, computed once per tensor (per chunk on CUDA) from
-// the device scalars (lr, step) and the host hyperparameters.
+// the device scalars (lr, step) and the host hyperparameters, in the
+// precision T of the update (float, or double for float64 params).
+template <typename T>
 struct AdamCoeffs {
-  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
-  float decay_mul;     // 1 - lr * weight_decay (decoupled only)
-  float neg_step_size; // -lr / (1 - beta1^step)
-  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^step)
+  T beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
+  T decay_mul;      // 1 - lr * weight_decay (decoupled only)
+  T neg_step_size;  // -lr / (1 - beta1^step)
+  T inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^step)
   bool decoupled, amsgrad;
 };
 
+template <typename T>
 struct SGDCoeffs {
-  float momentum, one_minus_dampening, weight_decay, neg_lr;
+  T momentum, one_minus_dampening, weight_decay, neg_lr;
   bool nesterov, first_step;
 };
 
+template <typename T>
 struct LionCoeffs {
-  float beta1, one_minus_beta1, beta2, one_minus_beta2, decay_mul, neg_lr;
+  T beta1, one_minus_beta1, beta2, one_minus_beta2, decay_mul, neg_lr;
   bool has_decay;
 };
 
 // torch.lerp's formula: exact at both ends, used for the first moment and EMA.
-template <typename V>
-FT_HD V lerp_small_weight(V self, V end, float w) {
+template <typename V, typename T>
+FT_HD V lerp_small_weight(V self, V end, T w) {
   // Every weight we pass is in [0, 0.5): 1 - beta1 and 1 - decay.
   return self + V(w) * (end - self);
 }
-template <typename V>
-FT_HD V lerp_weight(V self, V end, float w) {
-  if (w < 0.5f) return self + V(w) * (end - self);
-  return end - (end - self) * V(1.f - w);
+template <typename V, typename T>
+FT_HD V lerp_weight(V self, V end, T w) {
+  if (w < T(0.5)) return self + V(w) * (end - self);
+  return end - (end - self) * V(T(1) - w);
 }
 
 // NOTE [update order]: the grad arriving here is already unscaled, clipped and
 // negated for maximize; weight decay and the moments follow torch's order.
-template <typename V>
-FT_HD void adam_update(V& p, V g, V& m, V& v, V* vmax_state, const AdamCoeffs& c) {
-  if (c.weight_decay != 0.f) {
+template <typename V, typename T>
+FT_HD void adam_update(V& p, V g, V& m, V& v, V* vmax_state, const AdamCoeffs<T>& c) {
+  if (c.weight_decay != T(0)) {
     if (c.decoupled) {
       p = p * V(c.decay_mul);
     } else {
@@ -80,9 +88,9 @@ FT_HD void adam_update(V& p, V g, V& m, V& v, V* vmax_state, const AdamCoeffs& c
   p = p + V(c.neg_step_size) * m / denom;
 }
 
-template <typename V>
-FT_HD void sgd_update(V& p, V g, V* buf, const SGDCoeffs& c) {
-  if (c.weight_decay != 0.f) g = g + V(c.weight_decay) * p;
+template <typename V, typename T>
+FT_HD void sgd_update(V& p, V g, V* buf, const SGDCoeffs<T>& c) {
+  if (c.weight_decay != T(0)) g = g + V(c.weight_decay) * p;
   if (buf != nullptr) {
     if (c.first_step) {
       *buf = g;
@@ -94,8 +102,8 @@ FT_HD void sgd_update(V& p, V g, V* buf, const SGDCoeffs& c) {
   p = p + V(c.neg_lr) * g;
 }
 
-template <typename V>
-FT_HD void lion_update(V& p, V g, V& m, const LionCoeffs& c) {
+template <typename V, typename T>
+FT_HD void lion_update(V& p, V g, V& m, const LionCoeffs<T>& c) {
   V u = m * V(c.beta1) + g * V(c.one_minus_beta1);
   if (c.has_decay) p = p * V(c.decay_mul);
   p = p + V(c.neg_lr) * vsign(u);
@@ -116,45 +124,48 @@ struct LionHyper {
   double beta1, beta2, weight_decay;
 };
 
-FT_HD AdamCoeffs make_adam_coeffs(const AdamHyper& h, float lr, float step) {
-  AdamCoeffs c;
-  c.beta1 = static_cast<float>(h.beta1);
-  c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
-  c.beta2 = static_cast<float>(h.beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  c.eps = static_cast<float>(h.eps);
-  c.weight_decay = static_cast<float>(h.weight_decay);
+template <typename T>
+FT_HD AdamCoeffs<T> make_adam_coeffs(const AdamHyper& h, float lr, float step) {
+  AdamCoeffs<T> c;
+  c.beta1 = static_cast<T>(h.beta1);
+  c.one_minus_beta1 = static_cast<T>(1.0 - h.beta1);
+  c.beta2 = static_cast<T>(h.beta2);
+  c.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
+  c.eps = static_cast<T>(h.eps);
+  c.weight_decay = static_cast<T>(h.weight_decay);
   const double lr_d = static_cast<double>(lr);
-  c.decay_mul = static_cast<float>(1.0 - lr_d * h.weight_decay);
+  c.decay_mul = static_cast<T>(1.0 - lr_d * h.weight_decay);
   const double bc1 = 1.0 - ::pow(h.beta1, static_cast<double>(step));
   const double bc2 = 1.0 - ::pow(h.beta2, static_cast<double>(step));
-  c.neg_step_size = static_cast<float>(-(lr_d / bc1));
-  c.inv_bc2_sqrt = static_cast<float>(1.0 / ::sqrt(bc2));
+  c.neg_step_size = static_cast<T>(-(lr_d / bc1));
+  c.inv_bc2_sqrt = static_cast<T>(1.0 / ::sqrt(bc2));
   c.decoupled = h.decoupled;
   c.amsgrad = h.amsgrad;
   return c;
 }
 
-FT_HD SGDCoeffs make_sgd_coeffs(const SGDHyper& h, float lr, float step) {
-  SGDCoeffs c;
-  c.momentum = static_cast<float>(h.momentum);
-  c.one_minus_dampening = static_cast<float>(1.0 - h.dampening);
-  c.weight_decay = static_cast<float>(h.weight_decay);
-  c.neg_lr = -lr;
+template <typename T>
+FT_HD SGDCoeffs<T> make_sgd_coeffs(const SGDHyper& h, float lr, float step) {
+  SGDCoeffs<T> c;
+  c.momentum = static_cast<T>(h.momentum);
+  c.one_minus_dampening = static_cast<T>(1.0 - h.dampening);
+  c.weight_decay = static_cast<T>(h.weight_decay);
+  c.neg_lr = -static_cast<T>(lr);
   c.nesterov = h.nesterov;
   c.first_step = step <= 1.f;
   return c;
 }
 
-FT_HD LionCoeffs make_lion_coeffs(const LionHyper& h, float lr, float /*step*/) {
-  LionCoeffs c;
-  c.beta1 = static_cast<float>(h.beta1);
-  c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
-  c.beta2 = static_cast<float>(h.beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  c.decay_mul = static_cast<float>(1.0 - static_cast<double>(lr) * h.weight_decay);
+template <typename T>
+FT_HD LionCoeffs<T> make_lion_coeffs(const LionHyper& h, float lr, float /*step*/) {
+  LionCoeffs<T> c;
+  c.beta1 = static_cast<T>(h.beta1);
+  c.one_minus_beta1 = static_cast<T>(1.0 - h.beta1);
+  c.beta2 = static_cast<T>(h.beta2);
+  c.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
+  c.decay_mul = static_cast<T>(1.0 - static_cast<double>(lr) * h.weight_decay);
   c.has_decay = h.weight_decay != 0.0;
-  c.neg_lr = -lr;
+  c.neg_lr = -static_cast<T>(lr);
   return c;
 }
 
@@ -170,6 +181,9 @@ FT_HD float grad_multiplier(const float* inv_scale, const float* grad_norm, floa
   return m;
 }
 
+// The smallest normal float32 (2^-126): the lowest loss scale (NOTE [scale floor]).
+constexpr float kMinLossScale = 1.17549435082228750797e-38f;
+
 // Dynamic loss-scale update (GradScaler semantics): back off and reset the
 // tracker on a non-finite step; otherwise count the clean step and grow the
 // scale (if the grown value is finite) every growth_interval clean steps.
@@ -177,7 +191,12 @@ FT_HD void update_scale_math(float* scale, int* growth_tracker, float found_inf,
                              double backoff_factor, int growth_interval) {
   // Products are taken in double and rounded once, as torch does.
   if (found_inf != 0.f) {
-    *scale = static_cast<float>(static_cast<double>(*scale) * backoff_factor);
+    // NOTE [scale floor]: a run whose every step overflows would drive the
+    // scale to 0 (about 166 halvings from 2^16); 1/0 then writes inf * 0 = NaN
+    // into the weights at the next finite step. The scale stops at the
+    // smallest normal float instead; LossScaler reports a scale at the floor.
+    const float backed = static_cast<float>(static_cast<double>(*scale) * backoff_factor);
+    *scale = backed > kMinLossScale ? backed : kMinLossScale;
     *growth_tracker = 0;
     return;
   }

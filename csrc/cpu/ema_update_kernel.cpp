@@ -1,5 +1,5 @@
 // CPU kernel of fusetrain::ema_update_: (tensor, chunk) items over
-// at::parallel_for, fp32 Vectorized math on L1-resident blocks.
+// at::parallel_for, Vectorized math on L1-resident blocks.
 #include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -17,20 +17,23 @@ namespace fusetrain {
 namespace detail {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kChunk = 32768;
 constexpr int64_t kBlock = 512;
 
+// fp32 math (fp64 for float64 tensors) on L1-resident blocks.
 template <typename T>
-void ema_block(T* ema, const T* src, int64_t n, float w) {
-  alignas(64) float eb[kBlock];
-  alignas(64) float sb[kBlock];
+void ema_block(T* ema, const T* src, int64_t n, float w_f) {
+  using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  using Vec = at::vec::Vectorized<C>;
+  alignas(64) C eb[kBlock];
+  alignas(64) C sb[kBlock];
   constexpr int64_t VS = Vec::size();
+  const C w = static_cast<C>(w_f);
   for (int64_t off = 0; off < n; off += kBlock) {
     const int64_t m = std::min(kBlock, n - off);
-    float* e;
-    const float* s;
-    if constexpr (std::is_same_v<T, float>) {
+    C* e;
+    const C* s;
+    if constexpr (std::is_same_v<T, C>) {
       e = ema + off;
       s = src + off;
     } else {
@@ -44,7 +47,7 @@ void ema_block(T* ema, const T* src, int64_t n, float w) {
       Vec r = lerp_small_weight(Vec::loadu(e + i, c), Vec::loadu(s + i, c), w);
       r.store(e + i, c);
     }
-    if constexpr (!std::is_same_v<T, float>) at::vec::convert(eb, ema + off, m);
+    if constexpr (!std::is_same_v<T, C>) at::vec::convert(eb, ema + off, m);
   }
 }
 
@@ -61,10 +64,8 @@ void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Te
       const WorkItem& it = items[i];
       const at::Tensor& et = ema[it.tensor];
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, et.scalar_type(), "ema_update_cpu", [&] {
-        if constexpr (!std::is_same_v<scalar_t, double>) {
-          ema_block(et.data_ptr<scalar_t>() + it.begin, src[it.tensor].const_data_ptr<scalar_t>() + it.begin,
-                    it.end - it.begin, w);
-        }
+        ema_block(et.data_ptr<scalar_t>() + it.begin, src[it.tensor].const_data_ptr<scalar_t>() + it.begin,
+                  it.end - it.begin, w);
       });
     }
   });

@@ -2,9 +2,10 @@
 //
 // Work is split into (tensor, chunk) items run by at::parallel_for. Inside an
 // item, elements are processed in blocks: params/grads are converted to fp32
-// block buffers, the shared math of optim_math.h runs on Vectorized<float>,
-// and the results are written back (master weights, rounded params, EMA) while
-// the block is still in L1. Each element is read and written once.
+// block buffers, the shared math of optim_math.h runs on Vectorized<float>
+// (Vectorized<double> for float64 params, whose state is float64 too), and the
+// results are written back (master weights, rounded params, EMA) while the
+// block is still in L1. Each element is read and written once.
 #include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -18,12 +19,19 @@
 
 namespace fusetrain {
 namespace detail {
-using Vec = at::vec::Vectorized<float>;
 // Overloads for the templated math; declared before optim_math.h so that the
 // templates see them (Vectorized lives in another namespace, so ADL would not).
-inline Vec vsqrt(Vec x) { return x.sqrt(); }
-inline Vec vmax(Vec a, Vec b) { return at::vec::maximum(a, b); }
-inline Vec vsign(Vec x) { return x.gt(Vec(0.f)) - x.lt(Vec(0.f)); }
+template <typename C>
+inline at::vec::Vectorized<C> vsqrt(at::vec::Vectorized<C> x) { return x.sqrt(); }
+template <typename C>
+inline at::vec::Vectorized<C> vmax(at::vec::Vectorized<C> a, at::vec::Vectorized<C> b) {
+  return at::vec::maximum(a, b);
+}
+template <typename C>
+inline at::vec::Vectorized<C> vsign(at::vec::Vectorized<C> x) {
+  using V = at::vec::Vectorized<C>;
+  return x.gt(V(C(0))) - x.lt(V(C(0)));
+}
 }  // namespace detail
 }  // namespace fusetrain
 
@@ -47,63 +55,71 @@ inline void convert_block(const S* src, D* dst, int64_t n) {
 }
 
 
-template <typename T>
-T* ptr_or_null(const std::vector<at::Tensor>& v, int64_t i) {
-  return v.empty() ? nullptr : v[i].data_ptr<T>();
-}
-
 const float* scalar_ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
 
+// The precision of the update: double for float64 params, else float.
+template <typename P>
+using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
+
 template <OptimKind K, typename P, typename G>
-void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, float lr, float gmul, float ema_w,
+void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, float lr, float gmul, float ema_w_f,
                  bool has_ema) {
+  using C = Compute<P>;
+  using Vec = at::vec::Vectorized<C>;
   const int64_t t = it.tensor;
   P* param = l.params[t].data_ptr<P>() + it.begin;
   const G* grad = l.grads[t].const_data_ptr<G>() + it.begin;
-  float* s1 = l.state1.empty() ? nullptr : l.state1[t].data_ptr<float>() + it.begin;
-  float* s2 = l.state2.empty() ? nullptr : l.state2[t].data_ptr<float>() + it.begin;
-  float* s3 = l.state3.empty() ? nullptr : l.state3[t].data_ptr<float>() + it.begin;
+  C* s1 = l.state1.empty() ? nullptr : l.state1[t].data_ptr<C>() + it.begin;
+  C* s2 = l.state2.empty() ? nullptr : l.state2[t].data_ptr<C>() + it.begin;
+  C* s3 = l.state3.empty() ? nullptr : l.state3[t].data_ptr<C>() + it.begin;
+  // Masters exist for float16/bfloat16 params only (the op layer checks).
   float* master = l.master.empty() ? nullptr : l.master[t].data_ptr<float>() + it.begin;
   P* ema = has_ema ? l.ema[t].data_ptr<P>() + it.begin : nullptr;
   const float step = *l.steps[t].const_data_ptr<float>();
 
-  AdamCoeffs ac{};
-  SGDCoeffs sc{};
-  LionCoeffs lc{};
-  if constexpr (K == OptimKind::Adam) ac = make_adam_coeffs(h.adam, lr, step);
-  if constexpr (K == OptimKind::SGD) sc = make_sgd_coeffs(h.sgd, lr, step);
-  if constexpr (K == OptimKind::Lion) lc = make_lion_coeffs(h.lion, lr, step);
+  AdamCoeffs<C> ac{};
+  SGDCoeffs<C> sc{};
+  LionCoeffs<C> lc{};
+  if constexpr (K == OptimKind::Adam) ac = make_adam_coeffs<C>(h.adam, lr, step);
+  if constexpr (K == OptimKind::SGD) sc = make_sgd_coeffs<C>(h.sgd, lr, step);
+  if constexpr (K == OptimKind::Lion) lc = make_lion_coeffs<C>(h.lion, lr, step);
 
   alignas(64) float pb[kBlock];
-  alignas(64) float gb[kBlock];
+  alignas(64) C gb[kBlock];
   alignas(64) float eb[kBlock];
   constexpr int64_t VS = Vec::size();
-  constexpr bool kParamF32 = std::is_same_v<P, float>;
-  const Vec vgmul(gmul);
+  // Whether the update runs on the param's own storage.
+  constexpr bool kInPlace = std::is_same_v<P, C>;
+  const Vec vgmul(static_cast<C>(gmul));
+  const C ema_w = static_cast<C>(ema_w_f);
   const int64_t len = it.end - it.begin;
   for (int64_t off = 0; off < len; off += kBlock) {
     const int64_t m = std::min(kBlock, len - off);
-    // fp32 values the update works on, in place where the storage is fp32:
-    // the master, an fp32 param, or a converted copy of a low-precision param.
-    float* pw;
-    if (master != nullptr) {
-      pw = master + off;
-    } else if constexpr (kParamF32) {
-      pw = reinterpret_cast<float*>(param) + off;
-    } else {
-      convert_block(param + off, pb, m);
-      pw = pb;
+    // The values the update works on, in place where the storage has the
+    // update's precision: the master, an fp32/fp64 param, or a converted copy
+    // of a low-precision param.
+    C* pw = nullptr;
+    if constexpr (std::is_same_v<C, float>) {
+      if (master != nullptr) pw = master + off;
     }
-    const float* gw;
-    if constexpr (std::is_same_v<G, float>) {
-      gw = grad + off;
+    if (pw == nullptr) {
+      if constexpr (kInPlace) {
+        pw = reinterpret_cast<C*>(param) + off;
+      } else {
+        convert_block(param + off, pb, m);
+        pw = pb;
+      }
+    }
+    const C* gw;
+    if constexpr (std::is_same_v<G, C>) {
+      gw = reinterpret_cast<const C*>(grad) + off;
     } else {
       convert_block(grad + off, gb, m);
       gw = gb;
     }
-    float* m1 = s1 ? s1 + off : nullptr;
-    float* m2 = s2 ? s2 + off : nullptr;
-    float* m3 = s3 ? s3 + off : nullptr;
+    C* m1 = s1 ? s1 + off : nullptr;
+    C* m2 = s2 ? s2 + off : nullptr;
+    C* m3 = s3 ? s3 + off : nullptr;
     for (int64_t i = 0; i < m; i += VS) {
       const int c = static_cast<int>(std::min<int64_t>(VS, m - i));
       Vec p = Vec::loadu(pw + i, c);
@@ -137,22 +153,20 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
       p.store(pw + i, c);
     }
     // Store the (rounded) param when the update did not run on its storage.
-    if (master != nullptr || !kParamF32) convert_block(pw, param + off, m);
+    if (master != nullptr || !kInPlace) convert_block(pw, param + off, m);
     if (ema != nullptr) {
       // NOTE [ema source]: the EMA follows the value the optimizer holds at
       // full precision: the fp32 master when there is one, else the stored
       // (rounded) parameter.
-      const float* src = pw;
-      if constexpr (!kParamF32) {
+      const C* src = pw;
+      C* ew;
+      if constexpr (kInPlace) {
+        ew = reinterpret_cast<C*>(ema) + off;
+      } else {
         if (master == nullptr) {
           convert_block(param + off, pb, m);
           src = pb;
         }
-      }
-      float* ew;
-      if constexpr (kParamF32) {
-        ew = reinterpret_cast<float*>(ema) + off;
-      } else {
         convert_block(ema + off, eb, m);
         ew = eb;
       }
@@ -161,7 +175,7 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
         Vec e = lerp_small_weight(Vec::loadu(ew + i, c), Vec::loadu(src + i, c), ema_w);
         e.store(ew + i, c);
       }
-      if constexpr (!kParamF32) convert_block(eb, ema + off, m);
+      if constexpr (!kInPlace) convert_block(eb, ema + off, m);
     }
   }
 }
@@ -206,8 +220,8 @@ void fused_update_cpu(const UpdateLists& l, const OptimHyper& h, const UpdateSca
     using P = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gt, "fused_update_cpu_grad", [&] {
       using G = scalar_t;
-      if constexpr (std::is_same_v<P, double> || std::is_same_v<G, double>) {
-        TORCH_CHECK(false, "fused optimizer: float64 tensors are not supported");
+      if constexpr (std::is_same_v<P, double> != std::is_same_v<G, double>) {
+        TORCH_INTERNAL_ASSERT(false, "fused optimizer: float64 params need float64 grads (checked by the op)");
       } else {
         update_dispatch_kind<P, G>(l, h, lr, gmul, ema_w, has_ema);
       }

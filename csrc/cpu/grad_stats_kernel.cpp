@@ -1,6 +1,6 @@
 // CPU kernel for fusetrain::grad_stats: one read of each gradient, producing
-// the sum of squares (fp32 lanes within small blocks, block sums in double) and a
-// non-finite flag. NOTE [non-finite probe]: x * 0 is NaN exactly when x is inf
+// the sum of squares (fp32 lanes, fp64 for float64 gradients, within small
+// blocks; block sums in double) and a non-finite flag. NOTE [non-finite probe]: x * 0 is NaN exactly when x is inf
 // or NaN, so summing x * 0 detects non-finite values without a compare and
 // without being fooled by a sum of squares that overflows.
 #include <torch/library.h>
@@ -19,31 +19,34 @@ namespace fusetrain {
 namespace detail {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kChunk = 65536;
 constexpr int64_t kBlock = 1024;
 
-inline float reduce_lanes(const Vec& v) {
-  alignas(64) float lanes[Vec::size()];
+template <typename C>
+inline C reduce_lanes(const at::vec::Vectorized<C>& v) {
+  alignas(64) C lanes[at::vec::Vectorized<C>::size()];
   v.store(lanes);
-  float s = 0.f;
-  for (int64_t i = 0; i < Vec::size(); ++i) s += lanes[i];
+  C s = 0;
+  for (int64_t i = 0; i < at::vec::Vectorized<C>::size(); ++i) s += lanes[i];
   return s;
 }
 
-// fp32 lanes within a block of kBlock elements; block sums are added in double.
+// Lanes of C (float; double for float64 gradients) within a block of kBlock
+// elements; block sums are added in double.
 template <typename G>
 void partial_stats(const G* g, int64_t n, double* sumsq_out, bool* nonfinite_out) {
-  Vec probe(0.f);
-  const Vec zero(0.f);
-  alignas(64) float buf[kBlock];
+  using C = std::conditional_t<std::is_same_v<G, double>, double, float>;
+  using Vec = at::vec::Vectorized<C>;
+  Vec probe(C(0));
+  const Vec zero(C(0));
+  alignas(64) C buf[kBlock];
   constexpr int64_t VS = Vec::size();
   double total = 0.0;
   for (int64_t off = 0; off < n; off += kBlock) {
-    Vec acc0(0.f), acc1(0.f);
+    Vec acc0(C(0)), acc1(C(0));
     const int64_t m = std::min(kBlock, n - off);
-    const float* x;
-    if constexpr (std::is_same_v<G, float>) {
+    const C* x;
+    if constexpr (std::is_same_v<G, C>) {
       x = g + off;
     } else {
       at::vec::convert(g + off, buf, m);
@@ -81,13 +84,9 @@ void grad_stats_cpu(const std::vector<at::Tensor>& grads, const at::Tensor& inv_
       const WorkItem& it = items[i];
       const at::Tensor& g = grads[it.tensor];
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "grad_stats_cpu", [&] {
-        if constexpr (std::is_same_v<scalar_t, double>) {
-          TORCH_CHECK(false, "grad_stats: float64 gradients are not supported");
-        } else {
-          bool nf = false;
-          partial_stats(g.const_data_ptr<scalar_t>() + it.begin, it.end - it.begin, &sums[i], &nf);
-          nonfinite[i] = nf;
-        }
+        bool nf = false;
+        partial_stats(g.const_data_ptr<scalar_t>() + it.begin, it.end - it.begin, &sums[i], &nf);
+        nonfinite[i] = nf;
       });
     }
   });

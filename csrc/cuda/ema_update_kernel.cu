@@ -24,8 +24,9 @@ static_assert(cuda::fits_kernel_params<EmaMeta, const float*, const float*>(), "
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads) ema_update_kernel(EmaMeta meta, const float* decay,
                                                                    const float* found_inf) {
+  using C = std::conditional_t<std::is_same_v<T, double>, double, float>;  // the math's precision
   if (found_inf != nullptr && *found_inf != 0.f) return;
-  const float w = 1.f - *decay;
+  const C w = static_cast<C>(1.f - *decay);
   const int t = meta.block_to_tensor[blockIdx.x];
   const int64_t start = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * kChunkSize;
   const int64_t rem = meta.numel[t] - start;
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(kBlockThreads) ema_update_kernel(EmaMeta meta,
   if (cuda::is_aligned(ema) && cuda::is_aligned(src)) {
     vec_end = len - len % kILP;
     for (int64_t i = static_cast<int64_t>(threadIdx.x) * kILP; i < vec_end; i += kBlockThreads * kILP) {
-      float e[kILP], s[kILP];
+      C e[kILP], s[kILP];
       cuda::load_vec(e, ema + i);
       cuda::load_vec(s, src + i);
 #pragma unroll
@@ -45,7 +46,7 @@ __global__ void __launch_bounds__(kBlockThreads) ema_update_kernel(EmaMeta meta,
     }
   }
   for (int64_t i = vec_end + threadIdx.x; i < len; i += kBlockThreads) {
-    ema[i] = static_cast<T>(lerp_small_weight(static_cast<float>(ema[i]), static_cast<float>(src[i]), w));
+    ema[i] = static_cast<T>(lerp_small_weight(static_cast<C>(ema[i]), static_cast<C>(src[i]), w));
   }
 }
 
@@ -57,7 +58,7 @@ void ema_update_cuda(const std::vector<at::Tensor>& ema, const std::vector<at::T
   c10::cuda::CUDAGuard guard(decay.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const float* fi = found_inf.defined() ? found_inf.const_data_ptr<float>() : nullptr;
-  for (at::ScalarType st : {at::kFloat, at::kHalf, at::kBFloat16}) {
+  for (at::ScalarType st : {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble}) {
     std::vector<at::Tensor> eb, sb;
     for (size_t i = 0; i < ema.size(); ++i) {
       if (ema[i].scalar_type() == st) {
@@ -68,12 +69,10 @@ void ema_update_cuda(const std::vector<at::Tensor>& ema, const std::vector<at::T
     if (eb.empty()) continue;
     const std::vector<const std::vector<at::Tensor>*> lists = {&eb, &sb};
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "ema_update_cuda", [&] {
-      if constexpr (!std::is_same_v<scalar_t, double>) {
-        cuda::multi_tensor_apply<EmaMeta>(lists, {}, [&](const EmaMeta& meta, int blocks) {
-          ema_update_kernel<scalar_t><<<blocks, kBlockThreads, 0, stream>>>(meta, decay.const_data_ptr<float>(), fi);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
-      }
+      cuda::multi_tensor_apply<EmaMeta>(lists, {}, [&](const EmaMeta& meta, int blocks) {
+        ema_update_kernel<scalar_t><<<blocks, kBlockThreads, 0, stream>>>(meta, decay.const_data_ptr<float>(), fi);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     });
   }
 }

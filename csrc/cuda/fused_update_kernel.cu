@@ -55,26 +55,30 @@ __global__ void increment_steps_kernel(StepPtrs steps, int n, const float* found
   if (i < n) *steps.p[i] += 1.f;
 }
 
-template <OptimKind K>
+// The precision of the update: double for float64 params, else float.
+template <typename P>
+using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
+
+template <OptimKind K, typename C>
 struct Coeffs;
-template <>
-struct Coeffs<OptimKind::Adam> {
-  AdamCoeffs c;
-  __device__ Coeffs(const KernelArgs& a, float lr, float step) : c(make_adam_coeffs(a.adam, lr, step)) {}
+template <typename C>
+struct Coeffs<OptimKind::Adam, C> {
+  AdamCoeffs<C> c;
+  __device__ Coeffs(const KernelArgs& a, float lr, float step) : c(make_adam_coeffs<C>(a.adam, lr, step)) {}
 };
-template <>
-struct Coeffs<OptimKind::SGD> {
-  SGDCoeffs c;
-  __device__ Coeffs(const KernelArgs& a, float lr, float step) : c(make_sgd_coeffs(a.sgd, lr, step)) {}
+template <typename C>
+struct Coeffs<OptimKind::SGD, C> {
+  SGDCoeffs<C> c;
+  __device__ Coeffs(const KernelArgs& a, float lr, float step) : c(make_sgd_coeffs<C>(a.sgd, lr, step)) {}
 };
-template <>
-struct Coeffs<OptimKind::Lion> {
-  LionCoeffs c;
-  __device__ Coeffs(const KernelArgs& a, float lr, float step) : c(make_lion_coeffs(a.lion, lr, step)) {}
+template <typename C>
+struct Coeffs<OptimKind::Lion, C> {
+  LionCoeffs<C> c;
+  __device__ Coeffs(const KernelArgs& a, float lr, float step) : c(make_lion_coeffs<C>(a.lion, lr, step)) {}
 };
 
-template <OptimKind K>
-__device__ __forceinline__ void apply_one(float& p, float g, float* s1, float* s2, float* s3, const Coeffs<K>& co) {
+template <OptimKind K, typename C>
+__device__ __forceinline__ void apply_one(C& p, C g, C* s1, C* s2, C* s3, const Coeffs<K, C>& co) {
   if constexpr (K == OptimKind::Adam) {
     adam_update(p, g, *s1, *s2, s3, co.c);
   } else if constexpr (K == OptimKind::SGD) {
@@ -86,6 +90,7 @@ __device__ __forceinline__ void apply_one(float& p, float g, float* s1, float* s
 
 template <OptimKind K, typename P, typename G>
 __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta meta, KernelArgs a) {
+  using C = Compute<P>;
   // NOTE [skip]: a step with non-finite gradients changes nothing.
   if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
   const int t = meta.block_to_tensor[blockIdx.x];
@@ -94,19 +99,20 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
   const int64_t len = rem < kChunkSize ? rem : kChunkSize;
   const float lr = *a.lr;
   const float step = *meta.step[t];
-  const Coeffs<K> co(a, lr, step);
-  const float gmul = grad_multiplier(a.inv_scale, a.grad_norm, a.max_grad_norm);
-  const float ema_w = a.ema_decay != nullptr ? 1.f - *a.ema_decay : 0.f;
+  const Coeffs<K, C> co(a, lr, step);
+  const C gmul = static_cast<C>(grad_multiplier(a.inv_scale, a.grad_norm, a.max_grad_norm));
+  const C ema_w = a.ema_decay != nullptr ? static_cast<C>(1.f - *a.ema_decay) : C(0);
 
   P* param = static_cast<P*>(meta.addrs[0][t]) + start;
   const G* grad = static_cast<const G*>(meta.addrs[1][t]) + start;
-  float* s1 = meta.addrs[2][t] ? static_cast<float*>(meta.addrs[2][t]) + start : nullptr;
-  float* s2 = meta.addrs[3][t] ? static_cast<float*>(meta.addrs[3][t]) + start : nullptr;
-  float* s3 = meta.addrs[4][t] ? static_cast<float*>(meta.addrs[4][t]) + start : nullptr;
+  C* s1 = meta.addrs[2][t] ? static_cast<C*>(meta.addrs[2][t]) + start : nullptr;
+  C* s2 = meta.addrs[3][t] ? static_cast<C*>(meta.addrs[3][t]) + start : nullptr;
+  C* s3 = meta.addrs[4][t] ? static_cast<C*>(meta.addrs[4][t]) + start : nullptr;
+  // Masters exist for float16/bfloat16 params only (the op layer checks).
   float* master = meta.addrs[5][t] ? static_cast<float*>(meta.addrs[5][t]) + start : nullptr;
   P* ema = meta.addrs[6][t] ? static_cast<P*>(meta.addrs[6][t]) + start : nullptr;
 
-  auto finish = [&](float& p, float g) {
+  auto finish = [&](C g) {
     g *= gmul;
     if (a.maximize) g = -g;
     return g;
@@ -119,7 +125,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
   if (aligned) {
     vec_end = len - len % kILP;
     for (int64_t i = static_cast<int64_t>(threadIdx.x) * kILP; i < vec_end; i += kBlockThreads * kILP) {
-      float p[kILP], g[kILP], r1[kILP], r2[kILP], r3[kILP], e[kILP];
+      C p[kILP], g[kILP], r1[kILP], r2[kILP], r3[kILP], e[kILP];
       if (master) {
         cuda::load_vec(p, master + i);
       } else {
@@ -131,8 +137,8 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
       if (s3) cuda::load_vec(r3, s3 + i);
 #pragma unroll
       for (int k = 0; k < kILP; ++k) {
-        const float gk = finish(p[k], g[k]);
-        apply_one<K>(p[k], gk, s1 ? &r1[k] : nullptr, s2 ? &r2[k] : nullptr, s3 ? &r3[k] : nullptr, co);
+        const C gk = finish(g[k]);
+        apply_one<K, C>(p[k], gk, s1 ? &r1[k] : nullptr, s2 ? &r2[k] : nullptr, s3 ? &r3[k] : nullptr, co);
       }
       if (s1) cuda::store_vec(s1 + i, r1);
       if (s2) cuda::store_vec(s2 + i, r2);
@@ -144,7 +150,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
 #pragma unroll
         for (int k = 0; k < kILP; ++k) {
           // NOTE [ema source] (csrc/cpu/fused_update_kernel.cpp).
-          const float src = master ? p[k] : static_cast<float>(static_cast<P>(p[k]));
+          const C src = master ? p[k] : static_cast<C>(static_cast<P>(p[k]));
           e[k] = lerp_small_weight(e[k], src, ema_w);
         }
         cuda::store_vec(ema + i, e);
@@ -152,14 +158,14 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
     }
   }
   for (int64_t i = vec_end + threadIdx.x; i < len; i += kBlockThreads) {
-    float p = master ? master[i] : static_cast<float>(param[i]);
-    const float g = finish(p, static_cast<float>(grad[i]));
-    apply_one<K>(p, g, s1 ? s1 + i : nullptr, s2 ? s2 + i : nullptr, s3 ? s3 + i : nullptr, co);
-    if (master) master[i] = p;
+    C p = master ? static_cast<C>(master[i]) : static_cast<C>(param[i]);
+    const C g = finish(static_cast<C>(grad[i]));
+    apply_one<K, C>(p, g, s1 ? s1 + i : nullptr, s2 ? s2 + i : nullptr, s3 ? s3 + i : nullptr, co);
+    if (master) master[i] = static_cast<float>(p);
     param[i] = static_cast<P>(p);
     if (ema) {
-      const float src = master ? p : static_cast<float>(static_cast<P>(p));
-      ema[i] = static_cast<P>(lerp_small_weight(static_cast<float>(ema[i]), src, ema_w));
+      const C src = master ? p : static_cast<C>(static_cast<P>(p));
+      ema[i] = static_cast<P>(lerp_small_weight(static_cast<C>(ema[i]), src, ema_w));
     }
   }
 }
@@ -200,8 +206,8 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
     using P = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, l.grads[0].scalar_type(), "fused_update_cuda_g", [&] {
       using G = scalar_t;
-      if constexpr (std::is_same_v<P, double> || std::is_same_v<G, double>) {
-        TORCH_CHECK(false, "fused optimizer: float64 tensors are not supported");
+      if constexpr (std::is_same_v<P, double> != std::is_same_v<G, double>) {
+        TORCH_INTERNAL_ASSERT(false, "fused optimizer: float64 params need float64 grads (checked by the op)");
       } else {
         auto run = [&](auto kind_tag) {
           constexpr OptimKind K = decltype(kind_tag)::value;

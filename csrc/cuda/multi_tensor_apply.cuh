@@ -132,15 +132,16 @@ __device__ __forceinline__ bool is_aligned(const T* p) {
   return reinterpret_cast<uintptr_t>(p) % sizeof(AlignedVec<T>) == 0;
 }
 
-template <typename T>
-__device__ __forceinline__ void load_vec(float* dst, const T* src) {
+// kILP elements of T loaded into (stored from) registers of the compute type C.
+template <typename C, typename T>
+__device__ __forceinline__ void load_vec(C* dst, const T* src) {
   AlignedVec<T> v = *reinterpret_cast<const AlignedVec<T>*>(src);
 #pragma unroll
-  for (int k = 0; k < kILP; ++k) dst[k] = static_cast<float>(v.v[k]);
+  for (int k = 0; k < kILP; ++k) dst[k] = static_cast<C>(v.v[k]);
 }
 
-template <typename T>
-__device__ __forceinline__ void store_vec(T* dst, const float* src) {
+template <typename T, typename C>
+__device__ __forceinline__ void store_vec(T* dst, const C* src) {
   AlignedVec<T> v;
 #pragma unroll
   for (int k = 0; k < kILP; ++k) v.v[k] = static_cast<T>(src[k]);

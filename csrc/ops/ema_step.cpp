@@ -10,7 +10,6 @@
 #include <ATen/ops/clamp_max.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/full_like.h>
-#include <ATen/ops/lerp.h>
 #include <ATen/ops/minimum.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/stack.h>
@@ -88,21 +87,12 @@ void ema_step_impl(at::TensorList ema, at::TensorList src, at::TensorList copy_d
     return found_inf->device() == dev ? *found_inf : found_inf->to(dev);
   };
 
-  // Averaged: one ema_update_ pass per device; float64 tensors (which the
-  // kernels do not take) with ATen's lerp.
+  // Averaged: one ema_update_ pass per device.
   std::map<std::string, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> by_device;
   for (size_t i = 0; i < ema.size(); ++i) {
     TORCH_CHECK_VALUE(ema[i].sizes() == src[i].sizes() && ema[i].scalar_type() == src[i].scalar_type(), op,
                       ": ema[", i, "] (", ema[i].scalar_type(), ema[i].sizes(), ") and src[", i, "] (",
                       src[i].scalar_type(), src[i].sizes(), ") differ in dtype or shape");
-    if (ema[i].scalar_type() == at::kDouble) {
-      const auto dev = ema[i].device();
-      at::Tensor w = 1.0 - decay.to(dev, at::kDouble);
-      at::Tensor next = at::lerp(ema[i], src[i], w);
-      auto f = flag_on(dev);
-      ema[i].copy_(f ? at::where(*f != 0, ema[i], next) : next);
-      continue;
-    }
     auto& lists = by_device[ema[i].device().str()];
     lists.first.push_back(ema[i]);
     lists.second.push_back(src[i]);

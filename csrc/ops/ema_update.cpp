@@ -29,8 +29,9 @@ void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList 
     at::Tensor s = src[i];
     TORCH_CHECK(e.device() == dev, op, ": ema[", i, "] is on ", e.device(), " but decay is on ", dev);
     TORCH_CHECK(s.device() == dev, op, ": src[", i, "] is on ", s.device(), " but decay is on ", dev);
-    TORCH_CHECK(e.scalar_type() == at::kFloat || e.scalar_type() == at::kHalf || e.scalar_type() == at::kBFloat16,
-                op, ": ema[", i, "] has dtype ", e.scalar_type(), "; supported: float32, float16, bfloat16");
+    const auto t = e.scalar_type();
+    TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble, op, ": ema[", i,
+                "] has dtype ", t, "; supported: float32, float16, bfloat16, float64");
     TORCH_CHECK(s.scalar_type() == e.scalar_type(), op, ": src[", i, "] has dtype ", s.scalar_type(), " but ema[",
                 i, "] has dtype ", e.scalar_type());
     TORCH_CHECK(s.sizes() == e.sizes(), op, ": src[", i, "] has shape ", s.sizes(), " but ema[", i, "] has shape ",

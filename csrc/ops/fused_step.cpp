@@ -33,7 +33,7 @@ namespace {
 //   lion:   beta1, beta2, weight_decay
 // The state lists hold entries only for the groups that use them (adam's state3
 // = max_exp_avg_sq for amsgrad groups, sgd's state1 = momentum_buffer for groups
-// with momentum != 0); master_params one per non-float32 param of a
+// with momentum != 0); master_params one per float16/bfloat16 param of a
 // master_weights group; ema_params one per param of a has_ema group.
 constexpr int kCommon = 4;
 enum class Kind { Adam, SGD, Lion };
@@ -192,7 +192,10 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
     const bool has_ema = f[2] != 0.0;
     l.emas = ec.take(has_ema ? n : 0);
     std::vector<size_t> low, full;
-    for (size_t i = 0; i < n; ++i) (l.params[i].scalar_type() == at::kFloat ? full : low).push_back(i);
+    for (size_t i = 0; i < n; ++i) {
+      const auto t = l.params[i].scalar_type();
+      (t == at::kHalf || t == at::kBFloat16 ? low : full).push_back(i);
+    }
     const bool masters = f[1] != 0.0 && !low.empty();
     l.masters = mc.take(masters ? low.size() : 0);
     if (n == 0) continue;
@@ -214,8 +217,8 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
       call_update(info.kind, l, lr, f, tail);
       continue;
     }
-    // Float32 params of a master_weights group are updated in place, the
-    // others through their fp32 master copy: one call each.
+    // Float32/float64 params of a master_weights group are updated in place,
+    // float16/bfloat16 ones through their fp32 master copy: one call each.
     for (const auto* idx : {&low, &full}) {
       std::vector<at::Tensor> v[7];
       auto pick = [&](at::TensorList from, std::vector<at::Tensor>& out) -> at::TensorList {

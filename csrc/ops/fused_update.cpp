@@ -16,7 +16,25 @@ namespace detail {
 namespace {
 
 bool is_supported_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+}
+
+// NOTE [float64 params]: a float64 param is updated in double precision with
+// float64 gradients and float64 state (as torch.optim keeps it); the other
+// params keep float32 state. The device scalars (lr, inverse scale, norm,
+// decay) stay float32 for every dtype.
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    default: return c10::toString(t);
+  }
+}
+
+at::ScalarType state_dtype(const at::Tensor& p) {
+  return p.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 void check_scalar(const char* op, const char* name, const at::Tensor& t, const at::Device& dev) {
@@ -26,8 +44,10 @@ void check_scalar(const char* op, const char* name, const at::Tensor& t, const a
   TORCH_CHECK(t.device() == dev, op, ": ", name, " is on ", t.device(), " but params are on ", dev);
 }
 
+enum class Dtype { SameAsParam, State, Float32 };
+
 void check_companion(const char* op, const char* list, size_t i, const at::Tensor& t, const at::Tensor& p,
-                     bool same_dtype_as_param, bool must_be_fp32) {
+                     Dtype rule) {
   TORCH_CHECK(t.defined(), op, ": ", list, "[", i, "] is undefined");
   TORCH_CHECK(t.device() == p.device(), op, ": params[", i, "] is on ", p.device(), " but ", list, "[", i,
               "] is on ", t.device());
@@ -37,14 +57,11 @@ void check_companion(const char* op, const char* list, size_t i, const at::Tenso
               "] has shape ", p.sizes());
   TORCH_CHECK(t.strides() == p.strides(), op, ": ", list, "[", i, "] has strides ", t.strides(),
               " but params[", i, "] has strides ", p.strides(), "; state must share the parameter's layout");
-  if (must_be_fp32) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", list, "[", i, "] must be float32, got ",
-                t.scalar_type());
-  }
-  if (same_dtype_as_param) {
-    TORCH_CHECK(t.scalar_type() == p.scalar_type(), op, ": ", list, "[", i, "] has dtype ", t.scalar_type(),
-                " but params[", i, "] has dtype ", p.scalar_type());
-  }
+  const at::ScalarType want = rule == Dtype::SameAsParam ? p.scalar_type()
+                             : rule == Dtype::State      ? state_dtype(p)
+                                                         : at::kFloat;
+  TORCH_CHECK(t.scalar_type() == want, op, ": ", list, "[", i, "] has dtype ", dtype_name(t.scalar_type()),
+              " but must be ", dtype_name(want), " (params[", i, "] is ", dtype_name(p.scalar_type()), ")");
 }
 
 void check_list_size(const char* op, const char* list, const std::vector<at::Tensor>& v, size_t n) {
@@ -89,7 +106,7 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
                 "; all params of one group must be on one device");
     TORCH_CHECK(p.layout() == at::kStrided, op, ": params[", i, "] must be dense, got ", p.layout());
     TORCH_CHECK(is_supported_float(p.scalar_type()), op, ": params[", i, "] has dtype ", p.scalar_type(),
-                "; supported: float32, float16, bfloat16");
+                "; supported: float32, float16, bfloat16, float64");
     if (!p.is_non_overlapping_and_dense()) {
       TORCH_CHECK(at::has_internal_overlap(p) != at::MemOverlap::Yes, op, ": params[", i,
                   "] has elements that share memory (an expanded view); it cannot be updated in place");
@@ -103,7 +120,10 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
                 "; sparse gradients are not supported");
     TORCH_CHECK(!g.is_complex(), op, ": grads[", i, "] is complex; complex gradients are not supported");
     TORCH_CHECK(is_supported_float(g.scalar_type()), op, ": grads[", i, "] has dtype ", g.scalar_type(),
-                "; supported: float32, float16, bfloat16");
+                "; supported: float32, float16, bfloat16, float64");
+    TORCH_CHECK((g.scalar_type() == at::kDouble) == (p.scalar_type() == at::kDouble), op, ": grads[", i,
+                "] has dtype ", g.scalar_type(), " but params[", i, "] has dtype ", p.scalar_type(),
+                "; a float64 param needs a float64 gradient and the reverse (NOTE [float64 params])");
     TORCH_CHECK(g.device() == dev, op, ": params[", i, "] is on ", dev, " but grads[", i, "] is on ",
                 g.device());
     TORCH_CHECK(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(), " but params[", i,
@@ -118,11 +138,15 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     TORCH_CHECK(s.device() == dev, op, ": params[", i, "] is on ", dev, " but state_steps[", i, "] is on ",
                 s.device());
 
-    if (!lists.state1.empty()) check_companion(op, lists.state_names[0], i, lists.state1[i], p, false, true);
-    if (!lists.state2.empty()) check_companion(op, lists.state_names[1], i, lists.state2[i], p, false, true);
-    if (!lists.state3.empty()) check_companion(op, lists.state_names[2], i, lists.state3[i], p, false, true);
-    if (!lists.master.empty()) check_companion(op, "master_params", i, lists.master[i], p, false, true);
-    if (!lists.ema.empty()) check_companion(op, "ema_params", i, lists.ema[i], p, true, false);
+    if (!lists.state1.empty()) check_companion(op, lists.state_names[0], i, lists.state1[i], p, Dtype::State);
+    if (!lists.state2.empty()) check_companion(op, lists.state_names[1], i, lists.state2[i], p, Dtype::State);
+    if (!lists.state3.empty()) check_companion(op, lists.state_names[2], i, lists.state3[i], p, Dtype::State);
+    if (!lists.master.empty()) {
+      TORCH_CHECK(p.scalar_type() != at::kDouble, op, ": params[", i, "] is float64 and has a master copy; "
+                  "master weights are for float16/bfloat16 params (pass none for float64 params)");
+      check_companion(op, "master_params", i, lists.master[i], p, Dtype::Float32);
+    }
+    if (!lists.ema.empty()) check_companion(op, "ema_params", i, lists.ema[i], p, Dtype::SameAsParam);
 
     UpdateLists& b = buckets[{static_cast<int>(p.scalar_type()), static_cast<int>(g.scalar_type())}];
     b.params.push_back(p);

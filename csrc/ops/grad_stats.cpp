@@ -34,8 +34,9 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_impl(GradStatsKernel kernel, at::T
     TORCH_CHECK(g.device() == dev, op, ": grads[", i, "] is on ", g.device(), " but grads[0] is on ", dev);
     TORCH_CHECK(g.layout() == at::kStrided, op, ": grads[", i, "] is ", g.layout(),
                 "; sparse gradients are not supported");
-    TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf || g.scalar_type() == at::kBFloat16,
-                op, ": grads[", i, "] has dtype ", g.scalar_type(), "; supported: float32, float16, bfloat16");
+    const auto t = g.scalar_type();
+    TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble, op, ": grads[", i,
+                "] has dtype ", t, "; supported: float32, float16, bfloat16, float64");
     if (g.numel() == 0) continue;
     // Any dense layout can be read linearly; other views are copied once.
     gs.push_back(g.is_non_overlapping_and_dense() ? g : g.contiguous());

@@ -23,7 +23,8 @@ double ref_sumsq(const std::vector<at::Tensor>& gs) {
 TEST(GradStats, MatchesScalarReferenceAcrossDtypesAndOddSizes) {
   at::manual_seed(0);
   std::vector<at::Tensor> gs = {at::randn({1}), at::randn({7}).to(at::kHalf), at::randn({1031}).to(at::kBFloat16),
-                                at::randn({65537}), at::randn({0}), at::randn({3, 5, 7})};
+                                at::randn({65537}), at::randn({0}), at::randn({3, 5, 7}),
+                                at::randn({4099}, at::kDouble)};
   auto [norm, found_inf] = fusetrain::grad_stats(gs);
   const double ref = std::sqrt(ref_sumsq(gs));
   EXPECT_NEAR(norm.item<float>(), ref, 1e-5 * ref);
@@ -58,8 +59,10 @@ TEST(GradStats, EmptyListGivesZeros) {
 }
 
 TEST(GradStats, RejectsBadDtype) {
-  std::vector<at::Tensor> gs = {at::randn({4}, at::kDouble)};
-  EXPECT_THROW(fusetrain::grad_stats(gs), c10::Error);
+  for (auto dt : {at::kLong, at::kComplexFloat}) {
+    std::vector<at::Tensor> gs = {at::ones({4}, dt)};
+    EXPECT_THROW(fusetrain::grad_stats(gs), c10::Error) << dt;
+  }
 }
 
 }  // namespace

@@ -633,6 +633,14 @@ def test_op_rejects_bad_arguments(device):
         fused_adam_(*lists(p, torch.randn(5, device=device, dtype=torch.float64)), **kw)
     with pytest.raises(RuntimeError, match="amsgrad"):
         fused_adam_(*lists(p, torch.randn(5, device=device)), **dict(kw, amsgrad=True))
+    # A float64 param keeps float64 state (NOTE [float64 params]) and has no master.
+    p64, g64 = p.double(), torch.randn(5, device=device, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] has dtype float32 but must be float64"):
+        fused_adam_(*lists(p64, g64), **kw)
+    st = [torch.zeros_like(p64)]
+    with pytest.raises(RuntimeError, match=r"params\[0\] is float64 and has a master copy"):
+        fused_adam_([p64], [g64], st, [torch.zeros_like(p64)], [], [torch.zeros((), device=device)],
+                    [torch.zeros_like(p)], [], **kw)
 
 
 @CUDA

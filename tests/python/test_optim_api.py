@@ -721,7 +721,7 @@ def test_bad_arguments_raise_naming_the_argument(name, kw, exc, match):
         OURS[name](_p(), **kw)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.complex128])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.bool])
 @pytest.mark.parametrize("name", list(OURS))
 def test_unsupported_param_dtype_rejected(name, dtype):
     p = torch.zeros(3, dtype=dtype)
@@ -734,8 +734,8 @@ def test_unsupported_param_dtype_rejected(name, dtype):
 @pytest.mark.parametrize("name", list(OURS))
 def test_unsupported_dtype_in_added_group_rejected(name):
     opt = OURS[name](_p())
-    with pytest.raises(TypeError, match="float64"):
-        opt.add_param_group(dict(params=[torch.zeros(3, dtype=torch.float64, requires_grad=True)]))
+    with pytest.raises(TypeError, match="int32"):
+        opt.add_param_group(dict(params=[torch.zeros(3, dtype=torch.int32)]))
 
 
 @pytest.mark.parametrize("name", list(OURS))

@@ -3,8 +3,8 @@ import meets, each case run against torch.optim itself.
 
 Argument checks are torch's own (same exception type and message), a loaded
 state dict whose ``step`` is a Python number steps, AdamW keeps decoupled
-weight decay whatever it loads, complex64 params are updated as real views and
-strided views as whole tensors, SGD takes sparse gradients, and
+weight decay whatever it loads, float64 params keep float64 state, complex
+params are updated as real views and strided views as whole tensors, SGD takes sparse gradients, and
 ``foreach``/``fused``/``capturable`` only name an implementation."""
 
 import copy
@@ -128,6 +128,91 @@ def test_complex64_params_match_torch(name, kw):
     again = OURS[name]([q.detach().clone().requires_grad_() for q in b], lr=0.01, **kw)
     again.load_state_dict(ours.state_dict())
     assert all(v.dtype == torch.complex64 for st in again.state.values() for k, v in st.items() if k != "step")
+
+
+WIDE_CASES = [("Adam", dict(weight_decay=0.1, amsgrad=True)), ("AdamW", {}), ("AdamW", dict(maximize=True)),
+              ("SGD", dict(momentum=0.9, nesterov=True, weight_decay=0.01)), ("SGD", {})]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+@pytest.mark.parametrize("name,kw", WIDE_CASES, ids=[f"{n}-{kw}" for n, kw in WIDE_CASES])
+def test_float64_and_complex128_params_match_torch(name, kw, dtype):
+    # NOTE [float64 params] in csrc/ops/fused_update.cpp: double-precision
+    # update and state. The lr is a power of two so that its float32 device
+    # copy is exact and the comparison can be at float64 rounding.
+    a, b = _twins(_params(shapes=((5, 3), (7,), (33,)), dtype=dtype))
+    theirs = TORCH[name](a, lr=2.0**-7, foreach=False, **kw)
+    ours = OURS[name](b, lr=2.0**-7, **kw)
+    _steps([(theirs, a), (ours, b)], 12)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-13)
+        for k, v in theirs.state[p].items():
+            if k != "step":
+                assert ours.state[q][k].dtype == dtype
+                torch.testing.assert_close(ours.state[q][k], v, rtol=1e-12, atol=1e-13)
+    # A state dict round trip keeps the wide state, both ways.
+    again = OURS[name]([q.detach().clone().requires_grad_() for q in b], lr=2.0**-7, **kw)
+    again.load_state_dict(theirs.state_dict())
+    assert all(v.dtype == dtype for st in again.state.values() for k, v in st.items() if k != "step")
+    back = TORCH[name]([q.detach().clone().requires_grad_() for q in b], lr=2.0**-7, foreach=False, **kw)
+    back.load_state_dict(ours.state_dict())
+    assert all(v.dtype == dtype for st in back.state.values() for k, v in st.items() if k != "step")
+
+
+def test_float64_params_with_clipping_master_weights_and_ema_match_the_reference():
+    # The whole tail at float64: global-norm clipping (torch's clip_grad_norm_
+    # then torch's AdamW), master_weights set (a float64 param needs no master:
+    # it is updated in place) and the EMA riding in the pass.
+    a, b = _twins(_params(shapes=((9, 4), (5,)), dtype=torch.float64))
+    theirs = torch.optim.AdamW(a, lr=2.0**-6, foreach=False)
+    ours = AdamW(b, lr=2.0**-6, max_grad_norm=0.5, master_weights=True)
+    ema_ref = [p.detach().clone() for p in a]
+    ema = [q.detach().clone() for q in b]
+    decay = torch.tensor(0.75)
+    ours.attach_ema(dict(zip(b, ema)), decay)
+    for i in range(8):
+        g = torch.Generator().manual_seed(50 + i)
+        grads = [torch.randn(p.shape, dtype=torch.float64, generator=g) * 3 for p in a]
+        for p, q, gr in zip(a, b, grads):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        torch.nn.utils.clip_grad_norm_(a, 0.5)
+        theirs.step()
+        ours.step()
+        for e, p in zip(ema_ref, a):
+            e.lerp_(p.detach(), 0.25)
+    assert "master_param" not in ours.state[b[0]]
+    # The clip coefficient is computed in float32 (the device norm is float32).
+    for p, q, e, f in zip(a, b, ema_ref, ema):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(f, e, rtol=1e-6, atol=1e-7)
+
+
+def test_one_group_mixing_float64_float32_and_bfloat16_params():
+    # Each param is stepped at its own precision in one step: float64 in
+    # double, float32 in place, bfloat16 through its float32 master.
+    torch.manual_seed(SEED)
+    init = [torch.randn(6, 5, dtype=torch.float64), torch.randn(11), torch.randn(9)]
+    ours_p = [init[0].clone(), init[1].clone(), init[2].to(torch.bfloat16)]
+    ref_p = [init[0].clone(), init[1].clone(), init[2].to(torch.bfloat16).float()]
+    for t in ours_p + ref_p:
+        t.requires_grad_()
+    ours = AdamW(ours_p, lr=2.0**-7, master_weights=True)
+    refs = [torch.optim.AdamW([p], lr=2.0**-7, foreach=False) for p in ref_p]
+    for i in range(6):
+        g = torch.Generator().manual_seed(300 + i)
+        for p, r in zip(ours_p, ref_p):
+            gr = torch.randn(p.shape, dtype=r.dtype, generator=g)
+            p.grad, r.grad = gr.to(p.dtype), gr.to(p.dtype).to(r.dtype)
+        ours.step()
+        for o in refs:
+            o.step()
+    torch.testing.assert_close(ours_p[0], ref_p[0], rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(ours_p[1], ref_p[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.state[ours_p[2]]["master_param"], ref_p[2], rtol=1e-6, atol=1e-6)
+    assert ours_p[2].dtype == torch.bfloat16
+    assert "master_param" not in ours.state[ours_p[0]] and "master_param" not in ours.state[ours_p[1]]
+    assert ours.state[ours_p[0]]["exp_avg"].dtype == torch.float64
+    assert ours.state[ours_p[2]]["exp_avg"].dtype == torch.float32
 
 
 @pytest.mark.parametrize("name,kw", [("AdamW", dict(weight_decay=0.05)), ("SGD", dict(momentum=0.9))])

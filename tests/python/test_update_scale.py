@@ -5,7 +5,9 @@ float32 non-finite flag: back off and reset the tracker on a non-finite step,
 otherwise count the clean step and multiply the scale by ``growth_factor``
 every ``growth_interval`` clean steps, unless the grown scale would be
 inf. With the usual power-of-two factors every product is exact, so the two
-trajectories must be bit-identical.
+trajectories must be bit-identical, with one difference by design: a backoff
+stops at the floor 2**-126 (the smallest normal float32; NOTE [scale floor])
+where torch's scale goes on to subnormals and 0.
 """
 
 import random
@@ -19,6 +21,7 @@ from fusetrain._ops import update_scale_
 from _test_helpers import CUDA, DEVICES
 
 F32_MAX = torch.finfo(torch.float32).max
+FLOOR = 2.0**-126
 
 
 def state(scale, tracker, device):
@@ -34,6 +37,8 @@ def run_both(scale, tracker, flags, growth_factor, backoff_factor, growth_interv
         found_inf = torch.tensor(flag, dtype=torch.float32, device=device)
         update_scale_(ours[0], ours[1], found_inf, growth_factor, backoff_factor, growth_interval)
         torch._amp_update_scale_(ref[0], ref[1], found_inf, growth_factor, backoff_factor, growth_interval)
+        if flag != 0 and not ref[0].item() > FLOOR:  # NaN included
+            ref[0].fill_(FLOOR)
         yield ours, ref
 
 
@@ -63,9 +68,9 @@ def test_random_sequences_match_torch(device, growth_interval, p_inf):
         prev = cur
     # The sequences exercise what they claim to: all clean steps grow the scale
     # until 2**127 (111 doublings of 2**16; the next one would be inf), all
-    # non-finite ones halve it down to the smallest subnormal 2**-149 and then 0.
+    # non-finite ones halve it down to the floor 2**-126, where it stays.
     if p_inf == 1.0:
-        assert grew == 0 and backed_off == 16 + 149 + 1 and ours[0].item() == 0.0
+        assert grew == 0 and backed_off == 16 + 126 and ours[0].item() == FLOOR
     if p_inf == 0.0:
         assert backed_off == 0 and grew == min(300 // growth_interval, 127 - 16)
 
@@ -128,11 +133,19 @@ def test_growth_just_below_max_is_taken(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_backoff_to_subnormal_and_zero(device):
-    flags = [1.0] * 160
+def test_backoff_stops_at_the_floor(device):
+    # torch's scale reaches 0 after 150 halvings of 1.0 and the next finite
+    # step unscales by 1/0; this one stops at the smallest normal float32 and
+    # grows again from there.
+    flags = [1.0] * 160 + [0.0] * 3
     for i, (ours, ref) in enumerate(run_both(1.0, 0, flags, 2.0, 0.5, 3, device)):
         assert_same(ours, ref, f"step {i}")
-    assert ours[0].item() == 0.0  # 2**-160 underflows
+        if i == 159:
+            assert ours[0].item() == FLOOR
+    assert ours[0].item() == 2 * FLOOR
+    odd = state(3 * FLOOR, 0, device)  # a backoff that would land between floor and 0
+    update_scale_(odd[0], odd[1], torch.ones((), device=device), 2.0, 0.25, 3)
+    assert odd[0].item() == FLOOR
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -21,10 +21,22 @@ from torch.optim import Optimizer
 
 from .. import _ops
 
-# complex64 params are updated as float32 real views (torch.view_as_real), as
-# torch.optim does; their state is complex64 like torch's.
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.complex64)
+# Complex params are updated as real views (torch.view_as_real), as torch.optim
+# does; their state is complex like torch's. NOTE [float64 params] in
+# csrc/ops/fused_update.cpp: float64 params keep float64 state.
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64,
+                     torch.complex128)
+_SUPPORTED_NAMES = "float32, float16, bfloat16, float64, complex64, complex128"
 _LOW = (torch.float16, torch.bfloat16)
+
+
+def _state_dtype(p: Tensor, complex_state: bool = True) -> torch.dtype:
+    """The dtype of ``p``'s optimizer state: float64 (complex128) for float64
+    (complex128) params, float32 (complex64) for the others."""
+    wide = p.dtype in (torch.float64, torch.complex128)
+    if p.is_complex() and complex_state:
+        return torch.complex128 if wide else torch.complex64
+    return torch.float64 if wide else torch.float32
 
 
 def _check_range(opt: str, name: str, value: Any, low: float, high: Optional[float] = None,
@@ -133,7 +145,7 @@ class FusedOptimizer(Optimizer):
         for i, p in enumerate(group["params"]):
             if p.dtype not in _SUPPORTED_DTYPES:
                 raise TypeError(f"{self._opt_name}: param {i} of group {gi} has dtype {p.dtype}; "
-                                "supported: float32, float16, bfloat16, complex64")
+                                f"supported: {_SUPPORTED_NAMES}")
             if p.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{self._opt_name}: param {i} of group {gi} is on {p.device}; supported: cpu, cuda")
             devices.add(p.device)
@@ -168,10 +180,10 @@ class FusedOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict saved by this optimizer or by the matching
-        torch.optim optimizer. Optimizer state stays float32 whatever the
-        param dtype (torch would cast it to the param dtype; complex64 params
-        keep complex64 state, as in torch) and step counters move to the
-        param's device as float32 tensors."""
+        torch.optim optimizer. Optimizer state is float32 for float32,
+        float16 and bfloat16 params (torch would cast it to the param dtype)
+        and float64 for float64 params; complex params keep complex state, as
+        in torch. Step counters move to the param's device as float32 tensors."""
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         super().load_state_dict(state_dict)
@@ -187,7 +199,7 @@ class FusedOptimizer(Optimizer):
                 if isinstance(v, Tensor):
                     if v.is_sparse:  # torch's SGD keeps a sparse momentum buffer for sparse gradients
                         v = v.to_dense()
-                    dtype = torch.complex64 if (p.is_complex() and v.is_complex()) else torch.float32
+                    dtype = _state_dtype(p, complex_state=v.is_complex())
                     self.state[p][k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
         self._lr_cache.clear()
 
@@ -264,8 +276,7 @@ class FusedOptimizer(Optimizer):
             state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
         for name in self._state_names(group):
             if name not in state:
-                dtype = p.dtype if p.is_complex() else torch.float32
-                state[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                state[name] = torch.zeros_like(p, dtype=_state_dtype(p), memory_format=torch.preserve_format)
         if group["master_weights"] and p.dtype in _LOW and "master_param" not in state:
             state["master_param"] = p.detach().to(dtype=torch.float32, memory_format=torch.preserve_format)
 
@@ -333,7 +344,7 @@ class FusedOptimizer(Optimizer):
                 self._ensure_state(group, p)
             state = self.state[p]
             steps.append(state["step"])
-            if cplx:  # complex64: the op updates float32 real views, as torch.optim does
+            if cplx:  # the op updates real views, as torch.optim does
                 params.append(torch.view_as_real(p))
                 grads.append(torch.view_as_real(g))
                 if ema_list is not None:

@@ -61,19 +61,19 @@ class Adam(FusedOptimizer):
 
 
 class AdamW(Adam):
-    # torch.optim.AdamW keeps decoupled weight decay whatever state it loads
-    # (an Adam state dict included).
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group["decoupled_weight_decay"] = True
-
     """AdamW (decoupled weight decay) with the arguments and defaults of
     :class:`torch.optim.AdamW` (weight_decay=1e-2); see :class:`Adam` for the
     fused step and the extra arguments."""
 
     _opt_name = "AdamW"
     _decoupled_default = True
+
+    # torch.optim.AdamW keeps decoupled weight decay whatever state it loads
+    # (an Adam state dict included).
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
