@@ -2,7 +2,8 @@
 
 Usage::
 
-    python -m fusetrain.train_from_recipe [--config-name=NAME] [--config-dir=DIR] [--print-config] [override ...]
+    python -m fusetrain.train_from_recipe [--config-name=NAME] [--config-dir=DIR] [--print-config]
+                                          [--plot-lr=PATH] [override ...]
 
 With no arguments the ``default`` recipe runs (digits_cnn on the embedded
 digits). Shipped recipes live in ``fusetrain/recipes`` (``--list`` prints
@@ -57,7 +58,8 @@ import sys
 from importlib import resources
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["RecipeError", "compose_recipe", "list_recipes", "load_recipe", "main", "recipes_dir", "run_recipe"]
+__all__ = ["RecipeError", "compose_recipe", "list_recipes", "load_recipe", "main", "plot_lr", "recipes_dir",
+           "run_recipe"]
 
 #: The top-level keys a recipe may have once composed.
 RECIPE_KEYS = ("experiment_name", "ckpt_root_dir", "training_params", "dataset_params", "arch_params")
@@ -268,6 +270,22 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
         raise RecipeError(f"{where}: {_error_text(exc)}") from exc
 
 
+def plot_lr(recipe: Dict[str, Any], path: str, where: str = "recipe") -> str:
+    """Write the learning-rate schedule of a validated recipe (steps per epoch
+    from its train loader) to ``path``; returns a summary line."""
+    from .training.data import build_dataloaders
+    from .training.schedules import LRSchedule, write_schedule
+    from .training.trainer import Trainer
+
+    p = _training_params(recipe, where)
+    try:
+        train_loader, _ = build_dataloaders(recipe["dataset_params"])
+        steps = Trainer._steps_per_epoch(train_loader, p)
+        return write_schedule(LRSchedule(p, steps), path)
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, ImportError, OSError) as exc:
+        raise RecipeError(f"{where}: {_error_text(exc)}") from exc
+
+
 def _training_params(recipe: Dict[str, Any], where: str):
     from .training.params import resolve_training_params
 
@@ -289,6 +307,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true",
                    help="print the composed recipe as YAML and exit without validating or training")
     p.add_argument("--list", action="store_true", help="list the available recipes and exit")
+    p.add_argument("--plot-lr", metavar="PATH", default=None,
+                   help="write the learning rate of every optimizer step the recipe will use to PATH (.png, .svg, "
+                        ".pdf or .csv) and exit without training")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. training_params.max_epochs=2")
     return p
 
@@ -313,6 +334,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(OmegaConf.to_yaml(compose_recipe(name, args.overrides, args.config_dir)), end="")
             return 0
         recipe = load_recipe(name, args.overrides, args.config_dir)
+        if args.plot_lr:
+            print(plot_lr(recipe, args.plot_lr, where=f"recipe {name!r}"))
+            return 0
         result = run_recipe(recipe, where=f"recipe {name!r}")
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)

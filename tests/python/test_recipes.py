@@ -254,3 +254,26 @@ def test_coco_and_mask_folder_datasets_need_their_paths(tmp_path, capsys):
                      f"dataset_params.root={tmp_path / 'nowhere'}", f"ckpt_root_dir={tmp_path / 'ck'}"]) == 2
     assert "nowhere/train/images not found" in capsys.readouterr().err
     assert not (tmp_path / "ck").exists()
+
+
+def test_plot_lr_writes_the_schedule_without_training(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    csv_path = tmp_path / "lr.csv"
+    assert tfr.main(["--plot-lr", str(csv_path), "training_params.lr_mode=poly", "training_params.max_epochs=3",
+                     "+training_params.lr_warmup_steps=4", "ckpt_root_dir=runs"]) == 0
+    assert "steps" in capsys.readouterr().out
+    rows = csv_path.read_text().splitlines()
+    assert rows[0] == "step,epoch,lr"
+    lrs = [float(r.split(",")[2]) for r in rows[1:]]
+    recipe = tfr.load_recipe("default", ["training_params.lr_mode=poly", "training_params.max_epochs=3",
+                                         "+training_params.lr_warmup_steps=4"])
+    from fusetrain.training.params import resolve_training_params
+    from fusetrain.training.schedules import LRSchedule
+
+    steps = len(lrs) // 3
+    assert lrs == LRSchedule(resolve_training_params(recipe["training_params"]), steps).sample(range(len(lrs)))
+    assert not (tmp_path / "runs").exists()  # nothing trained, nothing written
+    png = tmp_path / "lr.png"
+    assert tfr.main(["--plot-lr", str(png)]) == 0 and png.stat().st_size > 0
+    assert tfr.main(["--plot-lr", str(tmp_path / "lr.txt")]) == 2
+    assert "allowed: a path ending in .csv" in capsys.readouterr().err

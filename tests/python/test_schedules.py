@@ -1,10 +1,12 @@
 """LRSchedule: the learning rate of every optimizer step for each ``lr_mode``,
 with warmup in epochs or in steps, against values computed by hand from the
-definitions in docs/training_params.md."""
+definitions in docs/training_params.md and against torch.optim.lr_scheduler
+where torch has the same schedule."""
 
 import math
 
 import pytest
+import torch
 
 from fusetrain.training import resolve_training_params
 from fusetrain.training.schedules import LRSchedule
@@ -125,7 +127,8 @@ def test_warmup_longer_than_the_run_is_capped():
     assert_lrs(s, [0.25, 0.5, 0.75, 1.0])
 
 
-@pytest.mark.parametrize("mode", ["constant", "step", "cosine", "onecycle", "cyclic", "linear"])
+@pytest.mark.parametrize("mode", ["constant", "step", "cosine", "onecycle", "cyclic", "linear", "poly",
+                                  "exponential", "cosine_restarts"])
 def test_values_are_floats_in_range_for_every_step(mode):
     extra = {"lr_updates": [1]} if mode == "step" else {}
     s = schedule(7, lr_mode=mode, initial_lr=0.01, max_epochs=3, lr_warmup_epochs=1, **extra)
@@ -139,3 +142,91 @@ def test_steps_per_epoch_is_at_least_one():
     s = schedule(0, lr_mode="cosine", initial_lr=1.0, cosine_final_lr_ratio=0.0, max_epochs=3)
     assert s.steps_per_epoch == 1 and s.total_steps == 3
     assert_lrs(s, [1.0, 0.5, 0.0])
+
+
+def torch_lrs(make_scheduler, n, lr0):
+    """The lr torch's scheduler gives each of n steps (stepped once per step)."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr0)
+    sched = make_scheduler(opt)
+    out = []
+    for _ in range(n):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize("first,mult", [(1, 1), (1.5, 1), (1, 2), (0.5, 3)])
+def test_cosine_restarts_matches_torch(first, mult):
+    spe, epochs, lr0 = 4, 9, 0.1
+    s = schedule(spe, lr_mode="cosine_restarts", initial_lr=lr0, max_epochs=epochs, cosine_restart_epochs=first,
+                 cosine_restart_mult=mult, cosine_final_lr_ratio=0.05)
+    ref = torch_lrs(lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
+        o, T_0=int(first * spe), T_mult=mult, eta_min=lr0 * 0.05), spe * epochs, lr0)
+    assert_lrs(s, ref)
+    assert max(s.sample(range(spe * epochs))) == pytest.approx(lr0)
+
+
+@pytest.mark.parametrize("power", [0.9, 1.0, 2.0])
+def test_poly_matches_torch_polynomial_lr(power):
+    s = schedule(5, lr_mode="poly", initial_lr=0.2, max_epochs=4, poly_power=power)
+    ref = torch_lrs(lambda o: torch.optim.lr_scheduler.PolynomialLR(o, total_iters=20, power=power), 20, 0.2)
+    assert_lrs(s, ref)
+    assert s(19) > 0.0  # the last step keeps a small positive rate
+
+
+def test_poly_after_warmup_spans_the_remaining_steps():
+    s = schedule(4, lr_mode="poly", initial_lr=1.0, max_epochs=2, lr_warmup_steps=3, warmup_initial_lr=0.25)
+    expected = [0.5, 0.75, 1.0] + [(1 - k / 5) ** 0.9 for k in range(5)]
+    assert_lrs(s, expected)
+
+
+def test_exponential_per_epoch_matches_torch_and_is_smooth_within_an_epoch():
+    s1 = schedule(1, lr_mode="exponential", initial_lr=0.3, max_epochs=6, lr_decay_factor=0.7)
+    ref = torch_lrs(lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.7), 6, 0.3)
+    assert_lrs(s1, ref)
+    s4 = schedule(4, lr_mode="exponential", initial_lr=0.3, max_epochs=3, lr_decay_factor=0.7)
+    assert_lrs(s4, [0.3 * 0.7 ** (k / 4) for k in range(12)])
+
+
+def test_step_matches_torch_multistep_lr_per_epoch():
+    s = schedule(1, lr_mode="step", initial_lr=0.1, max_epochs=8, lr_updates=[2, 5, 6], lr_decay_factor=0.3)
+    ref = torch_lrs(lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[2, 5, 6], gamma=0.3), 8, 0.1)
+    assert_lrs(s, ref)
+
+
+def test_exponential_and_constant_warmup_forms():
+    common = dict(lr_mode="constant", initial_lr=0.8, max_epochs=2, lr_warmup_steps=4, warmup_initial_lr=0.05)
+    e = schedule(4, lr_warmup_mode="exponential", **common)
+    assert_lrs(e, [0.05 * 16 ** ((k + 1) / 4) for k in range(4)] + [0.8] * 4)
+    assert e(3) == pytest.approx(0.8)
+    c = schedule(4, lr_warmup_mode="constant", **common)
+    assert_lrs(c, [0.05] * 4 + [0.8] * 4)
+
+
+def test_a_function_of_the_step_is_the_whole_schedule():
+    s = schedule(3, lr_mode=lambda step: 0.5 / (1 + step), max_epochs=2)
+    assert_lrs(s, [0.5 / (1 + k) for k in range(6)])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -0.1, "0.1", torch.tensor(0.1), None])
+def test_a_schedule_function_returning_a_bad_value_names_the_step(bad):
+    s = schedule(3, lr_mode=lambda step: 0.1 if step < 2 else bad, max_epochs=2)
+    assert s(1) == 0.1
+    with pytest.raises(ValueError, match=r"lr_mode: the schedule function .* for step 2; allowed: a finite float"):
+        s(2)
+
+
+def test_bad_schedule_settings_are_rejected_naming_the_key():
+    from fusetrain.training.params import TrainingParamsError
+
+    with pytest.raises(TrainingParamsError, match="lr_mode: got a function with lr_warmup_epochs"):
+        resolve_training_params(dict(lr_mode=lambda s: 0.1, lr_warmup_epochs=1))
+    with pytest.raises(TrainingParamsError, match="warmup_initial_lr: got 0 with lr_warmup_mode 'exponential'"):
+        resolve_training_params(dict(lr_warmup_steps=5, lr_warmup_mode="exponential", warmup_initial_lr=0.0))
+    with pytest.raises(TrainingParamsError, match="lr_warmup_mode"):
+        resolve_training_params(dict(lr_warmup_mode="cosine"))
+    with pytest.raises(TrainingParamsError, match="cosine_restart_mult"):
+        resolve_training_params(dict(lr_mode="cosine_restarts", cosine_restart_mult=0))
+    with pytest.raises(TrainingParamsError, match="lr_mode"):
+        resolve_training_params(dict(lr_mode="plateau"))

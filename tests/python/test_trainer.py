@@ -206,7 +206,16 @@ LR_CASES = {
     "onecycle": {},
     "cyclic": {"cyclic_period_epochs": 1.0, "cyclic_min_lr_ratio": 0.2},
     "linear": {"linear_final_lr_ratio": 0.25, "lr_warmup_epochs": 1},
+    "poly": {"lr_warmup_steps": 2, "lr_warmup_mode": "exponential"},
+    "exponential": {"lr_decay_factor": 0.5},
+    "cosine_restarts": {"cosine_restart_epochs": 1.0, "cosine_restart_mult": 2, "lr_warmup_mode": "constant",
+                        "lr_warmup_steps": 1},
+    "function": {},
 }
+
+
+def _halving(step):
+    return 0.01 * 0.5 ** step
 
 
 @pytest.mark.parametrize("mode,optimizer", [(m, "AdamW") for m in LR_CASES] +
@@ -216,8 +225,8 @@ def test_lr_mode_follows_the_schedule(tmp_path, built_optimizers, mode, optimize
     applied = []
     built_optimizers.on_build.append(lambda opt: opt.register_step_pre_hook(
         lambda o, args, kwargs: applied.append(float(o.param_groups[-1]["lr"]))))
-    params = dict(lr_mode=mode, initial_lr=0.01, max_epochs=3, max_train_batches=3, optimizer=optimizer,
-                  zero_weight_decay_on_bias_and_bn=True, **LR_CASES[mode])
+    params = dict(lr_mode=_halving if mode == "function" else mode, initial_lr=0.01, max_epochs=3,
+                  max_train_batches=3, optimizer=optimizer, zero_weight_decay_on_bias_and_bn=True, **LR_CASES[mode])
     result, _ = run(tmp_path, **params)
     expected = LRSchedule(resolve_training_params({**FAST, **params}), 3).sample(range(9))
     # The lr of every optimizer step (float32 tensor for fused optimizers).
@@ -234,6 +243,8 @@ def test_lr_mode_follows_the_schedule(tmp_path, built_optimizers, mode, optimize
         assert applied[8] == pytest.approx(0.001, rel=1e-6)
     if mode == "step":
         assert applied == pytest.approx([0.01] * 3 + [0.005] * 3 + [0.0025] * 3, rel=1e-6)
+    if mode == "function":
+        assert applied == pytest.approx([0.01 * 0.5 ** k for k in range(9)], rel=1e-6)
 
 
 # ---- zero_weight_decay_on_bias_and_bn --------------------------------------------------------------------

@@ -5,6 +5,7 @@ generated reference page."""
 import copy
 import inspect
 import json
+import math
 import pathlib
 import pickle
 import subprocess
@@ -24,10 +25,11 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 EXPECTED_DEFAULTS = {
     "max_epochs": 10, "optimizer": "AdamW", "optimizer_params": {}, "initial_lr": 1e-3, "lr_mode": "constant",
-    "lr_updates": [], "lr_decay_factor": 0.1, "cosine_final_lr_ratio": 0.01, "linear_final_lr_ratio": 0.0,
+    "lr_updates": [], "lr_decay_factor": 0.1, "cosine_final_lr_ratio": 0.01, "cosine_restart_epochs": 10.0,
+    "cosine_restart_mult": 1, "poly_power": 0.9, "linear_final_lr_ratio": 0.0,
     "onecycle_pct_start": 0.3, "onecycle_div_factor": 25.0, "onecycle_final_div_factor": 1e4,
     "cyclic_min_lr_ratio": 0.1, "cyclic_period_epochs": 2.0, "lr_warmup_epochs": 0, "lr_warmup_steps": 0,
-    "warmup_initial_lr": None, "zero_weight_decay_on_bias_and_bn": False, "mixed_precision": False,
+    "lr_warmup_mode": "linear", "warmup_initial_lr": None, "zero_weight_decay_on_bias_and_bn": False, "mixed_precision": False,
     "scaler_params": {}, "torch_compile": False, "torch_compile_mode": "default", "torch_compile_options": {},
     "compile_step": "off",
     "ema": False, "ema_params": {}, "clip_grad_norm": None, "batch_accumulate": 1, "sync_bn": False,
@@ -69,7 +71,16 @@ CASES = [
     ("initial_lr", 0.01, True, _msg("initial_lr", True, "a float > 0")),
     ("initial_lr", 0.01, float("inf"), _msg("initial_lr", float("inf"), "a float > 0")),
     ("lr_mode", "cosine", "exp",
-     _msg("lr_mode", "exp", "one of 'constant', 'step', 'cosine', 'onecycle', 'cyclic', 'linear'")),
+     _msg("lr_mode", "exp", "one of 'constant', 'step', 'cosine', 'onecycle', 'cyclic', 'linear', 'poly', "
+          "'exponential', 'cosine_restarts' or a function step -> lr (from Python)")),
+    ("lr_mode", math.sqrt, 3,
+     _msg("lr_mode", 3, "one of 'constant', 'step', 'cosine', 'onecycle', 'cyclic', 'linear', 'poly', "
+          "'exponential', 'cosine_restarts' or a function step -> lr (from Python)")),
+    ("cosine_restart_epochs", 2.5, 0, _msg("cosine_restart_epochs", 0, "a float > 0")),
+    ("cosine_restart_mult", 2, 1.5, _msg("cosine_restart_mult", 1.5, "an int >= 1")),
+    ("poly_power", 2.0, -1.0, _msg("poly_power", -1.0, "a float > 0")),
+    ("lr_warmup_mode", "exponential", "cosine",
+     _msg("lr_warmup_mode", "cosine", "one of 'linear', 'constant', 'exponential'")),
     ("lr_updates", [2, 5], "3", _msg("lr_updates", "3", "a list of ints >= 1 (epochs)")),
     ("lr_updates", [2, 5], [2, 0], "training_params.lr_updates[1]: got 0 (int); allowed: an int >= 1"),
     ("lr_decay_factor", 0.5, 0, _msg("lr_decay_factor", 0, "a float in (0, 1]")),

@@ -8,17 +8,23 @@ recompiles. Resume needs only the step index.
 
 from __future__ import annotations
 
+import csv
 import math
-from typing import Sequence
+import os
+from typing import Callable, Sequence
 
-__all__ = ["LRSchedule"]
+__all__ = ["LRSchedule", "write_schedule"]
 
 
 class LRSchedule:
-    """lr(step) for the ``lr_mode`` of training_params, with linear warmup.
+    """lr(step) for the ``lr_mode`` of training_params, after a warmup of the
+    form ``lr_warmup_mode``.
 
     ``steps_per_epoch`` converts the epoch-based settings (lr_updates,
-    cyclic_period_epochs, lr_warmup_epochs) into optimizer steps."""
+    cyclic_period_epochs, cosine_restart_epochs, lr_warmup_epochs, the
+    per-epoch factor of ``exponential``) into optimizer steps. ``lr_mode`` may
+    also be a function of the 0-based step index (from Python), which then is
+    the whole schedule."""
 
     def __init__(self, params, steps_per_epoch: int) -> None:
         self.mode = params.lr_mode
@@ -27,21 +33,24 @@ class LRSchedule:
         self.total_steps = max(1, params.max_epochs * self.steps_per_epoch)
         warmup = params.lr_warmup_steps or params.lr_warmup_epochs * self.steps_per_epoch
         self.warmup_steps = min(int(warmup), self.total_steps)
+        self.warmup_mode = params.lr_warmup_mode
         wil = params.warmup_initial_lr
         self.warmup_initial_lr = self.initial_lr * 0.01 if wil is None else float(wil)
         self.p = params
 
     def __call__(self, step: int) -> float:
         """lr of the optimizer step with 0-based index ``step``."""
+        if callable(self.mode):
+            return _user_lr(self.mode, step)
         if step < self.warmup_steps:
-            frac = (step + 1) / self.warmup_steps
-            return self.warmup_initial_lr + (self.initial_lr - self.warmup_initial_lr) * frac
+            return self._warmup(step)
         p, lr0 = self.p, self.initial_lr
+        k = step - self.warmup_steps  # steps since warmup
         # Progress after warmup, in [0, 1]: 0 at the first step after warmup, 1 at
         # the last step of the run (the documented final values are those of the
         # last optimizer step).
         span = max(1, self.total_steps - self.warmup_steps - 1)
-        t = min(1.0, (step - self.warmup_steps) / span)
+        t = min(1.0, k / span)
         if self.mode == "constant":
             return lr0
         if self.mode == "step":
@@ -54,6 +63,17 @@ class LRSchedule:
         if self.mode == "linear":
             final = lr0 * p.linear_final_lr_ratio
             return lr0 + (final - lr0) * t
+        if self.mode == "poly":
+            # k / K with K the post-warmup steps: the last step keeps a small positive rate.
+            frac = min(1.0, k / max(1, self.total_steps - self.warmup_steps))
+            return lr0 * (1.0 - frac) ** p.poly_power
+        if self.mode == "exponential":
+            return lr0 * p.lr_decay_factor ** (k / self.steps_per_epoch)
+        if self.mode == "cosine_restarts":
+            pos, length = _restart_position(k, max(1.0, p.cosine_restart_epochs * self.steps_per_epoch),
+                                            p.cosine_restart_mult)
+            final = lr0 * p.cosine_final_lr_ratio
+            return final + 0.5 * (lr0 - final) * (1.0 + math.cos(math.pi * pos / length))
         if self.mode == "onecycle":
             start = lr0 / p.onecycle_div_factor
             end = start / p.onecycle_final_div_factor
@@ -64,13 +84,84 @@ class LRSchedule:
         if self.mode == "cyclic":
             low = lr0 * p.cyclic_min_lr_ratio
             period = max(1.0, p.cyclic_period_epochs * self.steps_per_epoch)
-            phase = ((step - self.warmup_steps) % period) / period
+            phase = (k % period) / period
             tri = 1.0 - abs(2.0 * phase - 1.0)  # 0 -> 1 -> 0 over a period
             return low + (lr0 - low) * tri
         raise ValueError(f"training_params.lr_mode: unknown mode {self.mode!r}")
 
+    def _warmup(self, step: int) -> float:
+        """Warmup step ``step`` of W: from ``warmup_initial_lr`` to ``initial_lr``
+        at the last warmup step (linear, geometric) or flat at ``warmup_initial_lr``."""
+        start, lr0 = self.warmup_initial_lr, self.initial_lr
+        frac = (step + 1) / self.warmup_steps
+        if self.warmup_mode == "constant":
+            return start
+        if self.warmup_mode == "exponential":
+            return start * (lr0 / start) ** frac
+        return start + (lr0 - start) * frac
+
     def sample(self, steps: Sequence[int]):
         return [self(s) for s in steps]
+
+
+def write_schedule(schedule: LRSchedule, path: str) -> str:
+    """Write the lr of every optimizer step of the run: a ``.csv`` table
+    (step, epoch, lr) or an image (``.png``/``.svg``/``.pdf``, matplotlib) with
+    the epoch boundaries marked. Returns a one-line summary."""
+    n = schedule.total_steps
+    lrs = schedule.sample(range(n))
+    spe = schedule.steps_per_epoch
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".csv", ".png", ".svg", ".pdf"):
+        raise ValueError(f"--plot-lr: got {path!r}; allowed: a path ending in .csv, .png, .svg or .pdf")
+    if ext == ".csv":
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "epoch", "lr"])
+            for k, lr in enumerate(lrs):
+                w.writerow([k, k // spe, repr(lr)])
+    else:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ValueError(f"--plot-lr {path}: an image needs matplotlib (pip install 'fusetrain[logging]'); "
+                             f"a .csv path needs nothing") from e
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.plot(range(n), lrs, lw=1.2)
+        for e in range(1, -(-n // spe)):
+            ax.axvline(e * spe, color="0.85", lw=0.6, zorder=0)
+        mode = getattr(schedule.mode, "__name__", schedule.mode)
+        ax.set(xlabel=f"optimizer step ({spe} per epoch)", ylabel="learning rate",
+               title=f"lr_mode {mode}, warmup {schedule.warmup_steps} step(s) ({schedule.warmup_mode})")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    peak = max(range(n), key=lambda k: lrs[k])
+    return (f"{n} steps ({spe} per epoch): lr {lrs[0]:.4g} at step 0, peak {lrs[peak]:.4g} at step {peak}, "
+            f"{lrs[-1]:.4g} at the last step -> {path}")
+
+
+def _user_lr(fn: Callable[[int], float], step: int) -> float:
+    value = fn(step)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"training_params.lr_mode: the schedule function {getattr(fn, '__name__', fn)!r} returned "
+                         f"{value!r} for step {step}; allowed: a finite float >= 0 (a Python number, not a tensor)")
+    return float(value)
+
+
+def _restart_position(k: int, first: float, mult: int):
+    """(position in the current cycle, its length) for SGDR cycles of
+    ``first`` steps, each ``mult`` times longer than the one before."""
+    if mult == 1:
+        return k % first, first
+    length = first
+    while k >= length:
+        k -= length
+        length *= mult
+    return k, length
 
 
 def _cos_anneal(a: float, b: float, t: float) -> float:

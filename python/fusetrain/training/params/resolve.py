@@ -160,6 +160,14 @@ def _cross_checks(values: Dict[str, Any]) -> List[str]:
         errors.append(f"{ROOT}.lr_warmup_epochs / lr_warmup_steps: got {we!r} and {ws!r}; "
                       f"allowed: at most one of them > 0")
     errors += _check_watch(values)
+    warmup = we > 0 or ws > 0
+    if callable(values["lr_mode"]) and warmup:
+        errors.append(f"{ROOT}.lr_mode: got a function with lr_warmup_epochs {we!r} / lr_warmup_steps {ws!r}; "
+                      f"allowed: a schedule function is the whole schedule, so lr_warmup_epochs and lr_warmup_steps "
+                      f"must be 0 (put the warmup in the function)")
+    if warmup and values["lr_warmup_mode"] == "exponential" and values["warmup_initial_lr"] == 0:
+        errors.append(f"{ROOT}.warmup_initial_lr: got 0 with lr_warmup_mode 'exponential'; allowed: > 0 or None "
+                      f"(a geometric rise cannot start at 0)")
     if values["lr_mode"] == "step":
         ups, max_epochs = values["lr_updates"], values["max_epochs"]
         if not ups or ups != sorted(set(ups)) or ups[-1] >= max_epochs:

@@ -28,7 +28,8 @@ __all__ = ["ParamSpec", "TRAINING_PARAMS", "OPTIMIZERS", "LR_MODES", "TORCH_COMP
 #: The built-in optimizers by canonical name (names are matched case-insensitively).
 OPTIMIZERS: Mapping[str, Type[torch.optim.Optimizer]] = MappingProxyType(
     {"AdamW": AdamW, "Adam": Adam, "SGD": SGD, "Lion": Lion})
-LR_MODES = ("constant", "step", "cosine", "onecycle", "cyclic", "linear")
+LR_MODES = ("constant", "step", "cosine", "onecycle", "cyclic", "linear", "poly", "exponential", "cosine_restarts")
+WARMUP_MODES = ("linear", "constant", "exponential")
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 PRECISIONS = ("fp16", "bf16", "fp32")
 
@@ -210,26 +211,42 @@ _SPECS = [
     _p("initial_lr", float_range(min=0, min_inclusive=False), 1e-3, """
         The base (peak) learning rate: the value reached at the end of warmup, from which the schedule of `lr_mode`
         starts."""),
-    _p("lr_mode", choice(*LR_MODES), "constant", """
+    _p("lr_mode", any_of(choice(*LR_MODES), callable_value("a function step -> lr (from Python)")), "constant", """
         The learning-rate schedule after warmup, evaluated for each optimizer step on the host from the step index
         and written into the optimizer's learning-rate tensor (no host synchronisation, no recompilation under
         `torch.compile`). `constant` keeps `initial_lr`; `step` multiplies it by `lr_decay_factor` at each epoch of
-        `lr_updates`; `cosine` anneals it to `initial_lr * cosine_final_lr_ratio` along a half cosine; `linear`
+        `lr_updates` (torch's `MultiStepLR`); `exponential` multiplies it by `lr_decay_factor` per epoch, smoothly
+        from step to step; `cosine` anneals it to `initial_lr * cosine_final_lr_ratio` along a half cosine;
+        `cosine_restarts` does the same within cycles of `cosine_restart_epochs`, each `cosine_restart_mult` times
+        longer than the one before, restarting at `initial_lr` (torch's `CosineAnnealingWarmRestarts`); `poly` is
+        `initial_lr * (1 - k / K) ** poly_power` for post-warmup step k of K (the segmentation standard); `linear`
         decays it linearly to `initial_lr * linear_final_lr_ratio`; `onecycle` rises from
         `initial_lr / onecycle_div_factor` to `initial_lr` over the first `onecycle_pct_start` of the steps, then
         anneals to `initial_lr / (onecycle_div_factor * onecycle_final_div_factor)` (both phases cosine, like
         `torch.optim.lr_scheduler.OneCycleLR`); `cyclic` is a triangular wave between
         `initial_lr * cyclic_min_lr_ratio` and `initial_lr` with a period of `cyclic_period_epochs`. The decaying
-        schedules span the steps from the end of warmup to the last step of `max_epochs`."""),
+        schedules span the steps from the end of warmup to the last step of `max_epochs`. From Python, a function
+        of the 0-based optimizer step returning the learning rate (a float) may be given instead: it is the whole
+        schedule (no warmup is added)."""),
     _p("lr_updates", _V_EPOCHS, [], """
         For `lr_mode: step`, the epochs at which the learning rate is multiplied by `lr_decay_factor`: an entry `e`
         applies from the moment `e` epochs are complete. With `lr_mode: step` the list must be non-empty, in
         increasing order without duplicates, and each entry below `max_epochs`; other modes ignore it."""),
     _p("lr_decay_factor", float_range(min=0, max=1, min_inclusive=False), 0.1, """
         For `lr_mode: step`, the factor applied at each epoch of `lr_updates`; after `k` of them the learning rate
-        is `initial_lr * lr_decay_factor ** k`."""),
+        is `initial_lr * lr_decay_factor ** k`. For `lr_mode: exponential`, the factor per epoch: after `e`
+        epochs (fractions included) past warmup the learning rate is `initial_lr * lr_decay_factor ** e`."""),
     _p("cosine_final_lr_ratio", float_range(min=0, max=1), 0.01, """
-        For `lr_mode: cosine`, the learning rate at the last optimizer step, as a fraction of `initial_lr`."""),
+        For `lr_mode: cosine`, the learning rate at the last optimizer step, as a fraction of `initial_lr`; for
+        `lr_mode: cosine_restarts`, the low end of each cycle."""),
+    _p("cosine_restart_epochs", float_range(min=0, min_inclusive=False), 10.0, """
+        For `lr_mode: cosine_restarts`, the length of the first cosine cycle in epochs (fractions allowed; at least
+        one optimizer step)."""),
+    _p("cosine_restart_mult", int_range(min=1), 1, """
+        For `lr_mode: cosine_restarts`, each cycle is this many times longer than the one before (1: equal
+        cycles)."""),
+    _p("poly_power", float_range(min=0, min_inclusive=False), 0.9, """
+        For `lr_mode: poly`, the exponent of `(1 - k / K)`."""),
     _p("linear_final_lr_ratio", float_range(min=0, max=1), 0.0, """
         For `lr_mode: linear`, the learning rate at the last optimizer step, as a fraction of `initial_lr`."""),
     _p("onecycle_pct_start", float_range(min=0, max=1, min_inclusive=False, max_inclusive=False), 0.3, """
@@ -255,6 +272,10 @@ _SPECS = [
     _p("lr_warmup_steps", int_range(min=0), 0, """
         Length of the linear learning-rate warmup in optimizer steps, for runs whose epochs are long; otherwise as
         `lr_warmup_epochs` (at most one of the two may be non-zero)."""),
+    _p("lr_warmup_mode", choice(*WARMUP_MODES), "linear", """
+        The form of the warmup: `linear` (above), `exponential` rises geometrically (step k of W runs at
+        `warmup_initial_lr * (initial_lr / warmup_initial_lr) ** ((k + 1) / W)`, so `warmup_initial_lr` must be
+        > 0), `constant` runs every warmup step at `warmup_initial_lr` and switches to the schedule after."""),
     _p("warmup_initial_lr", optional(float_range(min=0)), None, """
         The learning rate at the start of warmup; None means `initial_lr * 0.01`."""),
     _p("zero_weight_decay_on_bias_and_bn", boolean(), False, """
