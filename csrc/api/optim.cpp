@@ -1,4 +1,6 @@
-// fusetrain's torch::optim::Optimizer subclasses (see fusetrain/optim.h).
+// fusetrain::FusedOptimizer, the base of the C++ optimizers (see fusetrain/optim.h):
+// state containers, lr tensors and the step as one fusetrain::fused_step_ call.
+// The concrete optimizers are in optimizers.cpp.
 #include <fusetrain/amp.h>
 #include <fusetrain/optim.h>
 
@@ -13,6 +15,7 @@
 #include <tuple>
 
 #include "capture.h"
+#include "optim_internal.h"
 
 namespace fusetrain {
 namespace {
@@ -29,29 +32,10 @@ void check_not_capturing(const at::Device& dev, const char* what) {
   if (detail::stream_is_capturing(dev)) fail_capturing(dev, what);
 }
 
-void check_range(const char* opt, const char* name, double v, double lo, double hi, bool hi_open) {
-  TORCH_CHECK(v >= lo && (hi_open ? v < hi : v <= hi), opt, ": invalid ", name, " value: ", v, " (must be in [", lo,
-              ", ", hi, hi_open ? "))" : "])");
-}
-void check_nonneg(const char* opt, const char* name, double v) {
-  TORCH_CHECK(v >= 0.0, opt, ": invalid ", name, " value: ", v, " (must be >= 0)");
-}
-void check_betas(const char* opt, const std::tuple<double, double>& b) {
-  TORCH_CHECK(std::get<0>(b) >= 0.0 && std::get<0>(b) < 1.0, opt, ": invalid beta parameter at index 0: ",
-              std::get<0>(b), " (must be in [0, 1))");
-  TORCH_CHECK(std::get<1>(b) >= 0.0 && std::get<1>(b) < 1.0, opt, ": invalid beta parameter at index 1: ",
-              std::get<1>(b), " (must be in [0, 1))");
-}
-
-// NOTE [float64 params] in csrc/ops/fused_update.cpp: float64 state for float64
-// params, float32 for the others; fp32 masters for float16/bfloat16 params.
-at::Tensor state_zeros_like(const at::Tensor& p) {
-  const auto dtype = p.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
-}
-bool needs_master(const at::Tensor& p) { return p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16; }
-
 }  // namespace
+
+using api_detail::needs_master;
+using api_detail::state_zeros_like;
 
 // ---- param state ---------------------------------------------------------------
 void FusedParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -60,6 +44,9 @@ void FusedParamState::serialize(torch::serialize::OutputArchive& archive) const 
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_exp_avg_sq);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum_buffer);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(square_avg);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(grad_avg);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(acc_delta);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master);
 }
 void FusedParamState::serialize(torch::serialize::InputArchive& archive) {
@@ -68,70 +55,10 @@ void FusedParamState::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_sq);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, max_exp_avg_sq);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, momentum_buffer);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, square_avg);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, grad_avg);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, acc_delta);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, master);
-}
-
-// ---- options -------------------------------------------------------------------
-#define FT_COMMON_SERIALIZE()                            \
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);                  \
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);        \
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(maximize);            \
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_grad_norm);       \
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master_weights)
-#define FT_COMMON_DESERIALIZE()                            \
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);          \
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay); \
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, maximize);      \
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, max_grad_norm); \
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, master_weights)
-
-AdamOptions::AdamOptions(double lr) : lr_(lr) {}
-void AdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
-  FT_COMMON_SERIALIZE();
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(amsgrad);
-}
-void AdamOptions::serialize(torch::serialize::InputArchive& archive) {
-  FT_COMMON_DESERIALIZE();
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, amsgrad);
-}
-AdamWOptions::AdamWOptions(double lr) : lr_(lr) {}
-void AdamWOptions::serialize(torch::serialize::OutputArchive& archive) const {
-  FT_COMMON_SERIALIZE();
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(amsgrad);
-}
-void AdamWOptions::serialize(torch::serialize::InputArchive& archive) {
-  FT_COMMON_DESERIALIZE();
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, amsgrad);
-}
-SGDOptions::SGDOptions(double lr) : lr_(lr) {}
-void SGDOptions::serialize(torch::serialize::OutputArchive& archive) const {
-  FT_COMMON_SERIALIZE();
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(dampening);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(nesterov);
-}
-void SGDOptions::serialize(torch::serialize::InputArchive& archive) {
-  FT_COMMON_DESERIALIZE();
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, momentum);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, dampening);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, nesterov);
-}
-LionOptions::LionOptions(double lr) : lr_(lr) {}
-void LionOptions::serialize(torch::serialize::OutputArchive& archive) const {
-  FT_COMMON_SERIALIZE();
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
-}
-void LionOptions::serialize(torch::serialize::InputArchive& archive) {
-  FT_COMMON_DESERIALIZE();
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
 }
 
 // ---- FusedOptimizer ------------------------------------------------------------
@@ -241,11 +168,13 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
       FusedParamState probe = *s;
       init_state(probe, p, opts);  // defines what is missing; nothing is missing when ready
       for (const auto* t : {&probe.step(), &probe.exp_avg(), &probe.exp_avg_sq(), &probe.max_exp_avg_sq(),
-                            &probe.momentum_buffer(), &probe.master()})
+                            &probe.momentum_buffer(), &probe.square_avg(), &probe.grad_avg(), &probe.acc_delta(),
+                            &probe.master()})
         ready = ready && (!t->defined() || t->device() == p.device());
       ready = ready && probe.exp_avg().is_same(s->exp_avg()) && probe.exp_avg_sq().is_same(s->exp_avg_sq()) &&
               probe.max_exp_avg_sq().is_same(s->max_exp_avg_sq()) &&
-              probe.momentum_buffer().is_same(s->momentum_buffer());
+              probe.momentum_buffer().is_same(s->momentum_buffer()) && probe.square_avg().is_same(s->square_avg()) &&
+              probe.grad_avg().is_same(s->grad_avg()) && probe.acc_delta().is_same(s->acc_delta());
     }
     if (!ready) fail_capturing(p.device(), "optimizer state would be created (a param's first step)");
     return *s;
@@ -263,6 +192,9 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
   s->exp_avg_sq(to_dev(s->exp_avg_sq()));
   s->max_exp_avg_sq(to_dev(s->max_exp_avg_sq()));
   s->momentum_buffer(to_dev(s->momentum_buffer()));
+  s->square_avg(to_dev(s->square_avg()));
+  s->grad_avg(to_dev(s->grad_avg()));
+  s->acc_delta(to_dev(s->acc_delta()));
   s->master(to_dev(s->master()));
   init_state(*s, p, opts);  // fills whatever is still missing
   if (has_master && !s->master().defined()) s->master(p.detach().to(at::kFloat).clone());
@@ -291,126 +223,6 @@ void FusedOptimizer::refresh_lr_tensors() {
       entry.first = lr;
     }
   }
-}
-
-// ---- concrete optimizers -------------------------------------------------------
-#define FT_SERIALIZE_METHODS(Name, Kind)                                              \
-  void Name::save(torch::serialize::OutputArchive& archive) const {                 \
-    torch::optim::serialize<FusedParamState, Name##Options>(archive, *this);        \
-  }                                                                                  \
-  void Name::load(torch::serialize::InputArchive& archive) {                        \
-    torch::optim::serialize<FusedParamState, Name##Options>(archive, *this);        \
-  }                                                                                  \
-  const char* Name::kind() const { return Kind; }                                    \
-  double Name::group_max_grad_norm(const torch::optim::OptimizerOptions& o) const { \
-    return static_cast<const Name##Options&>(o).max_grad_norm();                    \
-  }                                                                                  \
-  bool Name::group_master_weights(const torch::optim::OptimizerOptions& o) const {  \
-    return static_cast<const Name##Options&>(o).master_weights();                   \
-  }                                                                                  \
-  bool Name::group_maximize(const torch::optim::OptimizerOptions& o) const {        \
-    return static_cast<const Name##Options&>(o).maximize();                         \
-  }
-
-FT_SERIALIZE_METHODS(Adam, "adam")
-FT_SERIALIZE_METHODS(AdamW, "adam")
-FT_SERIALIZE_METHODS(SGD, "sgd")
-FT_SERIALIZE_METHODS(Lion, "lion")
-
-template <typename O>
-static void check_adam_like(const char* name, const O& d) {
-  check_nonneg(name, "learning rate", d.lr());
-  check_nonneg(name, "epsilon", d.eps());
-  check_betas(name, d.betas());
-  check_nonneg(name, "weight_decay", d.weight_decay());
-  check_nonneg(name, "max_grad_norm", d.max_grad_norm());
-}
-
-Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamOptions d)
-    : FusedOptimizer(groups, std::make_unique<AdamOptions>(d)) {
-  check_adam_like("fusetrain::Adam", d);
-}
-AdamW::AdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamWOptions d)
-    : FusedOptimizer(groups, std::make_unique<AdamWOptions>(d)) {
-  check_adam_like("fusetrain::AdamW", d);
-}
-SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGDOptions d)
-    : FusedOptimizer(groups, std::make_unique<SGDOptions>(d)) {
-  const char* n = "fusetrain::SGD";
-  check_nonneg(n, "learning rate", d.lr());
-  check_nonneg(n, "momentum", d.momentum());
-  check_nonneg(n, "weight_decay", d.weight_decay());
-  check_nonneg(n, "max_grad_norm", d.max_grad_norm());
-  TORCH_CHECK(!d.nesterov() || (d.momentum() > 0 && d.dampening() == 0),
-              "fusetrain::SGD: nesterov momentum requires a momentum > 0 and zero dampening");
-}
-Lion::Lion(const std::vector<torch::optim::OptimizerParamGroup>& groups, LionOptions d)
-    : FusedOptimizer(groups, std::make_unique<LionOptions>(d)) {
-  const char* n = "fusetrain::Lion";
-  check_nonneg(n, "learning rate", d.lr());
-  check_betas(n, d.betas());
-  check_nonneg(n, "weight_decay", d.weight_decay());
-  check_nonneg(n, "max_grad_norm", d.max_grad_norm());
-}
-
-template <typename O>
-static void init_adam_state(FusedParamState& s, const at::Tensor& p, const O& o) {
-  if (!s.exp_avg().defined()) s.exp_avg(state_zeros_like(p));
-  if (!s.exp_avg_sq().defined()) s.exp_avg_sq(state_zeros_like(p));
-  if (o.amsgrad() && !s.max_exp_avg_sq().defined()) s.max_exp_avg_sq(state_zeros_like(p));
-}
-// NOTE [group records] in csrc/ops/fused_step.cpp: the optimizer's own fields.
-template <typename O>
-static void adam_fields(const O& o, bool decoupled, std::vector<double>& h) {
-  h.insert(h.end(), {std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
-                     o.amsgrad() ? 1.0 : 0.0, decoupled ? 1.0 : 0.0});
-}
-template <typename O>
-static void collect_adam_state(FusedLists& l, FusedParamState& s, const O& o) {
-  l.state1.push_back(s.exp_avg());
-  l.state2.push_back(s.exp_avg_sq());
-  if (o.amsgrad()) l.state3.push_back(s.max_exp_avg_sq());
-}
-
-void Adam::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& o) const {
-  init_adam_state(s, p, static_cast<const AdamOptions&>(o));
-}
-void Adam::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& o) const {
-  collect_adam_state(l, s, static_cast<const AdamOptions&>(o));
-}
-void Adam::kind_fields(const torch::optim::OptimizerOptions& o, std::vector<double>& h) const {
-  adam_fields(static_cast<const AdamOptions&>(o), false, h);
-}
-void AdamW::kind_fields(const torch::optim::OptimizerOptions& o, std::vector<double>& h) const {
-  adam_fields(static_cast<const AdamWOptions&>(o), true, h);
-}
-void AdamW::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& o) const {
-  init_adam_state(s, p, static_cast<const AdamWOptions&>(o));
-}
-void AdamW::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& o) const {
-  collect_adam_state(l, s, static_cast<const AdamWOptions&>(o));
-}
-void SGD::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
-  const auto& o = static_cast<const SGDOptions&>(oo);
-  h.insert(h.end(), {o.momentum(), o.dampening(), o.weight_decay(), o.nesterov() ? 1.0 : 0.0});
-}
-void SGD::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& oo) const {
-  const auto& o = static_cast<const SGDOptions&>(oo);
-  if (o.momentum() != 0 && !s.momentum_buffer().defined()) s.momentum_buffer(state_zeros_like(p));
-}
-void SGD::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& oo) const {
-  const auto& o = static_cast<const SGDOptions&>(oo);
-  if (o.momentum() != 0) l.state1.push_back(s.momentum_buffer());
-}
-void Lion::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
-  const auto& o = static_cast<const LionOptions&>(oo);
-  h.insert(h.end(), {std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay()});
-}
-void Lion::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions&) const {
-  if (!s.exp_avg().defined()) s.exp_avg(state_zeros_like(p));
-}
-void Lion::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions&) const {
-  l.state1.push_back(s.exp_avg());
 }
 
 }  // namespace fusetrain

@@ -41,6 +41,19 @@ struct AdamCoeffs {
   bool decoupled, amsgrad;
 };
 
+// RAdam: rho_t > 5 takes the rectified adaptive step, otherwise the
+// bias-corrected momentum step (torch.optim.RAdam).
+template <typename T>
+struct RAdamCoeffs {
+  T one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
+  T decay_mul;    // 1 - lr * weight_decay (decoupled only)
+  T inv_bc1;      // 1 / (1 - beta1^step)
+  T neg_lr;       // -lr
+  T sqrt_bc2;     // sqrt(1 - beta2^step)
+  T rect;         // the variance rectification term
+  bool decoupled, adaptive;
+};
+
 template <typename T>
 struct SGDCoeffs {
   T momentum, one_minus_dampening, weight_decay, neg_lr;
@@ -89,6 +102,25 @@ FT_HD void adam_update(V& p, V g, V& m, V& v, V* vmax_state, const AdamCoeffs<T>
 }
 
 template <typename V, typename T>
+FT_HD void radam_update(V& p, V g, V& m, V& v, const RAdamCoeffs<T>& c) {
+  if (c.weight_decay != T(0)) {
+    if (c.decoupled) {
+      p = p * V(c.decay_mul);
+    } else {
+      g = g + V(c.weight_decay) * p;
+    }
+  }
+  m = lerp_weight(m, g, c.one_minus_beta1);
+  v = v * V(c.beta2) + V(c.one_minus_beta2) * g * g;
+  const V corrected = m * V(c.inv_bc1);
+  if (c.adaptive) {
+    p = p - corrected * V(-c.neg_lr) * (V(c.sqrt_bc2) / (vsqrt(v) + V(c.eps))) * V(c.rect);
+  } else {
+    p = p - corrected * V(-c.neg_lr);
+  }
+}
+
+template <typename V, typename T>
 FT_HD void sgd_update(V& p, V g, V* buf, const SGDCoeffs<T>& c) {
   if (c.weight_decay != T(0)) g = g + V(c.weight_decay) * p;
   if (buf != nullptr) {
@@ -122,6 +154,10 @@ struct SGDHyper {
 };
 struct LionHyper {
   double beta1, beta2, weight_decay;
+};
+struct RAdamHyper {
+  double beta1, beta2, eps, weight_decay;
+  bool decoupled;
 };
 
 template <typename T>
@@ -169,6 +205,31 @@ FT_HD LionCoeffs<T> make_lion_coeffs(const LionHyper& h, float lr, float /*step*
   return c;
 }
 
+template <typename T>
+FT_HD RAdamCoeffs<T> make_radam_coeffs(const RAdamHyper& h, float lr, float step) {
+  RAdamCoeffs<T> c;
+  c.one_minus_beta1 = static_cast<T>(1.0 - h.beta1);
+  c.beta2 = static_cast<T>(h.beta2);
+  c.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
+  c.eps = static_cast<T>(h.eps);
+  c.weight_decay = static_cast<T>(h.weight_decay);
+  const double lr_d = static_cast<double>(lr), t = static_cast<double>(step);
+  c.decay_mul = static_cast<T>(1.0 - lr_d * h.weight_decay);
+  const double beta2_t = ::pow(h.beta2, t);
+  const double bc1 = 1.0 - ::pow(h.beta1, t), bc2 = 1.0 - beta2_t;
+  c.inv_bc1 = static_cast<T>(1.0 / bc1);
+  c.neg_lr = static_cast<T>(-lr_d);
+  c.sqrt_bc2 = static_cast<T>(::sqrt(bc2));
+  const double rho_inf = 2.0 / (1.0 - h.beta2) - 1.0;
+  const double rho_t = rho_inf - 2.0 * t * beta2_t / bc2;
+  c.adaptive = rho_t > 5.0;
+  c.rect = c.adaptive ? static_cast<T>(::sqrt((rho_t - 4.0) * (rho_t - 2.0) * rho_inf /
+                                              ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)))
+                      : T(1);
+  c.decoupled = h.decoupled;
+  return c;
+}
+
 // Multiplier applied to every gradient element: inverse loss scale times the
 // clip coefficient min(1, max_norm / (norm + 1e-6)).
 FT_HD float grad_multiplier(const float* inv_scale, const float* grad_norm, float max_grad_norm) {
@@ -212,3 +273,5 @@ FT_HD void update_scale_math(float* scale, int* growth_tracker, float found_inf,
 
 }  // namespace detail
 }  // namespace fusetrain
+
+#include "rms_math.h"  // RMSprop, Adadelta

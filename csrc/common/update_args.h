@@ -15,13 +15,16 @@
 namespace fusetrain {
 namespace detail {
 
-enum class OptimKind : int { Adam = 0, SGD = 1, Lion = 2 };
+enum class OptimKind : int { Adam = 0, SGD = 1, Lion = 2, RMSprop = 3, Adadelta = 4, RAdam = 5 };
 
 struct OptimHyper {
   OptimKind kind = OptimKind::Adam;
   AdamHyper adam{};
   SGDHyper sgd{};
   LionHyper lion{};
+  RMSpropHyper rmsprop{};
+  AdadeltaHyper adadelta{};
+  RAdamHyper radam{};
   bool maximize = false;
   double max_grad_norm = 0.0;  // <= 0: no clipping
 };
@@ -32,6 +35,9 @@ struct OptimHyper {
 //   Adam: state1 = exp_avg, state2 = exp_avg_sq, state3 = max_exp_avg_sq
 //   SGD:  state1 = momentum_buffer
 //   Lion: state1 = exp_avg
+//   RMSprop: state1 = square_avg, state2 = momentum_buffer, state3 = grad_avg
+//   Adadelta: state1 = square_avg, state2 = acc_delta
+//   RAdam: state1 = exp_avg, state2 = exp_avg_sq
 struct UpdateLists {
   std::vector<at::Tensor> params, grads, state1, state2, state3, master, ema, steps;
   // Argument names of state1..3, for error messages.
@@ -89,6 +95,22 @@ void fused_lion_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
                      const at::Tensor& lr, double beta1, double beta2, double weight_decay, bool maximize,
                      const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
                      const OptT& ema_decay);
+void fused_rmsprop_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
+                        at::TensorList momentum_buffers, at::TensorList grad_avgs, at::TensorList state_steps,
+                        at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double alpha,
+                        double eps, double weight_decay, double momentum, bool centered, bool maximize,
+                        const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
+                        const OptT& ema_decay);
+void fused_adadelta_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
+                         at::TensorList acc_deltas, at::TensorList state_steps, at::TensorList master_params,
+                         at::TensorList ema_params, const at::Tensor& lr, double rho, double eps, double weight_decay,
+                         bool maximize, const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm,
+                         double max_grad_norm, const OptT& ema_decay);
+void fused_radam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
+                      at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
+                      double weight_decay, bool decoupled_weight_decay, bool maximize, const OptT& inv_scale,
+                      const OptT& found_inf, const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay);
 std::tuple<at::Tensor, at::Tensor> grad_stats_impl(GradStatsKernel kernel, at::TensorList grads,
                                                    const OptT& inv_scale);
 void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList src, const at::Tensor& decay,

@@ -1,4 +1,4 @@
-// CPU kernels for the fused optimizer update (Adam/AdamW, SGD, Lion).
+// CPU kernels for the fused optimizer update (every kind of optim_kinds.h).
 //
 // Work is split into (tensor, chunk) items run by at::parallel_for. Inside an
 // item, elements are processed in blocks: params/grads are converted to fp32
@@ -35,7 +35,7 @@ inline at::vec::Vectorized<C> vsign(at::vec::Vectorized<C> x) {
 }  // namespace detail
 }  // namespace fusetrain
 
-#include "../common/update_args.h"
+#include "../common/optim_kinds.h"
 #include "work_items.h"
 
 namespace fusetrain {
@@ -77,12 +77,7 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
   P* ema = has_ema ? l.ema[t].data_ptr<P>() + it.begin : nullptr;
   const float step = *l.steps[t].const_data_ptr<float>();
 
-  AdamCoeffs<C> ac{};
-  SGDCoeffs<C> sc{};
-  LionCoeffs<C> lc{};
-  if constexpr (K == OptimKind::Adam) ac = make_adam_coeffs<C>(h.adam, lr, step);
-  if constexpr (K == OptimKind::SGD) sc = make_sgd_coeffs<C>(h.sgd, lr, step);
-  if constexpr (K == OptimKind::Lion) lc = make_lion_coeffs<C>(h.lion, lr, step);
+  const auto co = make_coeffs<K, C>(h, lr, step);
 
   alignas(64) float pb[kBlock];
   alignas(64) C gb[kBlock];
@@ -125,31 +120,14 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
       Vec p = Vec::loadu(pw + i, c);
       Vec g = Vec::loadu(gw + i, c) * vgmul;
       if (h.maximize) g = g.neg();
-      if constexpr (K == OptimKind::Adam) {
-        Vec mo = Vec::loadu(m1 + i, c);
-        Vec v = Vec::loadu(m2 + i, c);
-        if (m3 != nullptr) {
-          Vec vm = Vec::loadu(m3 + i, c);
-          adam_update(p, g, mo, v, &vm, ac);
-          vm.store(m3 + i, c);
-        } else {
-          adam_update<Vec>(p, g, mo, v, nullptr, ac);
-        }
-        mo.store(m1 + i, c);
-        v.store(m2 + i, c);
-      } else if constexpr (K == OptimKind::SGD) {
-        if (m1 != nullptr) {
-          Vec b = Vec::loadu(m1 + i, c);
-          sgd_update(p, g, &b, sc);
-          b.store(m1 + i, c);
-        } else {
-          sgd_update<Vec>(p, g, nullptr, sc);
-        }
-      } else {
-        Vec mo = Vec::loadu(m1 + i, c);
-        lion_update(p, g, mo, lc);
-        mo.store(m1 + i, c);
-      }
+      // State lists a group does not use are null; their registers stay unused.
+      Vec r1 = m1 ? Vec::loadu(m1 + i, c) : Vec(C(0));
+      Vec r2 = m2 ? Vec::loadu(m2 + i, c) : Vec(C(0));
+      Vec r3 = m3 ? Vec::loadu(m3 + i, c) : Vec(C(0));
+      apply_update<K>(p, g, m1 ? &r1 : nullptr, m2 ? &r2 : nullptr, m3 ? &r3 : nullptr, co);
+      if (m1) r1.store(m1 + i, c);
+      if (m2) r2.store(m2 + i, c);
+      if (m3) r3.store(m3 + i, c);
       p.store(pw + i, c);
     }
     // Store the (rounded) param when the update did not run on its storage.
@@ -191,15 +169,9 @@ void update_bucket(const UpdateLists& l, const OptimHyper& h, float lr, float gm
 template <typename P, typename G>
 void update_dispatch_kind(const UpdateLists& l, const OptimHyper& h, float lr, float gmul, float ema_w,
                           bool has_ema) {
-  switch (h.kind) {
-    case OptimKind::Adam:
-      return update_bucket<OptimKind::Adam, P, G>(l, h, lr, gmul, ema_w, has_ema);
-    case OptimKind::SGD:
-      return update_bucket<OptimKind::SGD, P, G>(l, h, lr, gmul, ema_w, has_ema);
-    case OptimKind::Lion:
-      return update_bucket<OptimKind::Lion, P, G>(l, h, lr, gmul, ema_w, has_ema);
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown optimizer kind");
+  dispatch_kind(h.kind, [&](auto kind) {
+    update_bucket<decltype(kind)::value, P, G>(l, h, lr, gmul, ema_w, has_ema);
+  });
 }
 
 }  // namespace
@@ -238,4 +210,7 @@ TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
   m.impl("fused_adam_", bind_kernel<&fused_adam_impl, &fused_update_cpu>());
   m.impl("fused_sgd_", bind_kernel<&fused_sgd_impl, &fused_update_cpu>());
   m.impl("fused_lion_", bind_kernel<&fused_lion_impl, &fused_update_cpu>());
+  m.impl("fused_rmsprop_", bind_kernel<&fused_rmsprop_impl, &fused_update_cpu>());
+  m.impl("fused_adadelta_", bind_kernel<&fused_adadelta_impl, &fused_update_cpu>());
+  m.impl("fused_radam_", bind_kernel<&fused_radam_impl, &fused_update_cpu>());
 }

@@ -1,4 +1,4 @@
-// CUDA kernels for the fused optimizer update (Adam/AdamW, SGD, Lion).
+// CUDA kernels for the fused optimizer update (every kind of optim_kinds.h).
 //
 // One pass: each element of param, grad and state is read once and written
 // once; the unscale/clip multiplier, the non-finite skip, master weights and
@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "../common/update_args.h"
+#include "../common/optim_kinds.h"
 #include "multi_tensor_apply.cuh"
 
 namespace fusetrain {
@@ -34,9 +34,7 @@ struct StepPtrs {
 };
 
 struct KernelArgs {
-  AdamHyper adam;
-  SGDHyper sgd;
-  LionHyper lion;
+  OptimHyper hyper;
   bool maximize;
   float max_grad_norm;
   const float* lr;
@@ -59,35 +57,6 @@ __global__ void increment_steps_kernel(StepPtrs steps, int n, const float* found
 template <typename P>
 using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
 
-template <OptimKind K, typename C>
-struct Coeffs;
-template <typename C>
-struct Coeffs<OptimKind::Adam, C> {
-  AdamCoeffs<C> c;
-  __device__ Coeffs(const KernelArgs& a, float lr, float step) : c(make_adam_coeffs<C>(a.adam, lr, step)) {}
-};
-template <typename C>
-struct Coeffs<OptimKind::SGD, C> {
-  SGDCoeffs<C> c;
-  __device__ Coeffs(const KernelArgs& a, float lr, float step) : c(make_sgd_coeffs<C>(a.sgd, lr, step)) {}
-};
-template <typename C>
-struct Coeffs<OptimKind::Lion, C> {
-  LionCoeffs<C> c;
-  __device__ Coeffs(const KernelArgs& a, float lr, float step) : c(make_lion_coeffs<C>(a.lion, lr, step)) {}
-};
-
-template <OptimKind K, typename C>
-__device__ __forceinline__ void apply_one(C& p, C g, C* s1, C* s2, C* s3, const Coeffs<K, C>& co) {
-  if constexpr (K == OptimKind::Adam) {
-    adam_update(p, g, *s1, *s2, s3, co.c);
-  } else if constexpr (K == OptimKind::SGD) {
-    sgd_update(p, g, s1, co.c);
-  } else {
-    lion_update(p, g, *s1, co.c);
-  }
-}
-
 template <OptimKind K, typename P, typename G>
 __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta meta, KernelArgs a) {
   using C = Compute<P>;
@@ -99,7 +68,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
   const int64_t len = rem < kChunkSize ? rem : kChunkSize;
   const float lr = *a.lr;
   const float step = *meta.step[t];
-  const Coeffs<K, C> co(a, lr, step);
+  const auto co = make_coeffs<K, C>(a.hyper, lr, step);
   const C gmul = static_cast<C>(grad_multiplier(a.inv_scale, a.grad_norm, a.max_grad_norm));
   const C ema_w = a.ema_decay != nullptr ? static_cast<C>(1.f - *a.ema_decay) : C(0);
 
@@ -138,7 +107,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
 #pragma unroll
       for (int k = 0; k < kILP; ++k) {
         const C gk = finish(g[k]);
-        apply_one<K, C>(p[k], gk, s1 ? &r1[k] : nullptr, s2 ? &r2[k] : nullptr, s3 ? &r3[k] : nullptr, co);
+        apply_update<K>(p[k], gk, s1 ? &r1[k] : nullptr, s2 ? &r2[k] : nullptr, s3 ? &r3[k] : nullptr, co);
       }
       if (s1) cuda::store_vec(s1 + i, r1);
       if (s2) cuda::store_vec(s2 + i, r2);
@@ -160,7 +129,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
   for (int64_t i = vec_end + threadIdx.x; i < len; i += kBlockThreads) {
     C p = master ? static_cast<C>(master[i]) : static_cast<C>(param[i]);
     const C g = finish(static_cast<C>(grad[i]));
-    apply_one<K, C>(p, g, s1 ? s1 + i : nullptr, s2 ? s2 + i : nullptr, s3 ? s3 + i : nullptr, co);
+    apply_update<K>(p, g, s1 ? s1 + i : nullptr, s2 ? s2 + i : nullptr, s3 ? s3 + i : nullptr, co);
     if (master) master[i] = static_cast<float>(p);
     param[i] = static_cast<P>(p);
     if (ema) {
@@ -179,9 +148,7 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
   c10::cuda::CUDAGuard guard(l.params[0].device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   KernelArgs a;
-  a.adam = h.adam;
-  a.sgd = h.sgd;
-  a.lion = h.lion;
+  a.hyper = h;
   a.maximize = h.maximize;
   a.max_grad_norm = static_cast<float>(h.max_grad_norm);
   a.lr = scalar_ptr(s.lr);
@@ -209,24 +176,13 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
       if constexpr (std::is_same_v<P, double> != std::is_same_v<G, double>) {
         TORCH_INTERNAL_ASSERT(false, "fused optimizer: float64 params need float64 grads (checked by the op)");
       } else {
-        auto run = [&](auto kind_tag) {
-          constexpr OptimKind K = decltype(kind_tag)::value;
+        dispatch_kind(h.kind, [&](auto kind) {
+          constexpr OptimKind K = decltype(kind)::value;
           cuda::multi_tensor_apply<UpdateMeta>(lists, l.steps, [&](const UpdateMeta& meta, int blocks) {
             fused_update_kernel<K, P, G><<<blocks, kBlockThreads, 0, stream>>>(meta, a);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           });
-        };
-        switch (h.kind) {
-          case OptimKind::Adam:
-            run(std::integral_constant<OptimKind, OptimKind::Adam>{});
-            break;
-          case OptimKind::SGD:
-            run(std::integral_constant<OptimKind, OptimKind::SGD>{});
-            break;
-          case OptimKind::Lion:
-            run(std::integral_constant<OptimKind, OptimKind::Lion>{});
-            break;
-        }
+        });
       }
     });
   });
@@ -241,4 +197,7 @@ TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
   m.impl("fused_adam_", bind_kernel<&fused_adam_impl, &fused_update_cuda>());
   m.impl("fused_sgd_", bind_kernel<&fused_sgd_impl, &fused_update_cuda>());
   m.impl("fused_lion_", bind_kernel<&fused_lion_impl, &fused_update_cuda>());
+  m.impl("fused_rmsprop_", bind_kernel<&fused_rmsprop_impl, &fused_update_cuda>());
+  m.impl("fused_adadelta_", bind_kernel<&fused_adadelta_impl, &fused_update_cuda>());
+  m.impl("fused_radam_", bind_kernel<&fused_radam_impl, &fused_update_cuda>());
 }

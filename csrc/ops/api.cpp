@@ -51,6 +51,37 @@ void fused_lion_(at::TensorList params, at::TensorList grads, at::TensorList exp
           tail.inv_scale, tail.found_inf, tail.grad_norm, tail.max_grad_norm, tail.ema_decay);
 }
 
+void fused_rmsprop_(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
+                    at::TensorList momentum_buffers, at::TensorList grad_avgs, at::TensorList state_steps,
+                    at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double alpha,
+                    double eps, double weight_decay, double momentum, bool centered, bool maximize,
+                    const FusedTail& tail) {
+  static auto op = op_handle<&detail::fused_rmsprop_impl>("fusetrain::fused_rmsprop_");
+  op.call(params, grads, square_avgs, momentum_buffers, grad_avgs, state_steps, master_params, ema_params, lr, alpha,
+          eps, weight_decay, momentum, centered, maximize, tail.inv_scale, tail.found_inf, tail.grad_norm,
+          tail.max_grad_norm, tail.ema_decay);
+}
+
+void fused_adadelta_(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
+                     at::TensorList acc_deltas, at::TensorList state_steps, at::TensorList master_params,
+                     at::TensorList ema_params, const at::Tensor& lr, double rho, double eps, double weight_decay,
+                     bool maximize, const FusedTail& tail) {
+  static auto op = op_handle<&detail::fused_adadelta_impl>("fusetrain::fused_adadelta_");
+  op.call(params, grads, square_avgs, acc_deltas, state_steps, master_params, ema_params, lr, rho, eps,
+          weight_decay, maximize, tail.inv_scale, tail.found_inf, tail.grad_norm, tail.max_grad_norm,
+          tail.ema_decay);
+}
+
+void fused_radam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
+                  const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay,
+                  bool decoupled_weight_decay, bool maximize, const FusedTail& tail) {
+  static auto op = op_handle<&detail::fused_radam_impl>("fusetrain::fused_radam_");
+  op.call(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, lr, beta1, beta2, eps,
+          weight_decay, decoupled_weight_decay, maximize, tail.inv_scale, tail.found_inf, tail.grad_norm,
+          tail.max_grad_norm, tail.ema_decay);
+}
+
 void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay,
                  const std::optional<at::Tensor>& found_inf) {
   static auto op = op_handle<&detail::ema_update_impl>("fusetrain::ema_update_");

@@ -31,12 +31,16 @@ namespace {
 //   adam:   beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay
 //   sgd:    momentum, dampening, weight_decay, nesterov
 //   lion:   beta1, beta2, weight_decay
+//   rmsprop: alpha, eps, weight_decay, momentum, centered
+//   adadelta: rho, eps, weight_decay
+//   radam:  beta1, beta2, eps, weight_decay, decoupled_weight_decay
 // The state lists hold entries only for the groups that use them (adam's state3
 // = max_exp_avg_sq for amsgrad groups, sgd's state1 = momentum_buffer for groups
-// with momentum != 0); master_params one per float16/bfloat16 param of a
+// with momentum != 0; rmsprop's state2 = momentum_buffer for momentum > 0 and
+// state3 = grad_avg for centered groups); master_params one per float16/bfloat16 param of a
 // master_weights group; ema_params one per param of a has_ema group.
 constexpr int kCommon = 4;
-enum class Kind { Adam, SGD, Lion };
+enum class Kind { Adam, SGD, Lion, RMSprop, Adadelta, RAdam };
 
 struct KindInfo {
   Kind kind;
@@ -47,7 +51,11 @@ KindInfo kind_info(const std::string& name) {
   if (name == "adam") return {Kind::Adam, kCommon + 6};
   if (name == "sgd") return {Kind::SGD, kCommon + 4};
   if (name == "lion") return {Kind::Lion, kCommon + 3};
-  TORCH_CHECK_VALUE(false, "fused_step_: optimizer must be one of 'adam', 'sgd', 'lion', got '", name, "'");
+  if (name == "rmsprop") return {Kind::RMSprop, kCommon + 5};
+  if (name == "adadelta") return {Kind::Adadelta, kCommon + 3};
+  if (name == "radam") return {Kind::RAdam, kCommon + 5};
+  TORCH_CHECK_VALUE(false, "fused_step_: optimizer must be one of 'adam', 'sgd', 'lion', 'rmsprop', 'adadelta', "
+                    "'radam', got '", name, "'");
 }
 
 // Whether a group of this kind keeps state list k (0..2).
@@ -59,6 +67,11 @@ bool uses_state(Kind kind, const double* f, int k) {
       return k == 0 && f[kCommon] != 0.0;
     case Kind::Lion:
       return k == 0;
+    case Kind::RMSprop:
+      return k == 0 || (k == 1 && f[kCommon + 3] > 0.0) || (k == 2 && f[kCommon + 4] != 0.0);
+    case Kind::Adadelta:
+    case Kind::RAdam:
+      return k < 2;
   }
   return false;
 }
@@ -82,6 +95,18 @@ void call_update(Kind kind, const Lists& l, const at::Tensor& lr, const double* 
       break;
     case Kind::Lion:
       fused_lion_(l.params, l.grads, l.s[0], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], maximize, tail);
+      break;
+    case Kind::RMSprop:
+      fused_rmsprop_(l.params, l.grads, l.s[0], l.s[1], l.s[2], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2],
+                     k[3], k[4] != 0.0, maximize, tail);
+      break;
+    case Kind::Adadelta:
+      fused_adadelta_(l.params, l.grads, l.s[0], l.s[1], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], maximize,
+                      tail);
+      break;
+    case Kind::RAdam:
+      fused_radam_(l.params, l.grads, l.s[0], l.s[1], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3],
+                   k[4] != 0.0, maximize, tail);
       break;
   }
 }

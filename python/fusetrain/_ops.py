@@ -49,8 +49,8 @@ def _update_fake(*args, **kwargs):
     return None
 
 
-for _name in ("fused_adam_", "fused_sgd_", "fused_lion_", "ema_update_", "update_scale_", "fused_step_",
-              "ema_decay_", "ema_step_"):
+for _name in ("fused_adam_", "fused_sgd_", "fused_lion_", "fused_rmsprop_", "fused_adadelta_", "fused_radam_",
+              "ema_update_", "update_scale_", "fused_step_", "ema_decay_", "ema_step_"):
     torch.library.register_fake(f"fusetrain::{_name}")(_update_fake)
 
 
@@ -92,11 +92,40 @@ def fused_lion_(params, grads, exp_avgs, state_steps, master_params, ema_params,
                      found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
 
 
+def fused_rmsprop_(params, grads, square_avgs, momentum_buffers, grad_avgs, state_steps, master_params, ema_params,
+                   *, lr, alpha, eps, weight_decay, momentum, centered, maximize, inv_scale=None, found_inf=None,
+                   grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
+    """In-place RMSprop step over lists of tensors (see ``fusetrain::fused_rmsprop_``)."""
+    _ops.fused_rmsprop_(params, grads, square_avgs, momentum_buffers, grad_avgs, state_steps, master_params,
+                        ema_params, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                        centered=centered, maximize=maximize, inv_scale=inv_scale, found_inf=found_inf,
+                        grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
+
+
+def fused_adadelta_(params, grads, square_avgs, acc_deltas, state_steps, master_params, ema_params, *, lr, rho, eps,
+                    weight_decay, maximize, inv_scale=None, found_inf=None, grad_norm=None, max_grad_norm=0.0,
+                    ema_decay=None) -> None:
+    """In-place Adadelta step over lists of tensors (see ``fusetrain::fused_adadelta_``)."""
+    _ops.fused_adadelta_(params, grads, square_avgs, acc_deltas, state_steps, master_params, ema_params, lr=lr,
+                         rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize, inv_scale=inv_scale,
+                         found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
+
+
+def fused_radam_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, *, lr, beta1, beta2,
+                 eps, weight_decay, decoupled_weight_decay, maximize, inv_scale=None, found_inf=None, grad_norm=None,
+                 max_grad_norm=0.0, ema_decay=None) -> None:
+    """In-place RAdam step over lists of tensors (see ``fusetrain::fused_radam_``)."""
+    _ops.fused_radam_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, lr=lr,
+                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                      decoupled_weight_decay=decoupled_weight_decay, maximize=maximize, inv_scale=inv_scale,
+                      found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
+
+
 def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
                 group_sizes, lrs, hyper, *, inv_scale=None, found_inf=None, ema_decay=None, grad_norm_out=None,
                 found_inf_out=None) -> None:
     """The whole optimizer tail for every group of one optimizer ("adam",
-    "sgd" or "lion"): the stats pass when a group clips or the gradients are
+    "sgd", "lion", "rmsprop", "adadelta" or "radam"): the stats pass when a group clips or the gradients are
     loss-scaled without a flag, then one update pass per group. Lists are
     flattened over groups; ``group_sizes``, ``lrs`` and ``hyper`` describe the
     groups (NOTE [group records] in csrc/ops/fused_step.cpp). ``grad_norm_out``

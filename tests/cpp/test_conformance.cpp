@@ -76,6 +76,17 @@ std::unique_ptr<fusetrain::FusedOptimizer> make_optimizer(const Case& c, std::ve
   if (name == "sgd")
     return make<fusetrain::SGD>(c, params, fusetrain::SGDOptions(lr).momentum(0.9).nesterov(true).weight_decay(0.01)
                                                .max_grad_norm(clip).master_weights(master));
+  if (name == "rmsprop")
+    return make<fusetrain::RMSprop>(c, params, fusetrain::RMSpropOptions(lr).alpha(0.9).weight_decay(0.01)
+                                                   .momentum(0.5).centered(true).max_grad_norm(clip)
+                                                   .master_weights(master));
+  if (name == "adadelta")
+    return make<fusetrain::Adadelta>(c, params, fusetrain::AdadeltaOptions(lr).rho(0.8).weight_decay(0.01)
+                                                    .max_grad_norm(clip).master_weights(master));
+  if (name == "radam")
+    return make<fusetrain::RAdam>(c, params, fusetrain::RAdamOptions(lr).betas({0.9, 0.99}).weight_decay(0.05)
+                                                 .decoupled_weight_decay(true).max_grad_norm(clip)
+                                                 .master_weights(master));
   EXPECT_EQ(name, "lion");
   return make<fusetrain::Lion>(c, params, fusetrain::LionOptions(lr).betas({0.9, 0.99}).weight_decay(0.1)
                                               .max_grad_norm(clip).master_weights(master));

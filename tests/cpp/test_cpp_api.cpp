@@ -83,6 +83,26 @@ TEST(CppApiOptim, SGDMatchesTorch) {
   }
 }
 
+TEST(CppApiOptim, RMSpropMatchesTorch) {
+  struct Case {
+    double momentum, wd;
+    bool centered;
+  };
+  for (auto c : {Case{0, 0, false}, Case{0.9, 0.01, false}, Case{0, 0, true}, Case{0.5, 0.1, true}}) {
+    auto init = make_params(5);
+    auto a = clone_params(init), b = clone_params(init);
+    fusetrain::RMSprop ours(a, fusetrain::RMSpropOptions(1.0 / 256).alpha(0.9).momentum(c.momentum)
+                                   .weight_decay(c.wd).centered(c.centered));
+    torch::optim::RMSprop ref(b, torch::optim::RMSpropOptions(1.0 / 256).alpha(0.9).momentum(c.momentum)
+                                     .weight_decay(c.wd).centered(c.centered));
+    compare(ours, ref, a, b);
+    const auto& st = static_cast<const fusetrain::FusedParamState&>(*ours.state().at(a[0].unsafeGetTensorImpl()));
+    EXPECT_TRUE(st.square_avg().defined());
+    EXPECT_EQ(st.momentum_buffer().defined(), c.momentum > 0);
+    EXPECT_EQ(st.grad_avg().defined(), c.centered);
+  }
+}
+
 TEST(CppApiOptim, Float64ParamsKeepFloat64StateAndMatchTorch) {
   // NOTE [float64 params]: updated in double precision, state in float64, no
   // master copy even with master_weights. lr = 2^-7 is exact in the float32
@@ -187,6 +207,40 @@ TEST(CppApiOptim, StateSaveLoadRoundTrip) {
     second.step();
   }
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "param " << i;
+}
+
+TEST(CppApiOptim, NewStateFieldsSaveAndLoad) {
+  // RMSprop (square_avg, momentum_buffer, grad_avg) and Adadelta (square_avg, acc_delta).
+  auto init = make_params(8);
+  for (int which = 0; which < 2; ++which) {
+    auto a = clone_params(init), b = clone_params(init);
+    std::unique_ptr<fusetrain::FusedOptimizer> first, second;
+    if (which == 0) {
+      first = std::make_unique<fusetrain::RMSprop>(a, fusetrain::RMSpropOptions(1e-3).momentum(0.9).centered(true));
+      second = std::make_unique<fusetrain::RMSprop>(b, fusetrain::RMSpropOptions(1.0));
+    } else {
+      first = std::make_unique<fusetrain::Adadelta>(a, fusetrain::AdadeltaOptions(0.5).rho(0.8));
+      second = std::make_unique<fusetrain::Adadelta>(b, fusetrain::AdadeltaOptions(1.0));
+    }
+    for (int s = 0; s < 4; ++s) {
+      set_grads(a, b, s);
+      first->step();
+    }
+    for (size_t i = 0; i < a.size(); ++i) b[i].detach().copy_(a[i].detach());
+    std::stringstream buf;
+    torch::serialize::OutputArchive out;
+    first->save(out);
+    out.save_to(buf);
+    torch::serialize::InputArchive in;
+    in.load_from(buf);
+    second->load(in);
+    for (int s = 4; s < 9; ++s) {
+      set_grads(a, b, s);
+      first->step();
+      second->step();
+    }
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << which << " param " << i;
+  }
 }
 
 TEST(CppApiOptim, InfGradientSkipsStep) {

@@ -14,7 +14,7 @@ from torch import nn
 
 import fusetrain
 from _test_helpers import REPO
-from fusetrain.optim import SGD, Adam, AdamW, Lion
+from fusetrain.optim import SGD, Adadelta, Adam, AdamW, Lion, RAdam, RMSprop
 
 SHAPES = [(7,), (13, 5), (3, 4, 2)]
 DEFAULTS = {"optimizer": "adamw", "dtype": "fp32", "master": "0", "clip": "0", "amsgrad": "0", "scaler": "0",
@@ -60,6 +60,13 @@ def make_optimizer(c, params):
         return AdamW(params, betas=(0.9, 0.99), weight_decay=0.05, amsgrad=c["amsgrad"] == "1", **common)
     if c["optimizer"] == "sgd":
         return SGD(params, momentum=0.9, nesterov=True, weight_decay=0.01, **common)
+    if c["optimizer"] == "rmsprop":
+        return RMSprop(params, alpha=0.9, weight_decay=0.01, momentum=0.5, centered=True, **common)
+    if c["optimizer"] == "adadelta":
+        return Adadelta(params, rho=0.8, weight_decay=0.01, **common)
+    if c["optimizer"] == "radam":
+        return RAdam(params, betas=(0.9, 0.99), weight_decay=0.05, decoupled_weight_decay=True, **common)
+    assert c["optimizer"] == "lion", c["optimizer"]
     return Lion(params, betas=(0.9, 0.99), weight_decay=0.1, **common)
 
 

@@ -46,6 +46,26 @@ void fused_lion_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double beta1,
                  double beta2, double weight_decay, bool maximize, const FusedTail& tail = {});
 
+// RMSprop (torch.optim.RMSprop); momentum_buffers used when momentum > 0,
+// grad_avgs when centered.
+void fused_rmsprop_(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
+                    at::TensorList momentum_buffers, at::TensorList grad_avgs, at::TensorList state_steps,
+                    at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double alpha,
+                    double eps, double weight_decay, double momentum, bool centered, bool maximize,
+                    const FusedTail& tail = {});
+
+// Adadelta (torch.optim.Adadelta).
+void fused_adadelta_(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
+                     at::TensorList acc_deltas, at::TensorList state_steps, at::TensorList master_params,
+                     at::TensorList ema_params, const at::Tensor& lr, double rho, double eps, double weight_decay,
+                     bool maximize, const FusedTail& tail = {});
+
+// RAdam (torch.optim.RAdam), L2 or decoupled weight decay.
+void fused_radam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
+                  const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay,
+                  bool decoupled_weight_decay, bool maximize, const FusedTail& tail = {});
+
 // ema += (1 - decay) * (src - ema) for every pair (same dtype and shape), in
 // one multi-tensor pass; nothing changes when found_inf is non-zero.
 void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay,

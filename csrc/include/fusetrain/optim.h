@@ -1,6 +1,7 @@
 // fusetrain's fused optimizers for LibTorch programs.
 //
-// fusetrain::Adam, AdamW, SGD and Lion derive from torch::optim::Optimizer, so
+// fusetrain::Adam, AdamW, SGD, Lion, RMSprop, Adadelta and RAdam derive from
+// torch::optim::Optimizer, so
 // they plug into LibTorch loops, LR schedulers (which go through
 // options().get_lr()/set_lr()) and torch::save/torch::load of optimizer state.
 // Each step runs fusetrain's multi-tensor kernels (one pass over all params of
@@ -27,13 +28,17 @@ class ModelEMA;
 
 // Per-parameter state shared by all fusetrain optimizers. `step` is a 0-d
 // float32 tensor on the param's device (incremented on the device by the
-// kernels); the other tensors are float32 and undefined when unused.
+// kernels); the other tensors are float32 (float64 for float64 params) and
+// undefined when unused.
 struct FusedParamState : public torch::optim::OptimizerCloneableParamState<FusedParamState> {
   TORCH_ARG(torch::Tensor, step);
   TORCH_ARG(torch::Tensor, exp_avg);
   TORCH_ARG(torch::Tensor, exp_avg_sq);
   TORCH_ARG(torch::Tensor, max_exp_avg_sq);
   TORCH_ARG(torch::Tensor, momentum_buffer);
+  TORCH_ARG(torch::Tensor, square_avg);  // RMSprop, Adadelta
+  TORCH_ARG(torch::Tensor, grad_avg);    // centered RMSprop
+  TORCH_ARG(torch::Tensor, acc_delta);   // Adadelta
   TORCH_ARG(torch::Tensor, master);  // fp32 master copy of an fp16/bf16 param
 
  public:
@@ -44,6 +49,9 @@ using AdamParamState = FusedParamState;
 using AdamWParamState = FusedParamState;
 using SGDParamState = FusedParamState;
 using LionParamState = FusedParamState;
+using RMSpropParamState = FusedParamState;
+using AdadeltaParamState = FusedParamState;
+using RAdamParamState = FusedParamState;
 
 // Options. Common to all: lr, weight_decay, maximize, max_grad_norm (global L2
 // norm clipping over all groups; 0 = off) and master_weights (keep an fp32
@@ -110,6 +118,61 @@ struct LionOptions : public torch::optim::OptimizerCloneableOptions<LionOptions>
   TORCH_ARG(double, lr) = 1e-4;
   TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.99);
   TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(bool, maximize) = false;
+  TORCH_ARG(double, max_grad_norm) = 0.0;
+  TORCH_ARG(bool, master_weights) = false;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+struct RMSpropOptions : public torch::optim::OptimizerCloneableOptions<RMSpropOptions> {
+  RMSpropOptions(double lr = 1e-2);
+  TORCH_ARG(double, lr) = 1e-2;
+  TORCH_ARG(double, alpha) = 0.99;
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(double, momentum) = 0.0;
+  TORCH_ARG(bool, centered) = false;
+  TORCH_ARG(bool, maximize) = false;
+  TORCH_ARG(double, max_grad_norm) = 0.0;
+  TORCH_ARG(bool, master_weights) = false;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+struct AdadeltaOptions : public torch::optim::OptimizerCloneableOptions<AdadeltaOptions> {
+  AdadeltaOptions(double lr = 1.0);
+  TORCH_ARG(double, lr) = 1.0;
+  TORCH_ARG(double, rho) = 0.9;
+  TORCH_ARG(double, eps) = 1e-6;
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(bool, maximize) = false;
+  TORCH_ARG(double, max_grad_norm) = 0.0;
+  TORCH_ARG(bool, master_weights) = false;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+struct RAdamOptions : public torch::optim::OptimizerCloneableOptions<RAdamOptions> {
+  RAdamOptions(double lr = 1e-3);
+  typedef std::tuple<double, double> betas_t;
+  TORCH_ARG(double, lr) = 1e-3;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(bool, decoupled_weight_decay) = false;
   TORCH_ARG(bool, maximize) = false;
   TORCH_ARG(double, max_grad_norm) = 0.0;
   TORCH_ARG(bool, master_weights) = false;
@@ -218,6 +281,9 @@ FUSETRAIN_DECLARE_OPTIMIZER(Adam)
 FUSETRAIN_DECLARE_OPTIMIZER(AdamW)
 FUSETRAIN_DECLARE_OPTIMIZER(SGD)
 FUSETRAIN_DECLARE_OPTIMIZER(Lion)
+FUSETRAIN_DECLARE_OPTIMIZER(RMSprop)
+FUSETRAIN_DECLARE_OPTIMIZER(Adadelta)
+FUSETRAIN_DECLARE_OPTIMIZER(RAdam)
 #undef FUSETRAIN_DECLARE_OPTIMIZER
 
 }  // namespace fusetrain

@@ -4,6 +4,8 @@
 from ._base import FusedOptimizer
 from .adam import Adam, AdamW
 from .lion import Lion
+from .radam import RAdam
+from .rmsprop import Adadelta, RMSprop
 from .sgd import SGD
 
-__all__ = ["Adam", "AdamW", "SGD", "Lion", "FusedOptimizer"]
+__all__ = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adadelta", "RAdam", "FusedOptimizer"]

@@ -61,13 +61,14 @@ def _check_betas(opt: str, betas: Any) -> None:
     _check_range(opt, "betas[1]", betas[1], 0.0, 1.0)
 
 
-def _torch_checks(torch_cls, **kwargs) -> None:
+def _torch_checks(torch_cls, **kwargs) -> Dict[str, Any]:
     """torch.optim's own argument checks, run by building the matching torch
     optimizer over a stand-in parameter: the same exception types and messages
     for the same configurations, so code written against torch may match them.
     ``foreach``, ``fused`` and ``capturable`` only name an implementation (the
-    fused step is always used) but combinations torch rejects are rejected."""
-    torch_cls([torch.zeros(1)], **kwargs)
+    fused step is always used) but combinations torch rejects are rejected.
+    Returns torch's defaults (the keys of its param groups)."""
+    return dict(torch_cls([torch.zeros(1)], **kwargs).defaults)
 
 
 def _no_differentiable(opt: str, differentiable: Any) -> None:
@@ -89,8 +90,9 @@ class FusedOptimizer(Optimizer):
 
     Subclass contract:
       * ``_kind``: the optimizer's name in ``fusetrain::fused_step_``;
-      * ``_state_names(group)``: names of the per-param fp32 state tensors, at
-        most three, in the order the op takes them;
+      * ``_state_names(group)``: names of the per-param state tensors, at
+        most three, in the order of the op's state1..3 (None for a list the
+        group does not use that comes before one it does);
       * ``_kind_fields(group)``: the optimizer's own fields of the group record.
     """
 
@@ -263,7 +265,7 @@ class FusedOptimizer(Optimizer):
         if not isinstance(step, Tensor) or step.device != p.device or step.dtype != torch.float32:
             return False
         for name in self._state_names(group):
-            if name not in state:
+            if name is not None and name not in state:
                 return False
         return not (group["master_weights"] and p.dtype in _LOW and "master_param" not in state)
 
@@ -275,7 +277,7 @@ class FusedOptimizer(Optimizer):
         elif state["step"].device != p.device or state["step"].dtype != torch.float32:
             state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
         for name in self._state_names(group):
-            if name not in state:
+            if name is not None and name not in state:
                 state[name] = torch.zeros_like(p, dtype=_state_dtype(p), memory_format=torch.preserve_format)
         if group["master_weights"] and p.dtype in _LOW and "master_param" not in state:
             state["master_param"] = p.detach().to(dtype=torch.float32, memory_format=torch.preserve_format)
@@ -350,7 +352,8 @@ class FusedOptimizer(Optimizer):
                 if ema_list is not None:
                     emas.append(torch.view_as_real(ema_list[i]))
                 for out, name in zip(outs, names):
-                    out.append(torch.view_as_real(state[name]))
+                    if name is not None:
+                        out.append(torch.view_as_real(state[name]))
                 continue
             params.append(p)
             grads.append(g)
@@ -359,7 +362,8 @@ class FusedOptimizer(Optimizer):
             if ema_list is not None:
                 emas.append(ema_list[i])
             for out, name in zip(outs, names):
-                out.append(state[name])
+                if name is not None:
+                    out.append(state[name])
         return len(params) > 0
 
     def _lr_tensor(self, gi: int, group: Dict[str, Any], device: torch.device) -> Tensor:

@@ -1,0 +1,37 @@
+// Helpers of the C++ optimizer front end (csrc/api/optim.cpp and
+// optimizers.cpp). Not part of the public API.
+#pragma once
+
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+
+#include <tuple>
+
+namespace fusetrain {
+namespace api_detail {
+
+inline void check_range(const char* opt, const char* name, double v, double lo, double hi, bool hi_open) {
+  TORCH_CHECK(v >= lo && (hi_open ? v < hi : v <= hi), opt, ": invalid ", name, " value: ", v, " (must be in [", lo,
+              ", ", hi, hi_open ? "))" : "])");
+}
+inline void check_nonneg(const char* opt, const char* name, double v) {
+  TORCH_CHECK(v >= 0.0, opt, ": invalid ", name, " value: ", v, " (must be >= 0)");
+}
+inline void check_betas(const char* opt, const std::tuple<double, double>& b) {
+  TORCH_CHECK(std::get<0>(b) >= 0.0 && std::get<0>(b) < 1.0, opt, ": invalid beta parameter at index 0: ",
+              std::get<0>(b), " (must be in [0, 1))");
+  TORCH_CHECK(std::get<1>(b) >= 0.0 && std::get<1>(b) < 1.0, opt, ": invalid beta parameter at index 1: ",
+              std::get<1>(b), " (must be in [0, 1))");
+}
+
+// NOTE [float64 params] in csrc/ops/fused_update.cpp: float64 state for float64
+// params, float32 for the others; fp32 masters for float16/bfloat16 params.
+inline at::Tensor state_zeros_like(const at::Tensor& p) {
+  const auto dtype = p.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
+}
+inline bool needs_master(const at::Tensor& p) { return p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16; }
+
+
+}  // namespace api_detail
+}  // namespace fusetrain

@@ -1,0 +1,310 @@
+// The concrete C++ optimizers: options (and their serialization), argument
+// checks, and each optimizer's part of the group record and state
+// (NOTE [group records] in csrc/ops/fused_step.cpp).
+#include <fusetrain/optim.h>
+
+#include <torch/serialize/archive.h>
+
+#include <tuple>
+
+#include "optim_internal.h"
+
+namespace fusetrain {
+
+using api_detail::check_betas;
+using api_detail::check_nonneg;
+using api_detail::check_range;
+using api_detail::state_zeros_like;
+
+// ---- options -------------------------------------------------------------------
+#define FT_COMMON_SERIALIZE()                            \
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);                  \
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);        \
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(maximize);            \
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_grad_norm);       \
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master_weights)
+#define FT_COMMON_DESERIALIZE()                            \
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);          \
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay); \
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, maximize);      \
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, max_grad_norm); \
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, master_weights)
+
+AdamOptions::AdamOptions(double lr) : lr_(lr) {}
+void AdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  FT_COMMON_SERIALIZE();
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(amsgrad);
+}
+void AdamOptions::serialize(torch::serialize::InputArchive& archive) {
+  FT_COMMON_DESERIALIZE();
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, amsgrad);
+}
+AdamWOptions::AdamWOptions(double lr) : lr_(lr) {}
+void AdamWOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  FT_COMMON_SERIALIZE();
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(amsgrad);
+}
+void AdamWOptions::serialize(torch::serialize::InputArchive& archive) {
+  FT_COMMON_DESERIALIZE();
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, amsgrad);
+}
+SGDOptions::SGDOptions(double lr) : lr_(lr) {}
+void SGDOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  FT_COMMON_SERIALIZE();
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(dampening);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(nesterov);
+}
+void SGDOptions::serialize(torch::serialize::InputArchive& archive) {
+  FT_COMMON_DESERIALIZE();
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, momentum);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, dampening);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, nesterov);
+}
+LionOptions::LionOptions(double lr) : lr_(lr) {}
+void LionOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  FT_COMMON_SERIALIZE();
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+}
+void LionOptions::serialize(torch::serialize::InputArchive& archive) {
+  FT_COMMON_DESERIALIZE();
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+}
+
+RMSpropOptions::RMSpropOptions(double lr) : lr_(lr) {}
+void RMSpropOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  FT_COMMON_SERIALIZE();
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(alpha);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(centered);
+}
+void RMSpropOptions::serialize(torch::serialize::InputArchive& archive) {
+  FT_COMMON_DESERIALIZE();
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, alpha);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, momentum);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, centered);
+}
+AdadeltaOptions::AdadeltaOptions(double lr) : lr_(lr) {}
+void AdadeltaOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  FT_COMMON_SERIALIZE();
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(rho);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+}
+void AdadeltaOptions::serialize(torch::serialize::InputArchive& archive) {
+  FT_COMMON_DESERIALIZE();
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, rho);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+}
+RAdamOptions::RAdamOptions(double lr) : lr_(lr) {}
+void RAdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  FT_COMMON_SERIALIZE();
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(decoupled_weight_decay);
+}
+void RAdamOptions::serialize(torch::serialize::InputArchive& archive) {
+  FT_COMMON_DESERIALIZE();
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, decoupled_weight_decay);
+}
+
+// ---- concrete optimizers -------------------------------------------------------
+#define FT_SERIALIZE_METHODS(Name, Kind)                                              \
+  void Name::save(torch::serialize::OutputArchive& archive) const {                 \
+    torch::optim::serialize<FusedParamState, Name##Options>(archive, *this);        \
+  }                                                                                  \
+  void Name::load(torch::serialize::InputArchive& archive) {                        \
+    torch::optim::serialize<FusedParamState, Name##Options>(archive, *this);        \
+  }                                                                                  \
+  const char* Name::kind() const { return Kind; }                                    \
+  double Name::group_max_grad_norm(const torch::optim::OptimizerOptions& o) const { \
+    return static_cast<const Name##Options&>(o).max_grad_norm();                    \
+  }                                                                                  \
+  bool Name::group_master_weights(const torch::optim::OptimizerOptions& o) const {  \
+    return static_cast<const Name##Options&>(o).master_weights();                   \
+  }                                                                                  \
+  bool Name::group_maximize(const torch::optim::OptimizerOptions& o) const {        \
+    return static_cast<const Name##Options&>(o).maximize();                         \
+  }
+
+FT_SERIALIZE_METHODS(Adam, "adam")
+FT_SERIALIZE_METHODS(AdamW, "adam")
+FT_SERIALIZE_METHODS(SGD, "sgd")
+FT_SERIALIZE_METHODS(Lion, "lion")
+FT_SERIALIZE_METHODS(RMSprop, "rmsprop")
+FT_SERIALIZE_METHODS(Adadelta, "adadelta")
+FT_SERIALIZE_METHODS(RAdam, "radam")
+
+template <typename O>
+static void check_adam_like(const char* name, const O& d) {
+  check_nonneg(name, "learning rate", d.lr());
+  check_nonneg(name, "epsilon", d.eps());
+  check_betas(name, d.betas());
+  check_nonneg(name, "weight_decay", d.weight_decay());
+  check_nonneg(name, "max_grad_norm", d.max_grad_norm());
+}
+
+Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamOptions d)
+    : FusedOptimizer(groups, std::make_unique<AdamOptions>(d)) {
+  check_adam_like("fusetrain::Adam", d);
+}
+AdamW::AdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamWOptions d)
+    : FusedOptimizer(groups, std::make_unique<AdamWOptions>(d)) {
+  check_adam_like("fusetrain::AdamW", d);
+}
+SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGDOptions d)
+    : FusedOptimizer(groups, std::make_unique<SGDOptions>(d)) {
+  const char* n = "fusetrain::SGD";
+  check_nonneg(n, "learning rate", d.lr());
+  check_nonneg(n, "momentum", d.momentum());
+  check_nonneg(n, "weight_decay", d.weight_decay());
+  check_nonneg(n, "max_grad_norm", d.max_grad_norm());
+  TORCH_CHECK(!d.nesterov() || (d.momentum() > 0 && d.dampening() == 0),
+              "fusetrain::SGD: nesterov momentum requires a momentum > 0 and zero dampening");
+}
+Lion::Lion(const std::vector<torch::optim::OptimizerParamGroup>& groups, LionOptions d)
+    : FusedOptimizer(groups, std::make_unique<LionOptions>(d)) {
+  const char* n = "fusetrain::Lion";
+  check_nonneg(n, "learning rate", d.lr());
+  check_betas(n, d.betas());
+  check_nonneg(n, "weight_decay", d.weight_decay());
+  check_nonneg(n, "max_grad_norm", d.max_grad_norm());
+}
+
+RMSprop::RMSprop(const std::vector<torch::optim::OptimizerParamGroup>& groups, RMSpropOptions d)
+    : FusedOptimizer(groups, std::make_unique<RMSpropOptions>(d)) {
+  const char* n = "fusetrain::RMSprop";
+  check_nonneg(n, "learning rate", d.lr());
+  check_nonneg(n, "alpha", d.alpha());
+  check_nonneg(n, "epsilon", d.eps());
+  check_nonneg(n, "momentum", d.momentum());
+  check_nonneg(n, "weight_decay", d.weight_decay());
+  check_nonneg(n, "max_grad_norm", d.max_grad_norm());
+}
+Adadelta::Adadelta(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdadeltaOptions d)
+    : FusedOptimizer(groups, std::make_unique<AdadeltaOptions>(d)) {
+  const char* n = "fusetrain::Adadelta";
+  check_nonneg(n, "learning rate", d.lr());
+  check_range(n, "rho", d.rho(), 0.0, 1.0, false);
+  check_nonneg(n, "epsilon", d.eps());
+  check_nonneg(n, "weight_decay", d.weight_decay());
+  check_nonneg(n, "max_grad_norm", d.max_grad_norm());
+}
+RAdam::RAdam(const std::vector<torch::optim::OptimizerParamGroup>& groups, RAdamOptions d)
+    : FusedOptimizer(groups, std::make_unique<RAdamOptions>(d)) {
+  check_adam_like("fusetrain::RAdam", d);
+}
+
+template <typename O>
+static void init_adam_state(FusedParamState& s, const at::Tensor& p, const O& o) {
+  if (!s.exp_avg().defined()) s.exp_avg(state_zeros_like(p));
+  if (!s.exp_avg_sq().defined()) s.exp_avg_sq(state_zeros_like(p));
+  if (o.amsgrad() && !s.max_exp_avg_sq().defined()) s.max_exp_avg_sq(state_zeros_like(p));
+}
+// NOTE [group records] in csrc/ops/fused_step.cpp: the optimizer's own fields.
+template <typename O>
+static void adam_fields(const O& o, bool decoupled, std::vector<double>& h) {
+  h.insert(h.end(), {std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
+                     o.amsgrad() ? 1.0 : 0.0, decoupled ? 1.0 : 0.0});
+}
+template <typename O>
+static void collect_adam_state(FusedLists& l, FusedParamState& s, const O& o) {
+  l.state1.push_back(s.exp_avg());
+  l.state2.push_back(s.exp_avg_sq());
+  if (o.amsgrad()) l.state3.push_back(s.max_exp_avg_sq());
+}
+
+void Adam::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& o) const {
+  init_adam_state(s, p, static_cast<const AdamOptions&>(o));
+}
+void Adam::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& o) const {
+  collect_adam_state(l, s, static_cast<const AdamOptions&>(o));
+}
+void Adam::kind_fields(const torch::optim::OptimizerOptions& o, std::vector<double>& h) const {
+  adam_fields(static_cast<const AdamOptions&>(o), false, h);
+}
+void AdamW::kind_fields(const torch::optim::OptimizerOptions& o, std::vector<double>& h) const {
+  adam_fields(static_cast<const AdamWOptions&>(o), true, h);
+}
+void AdamW::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& o) const {
+  init_adam_state(s, p, static_cast<const AdamWOptions&>(o));
+}
+void AdamW::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& o) const {
+  collect_adam_state(l, s, static_cast<const AdamWOptions&>(o));
+}
+void SGD::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
+  const auto& o = static_cast<const SGDOptions&>(oo);
+  h.insert(h.end(), {o.momentum(), o.dampening(), o.weight_decay(), o.nesterov() ? 1.0 : 0.0});
+}
+void SGD::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& oo) const {
+  const auto& o = static_cast<const SGDOptions&>(oo);
+  if (o.momentum() != 0 && !s.momentum_buffer().defined()) s.momentum_buffer(state_zeros_like(p));
+}
+void SGD::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& oo) const {
+  const auto& o = static_cast<const SGDOptions&>(oo);
+  if (o.momentum() != 0) l.state1.push_back(s.momentum_buffer());
+}
+void Lion::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
+  const auto& o = static_cast<const LionOptions&>(oo);
+  h.insert(h.end(), {std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay()});
+}
+void Lion::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions&) const {
+  if (!s.exp_avg().defined()) s.exp_avg(state_zeros_like(p));
+}
+void Lion::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions&) const {
+  l.state1.push_back(s.exp_avg());
+}
+
+void RMSprop::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
+  const auto& o = static_cast<const RMSpropOptions&>(oo);
+  h.insert(h.end(), {o.alpha(), o.eps(), o.weight_decay(), o.momentum(), o.centered() ? 1.0 : 0.0});
+}
+void RMSprop::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& oo) const {
+  const auto& o = static_cast<const RMSpropOptions&>(oo);
+  if (!s.square_avg().defined()) s.square_avg(state_zeros_like(p));
+  if (o.momentum() > 0 && !s.momentum_buffer().defined()) s.momentum_buffer(state_zeros_like(p));
+  if (o.centered() && !s.grad_avg().defined()) s.grad_avg(state_zeros_like(p));
+}
+void RMSprop::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& oo) const {
+  const auto& o = static_cast<const RMSpropOptions&>(oo);
+  l.state1.push_back(s.square_avg());
+  if (o.momentum() > 0) l.state2.push_back(s.momentum_buffer());
+  if (o.centered()) l.state3.push_back(s.grad_avg());
+}
+void Adadelta::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
+  const auto& o = static_cast<const AdadeltaOptions&>(oo);
+  h.insert(h.end(), {o.rho(), o.eps(), o.weight_decay()});
+}
+void Adadelta::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions&) const {
+  if (!s.square_avg().defined()) s.square_avg(state_zeros_like(p));
+  if (!s.acc_delta().defined()) s.acc_delta(state_zeros_like(p));
+}
+void Adadelta::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions&) const {
+  l.state1.push_back(s.square_avg());
+  l.state2.push_back(s.acc_delta());
+}
+void RAdam::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
+  const auto& o = static_cast<const RAdamOptions&>(oo);
+  h.insert(h.end(), {std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                     o.decoupled_weight_decay() ? 1.0 : 0.0});
+}
+void RAdam::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions&) const {
+  if (!s.exp_avg().defined()) s.exp_avg(state_zeros_like(p));
+  if (!s.exp_avg_sq().defined()) s.exp_avg_sq(state_zeros_like(p));
+}
+void RAdam::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions&) const {
+  l.state1.push_back(s.exp_avg());
+  l.state2.push_back(s.exp_avg_sq());
+}
+}  // namespace fusetrain

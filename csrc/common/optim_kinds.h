@@ -1,0 +1,52 @@
+// The optimizer kinds of the fused update, for the CPU and CUDA kernels: the
+// per-tensor coefficients of each kind and its element update on the state
+// registers r1..r3 (state1..3 of UpdateLists; null when a group does not use
+// that list). Adding an optimizer: its math (optim_math.h or rms_math.h), a
+// line in each of make_coeffs, apply_update and dispatch_kind, its op file in
+// csrc/ops and its front-end classes (docs/design.md, "Adding an optimizer").
+#pragma once
+
+#include <type_traits>
+
+#include "update_args.h"
+
+namespace fusetrain {
+namespace detail {
+
+template <OptimKind K, typename T>
+FT_HD auto make_coeffs(const OptimHyper& h, float lr, float step) {
+  if constexpr (K == OptimKind::Adam) return make_adam_coeffs<T>(h.adam, lr, step);
+  if constexpr (K == OptimKind::SGD) return make_sgd_coeffs<T>(h.sgd, lr, step);
+  if constexpr (K == OptimKind::Lion) return make_lion_coeffs<T>(h.lion, lr, step);
+  if constexpr (K == OptimKind::RMSprop) return make_rmsprop_coeffs<T>(h.rmsprop, lr, step);
+  if constexpr (K == OptimKind::Adadelta) return make_adadelta_coeffs<T>(h.adadelta, lr, step);
+  if constexpr (K == OptimKind::RAdam) return make_radam_coeffs<T>(h.radam, lr, step);
+}
+
+template <OptimKind K, typename V, typename Co>
+FT_HD void apply_update(V& p, V g, V* r1, V* r2, V* r3, const Co& c) {
+  if constexpr (K == OptimKind::Adam) adam_update(p, g, *r1, *r2, r3, c);
+  if constexpr (K == OptimKind::SGD) sgd_update(p, g, r1, c);
+  if constexpr (K == OptimKind::Lion) lion_update(p, g, *r1, c);
+  if constexpr (K == OptimKind::RMSprop) rmsprop_update(p, g, *r1, r2, r3, c);
+  if constexpr (K == OptimKind::Adadelta) adadelta_update(p, g, *r1, *r2, c);
+  if constexpr (K == OptimKind::RAdam) radam_update(p, g, *r1, *r2, c);
+}
+
+// Calls f(std::integral_constant<OptimKind, k>{}) for the run-time kind k.
+template <class F>
+void dispatch_kind(OptimKind kind, F&& f) {
+  using K = OptimKind;
+  switch (kind) {
+    case K::Adam: return f(std::integral_constant<K, K::Adam>{});
+    case K::SGD: return f(std::integral_constant<K, K::SGD>{});
+    case K::Lion: return f(std::integral_constant<K, K::Lion>{});
+    case K::RMSprop: return f(std::integral_constant<K, K::RMSprop>{});
+    case K::Adadelta: return f(std::integral_constant<K, K::Adadelta>{});
+    case K::RAdam: return f(std::integral_constant<K, K::RAdam>{});
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown optimizer kind ", static_cast<int>(kind));
+}
+
+}  // namespace detail
+}  // namespace fusetrain

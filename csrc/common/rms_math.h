@@ -1,0 +1,87 @@
+// Element-wise math of the squared-average optimizers (RMSprop, Adadelta),
+// shared by the CPU and CUDA kernels like optim_math.h (which includes this
+// file after its helpers). The operation order follows torch.optim's
+// single-tensor implementations.
+#pragma once
+
+namespace fusetrain {
+namespace detail {
+
+struct RMSpropHyper {
+  double alpha, eps, weight_decay, momentum;
+  bool centered;
+};
+struct AdadeltaHyper {
+  double rho, eps, weight_decay;
+};
+
+template <typename T>
+struct RMSpropCoeffs {
+  T alpha, one_minus_alpha, eps, weight_decay, momentum, neg_lr;
+  bool centered, has_momentum;
+};
+template <typename T>
+struct AdadeltaCoeffs {
+  T rho, one_minus_rho, eps, weight_decay, neg_lr;
+};
+
+template <typename T>
+FT_HD RMSpropCoeffs<T> make_rmsprop_coeffs(const RMSpropHyper& h, float lr, float /*step*/) {
+  RMSpropCoeffs<T> c;
+  c.alpha = static_cast<T>(h.alpha);
+  c.one_minus_alpha = static_cast<T>(1.0 - h.alpha);
+  c.eps = static_cast<T>(h.eps);
+  c.weight_decay = static_cast<T>(h.weight_decay);
+  c.momentum = static_cast<T>(h.momentum);
+  c.neg_lr = -static_cast<T>(lr);
+  c.centered = h.centered;
+  c.has_momentum = h.momentum > 0.0;
+  return c;
+}
+
+template <typename T>
+FT_HD AdadeltaCoeffs<T> make_adadelta_coeffs(const AdadeltaHyper& h, float lr, float /*step*/) {
+  AdadeltaCoeffs<T> c;
+  c.rho = static_cast<T>(h.rho);
+  c.one_minus_rho = static_cast<T>(1.0 - h.rho);
+  c.eps = static_cast<T>(h.eps);
+  c.weight_decay = static_cast<T>(h.weight_decay);
+  c.neg_lr = -static_cast<T>(lr);
+  return c;
+}
+
+// RMSprop: sq = alpha*sq + (1-alpha)*g^2; centered: ga = lerp(ga, g, 1-alpha)
+// and the denominator is sqrt(sq - ga^2) + eps; with momentum the step goes
+// through buf = momentum*buf + g/denom. `buf` / `grad_avg` are null when unused.
+template <typename V, typename T>
+FT_HD void rmsprop_update(V& p, V g, V& sq, V* buf, V* grad_avg, const RMSpropCoeffs<T>& c) {
+  if (c.weight_decay != T(0)) g = g + V(c.weight_decay) * p;
+  sq = sq * V(c.alpha) + V(c.one_minus_alpha) * g * g;
+  V avg;
+  if (c.centered) {
+    *grad_avg = lerp_weight(*grad_avg, g, c.one_minus_alpha);
+    avg = vsqrt(sq - *grad_avg * *grad_avg) + V(c.eps);
+  } else {
+    avg = vsqrt(sq) + V(c.eps);
+  }
+  if (c.has_momentum) {
+    *buf = *buf * V(c.momentum) + g / avg;
+    p = p + V(c.neg_lr) * *buf;
+  } else {
+    p = p + V(c.neg_lr) * (g / avg);
+  }
+}
+
+// Adadelta: sq = rho*sq + (1-rho)*g^2; delta = sqrt(acc + eps) / sqrt(sq + eps) * g;
+// acc = rho*acc + (1-rho)*delta^2; p -= lr*delta.
+template <typename V, typename T>
+FT_HD void adadelta_update(V& p, V g, V& sq, V& acc, const AdadeltaCoeffs<T>& c) {
+  if (c.weight_decay != T(0)) g = g + V(c.weight_decay) * p;
+  sq = sq * V(c.rho) + V(c.one_minus_rho) * g * g;
+  const V delta = vsqrt(acc + V(c.eps)) / vsqrt(sq + V(c.eps)) * g;
+  acc = acc * V(c.rho) + V(c.one_minus_rho) * delta * delta;
+  p = p + V(c.neg_lr) * delta;
+}
+
+}  // namespace detail
+}  // namespace fusetrain

@@ -1,0 +1,57 @@
+// fusetrain::fused_radam_ — RAdam (rectified Adam; L2 or decoupled weight
+// decay) over lists of tensors, with unscale, clip, non-finite skip and EMA
+// folded in.
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "../common/update_args.h"
+
+namespace fusetrain {
+namespace detail {
+
+void fused_radam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
+                      at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
+                      double weight_decay, bool decoupled_weight_decay, bool maximize, const OptT& inv_scale,
+                      const OptT& found_inf, const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay) {
+  const char* op = "fused_radam_";
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1), got ", beta2);
+  TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
+  TORCH_CHECK(weight_decay >= 0.0, op, ": weight_decay must be >= 0, got ", weight_decay);
+  const size_t n = params.size();
+  TORCH_CHECK(exp_avgs.size() == n && exp_avg_sqs.size() == n, op, ": exp_avgs and exp_avg_sqs need one tensor "
+              "per param (", n, "), got ", exp_avgs.size(), " and ", exp_avg_sqs.size());
+  UpdateLists l;
+  const char* names[3] = {"exp_avgs", "exp_avg_sqs", "state3"};
+  std::copy(names, names + 3, l.state_names);
+  l.params = params.vec();
+  l.grads = grads.vec();
+  l.state1 = exp_avgs.vec();
+  l.state2 = exp_avg_sqs.vec();
+  l.steps = state_steps.vec();
+  l.master = master_params.vec();
+  l.ema = ema_params.vec();
+  OptimHyper h;
+  h.kind = OptimKind::RAdam;
+  h.radam = RAdamHyper{beta1, beta2, eps, weight_decay, decoupled_weight_decay};
+  h.maximize = maximize;
+  h.max_grad_norm = max_grad_norm;
+  UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
+                  opt_or_undef(ema_decay)};
+  run_fused_update(op, l, h, s, kernel);
+}
+
+}  // namespace detail
+}  // namespace fusetrain
+
+TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
+  m.set_python_module("fusetrain._ops");
+  m.def(
+      "fused_radam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(e!)[] state_steps, Tensor(f!)[] master_params, Tensor(g!)[] ema_params, *, Tensor lr, float beta1, "
+      "float beta2, float eps, float weight_decay, bool decoupled_weight_decay, bool maximize, "
+      "Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
+      "Tensor? ema_decay=None) -> ()");
+}

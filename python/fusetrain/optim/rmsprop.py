@@ -1,0 +1,66 @@
+"""Fused RMSprop and Adadelta (the squared-average optimizers)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._base import FusedOptimizer, _no_differentiable, _torch_checks
+
+
+class RMSprop(FusedOptimizer):
+    """RMSprop with the arguments, defaults, state (``square_avg``,
+    ``momentum_buffer`` with momentum > 0, ``grad_avg`` when centered) and
+    state-dict layout of :class:`torch.optim.RMSprop`; the whole step runs as
+    one fused pass per group. See :class:`fusetrain.optim.Adam` for
+    ``max_grad_norm`` and ``master_weights``."""
+
+    _opt_name = "RMSprop"
+    _kind = "rmsprop"
+
+    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
+                 capturable: bool = False, foreach: Optional[bool] = None, maximize: bool = False,
+                 differentiable: bool = False, *, max_grad_norm: Optional[float] = None,
+                 master_weights: bool = False):
+        _no_differentiable(self._opt_name, differentiable)
+        defaults = _torch_checks(torch.optim.RMSprop, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                                 momentum=momentum, centered=centered, capturable=capturable, foreach=foreach,
+                                 maximize=maximize)
+        super().__init__(params, defaults, max_grad_norm, master_weights)
+
+    def _state_names(self, group):
+        # state1..3 of fusetrain::fused_step_'s "rmsprop" record; a None slot is unused.
+        names = ["square_avg"]
+        if group["momentum"] > 0:
+            names.append("momentum_buffer")
+        if group["centered"]:
+            names += [None] * (2 - len(names)) + ["grad_avg"]
+        return tuple(names)
+
+    def _kind_fields(self, group):
+        return [float(group["alpha"]), float(group["eps"]), float(group["weight_decay"]), float(group["momentum"]),
+                1.0 if group["centered"] else 0.0]
+
+
+class Adadelta(FusedOptimizer):
+    """Adadelta with the arguments, defaults, state (``square_avg``,
+    ``acc_delta``) and state-dict layout of :class:`torch.optim.Adadelta`;
+    the whole step runs as one fused pass per group."""
+
+    _opt_name = "Adadelta"
+    _kind = "adadelta"
+
+    def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, foreach: Optional[bool] = None, *,
+                 capturable: bool = False, maximize: bool = False, differentiable: bool = False,
+                 max_grad_norm: Optional[float] = None, master_weights: bool = False):
+        _no_differentiable(self._opt_name, differentiable)
+        defaults = _torch_checks(torch.optim.Adadelta, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay,
+                                 foreach=foreach, capturable=capturable, maximize=maximize)
+        super().__init__(params, defaults, max_grad_norm, master_weights)
+
+    def _state_names(self, group):
+        return ("square_avg", "acc_delta")
+
+    def _kind_fields(self, group):
+        return [float(group["rho"]), float(group["eps"]), float(group["weight_decay"])]

@@ -1,0 +1,207 @@
+"""RMSprop, Adadelta and RAdam against torch.optim: many steps on random
+problems in float32 (tight) and float64 (to rounding), bf16 params with
+master weights, state dicts both ways, LR schedulers, clipping, skipped
+non-finite steps, torch's argument checks, and opcheck of their ops."""
+
+import copy
+
+import pytest
+import torch
+
+import fusetrain  # noqa: F401  (registers the ops)
+from fusetrain import _ops
+from fusetrain.optim import Adadelta, RAdam, RMSprop
+
+from _test_helpers import DEVICES
+
+SEED = 31
+OURS = {"RMSprop": RMSprop, "Adadelta": Adadelta, "RAdam": RAdam}
+TORCH = {"RMSprop": torch.optim.RMSprop, "Adadelta": torch.optim.Adadelta, "RAdam": torch.optim.RAdam}
+CONFIGS = [
+    ("RMSprop", {}), ("RMSprop", dict(momentum=0.9)), ("RMSprop", dict(centered=True)),
+    ("RMSprop", dict(centered=True, momentum=0.5, weight_decay=0.01, alpha=0.9)), ("RMSprop", dict(maximize=True)),
+    ("Adadelta", {}), ("Adadelta", dict(rho=0.5, weight_decay=0.1, eps=1e-4)), ("Adadelta", dict(maximize=True)),
+    ("RAdam", {}), ("RAdam", dict(weight_decay=0.1)), ("RAdam", dict(weight_decay=0.1, decoupled_weight_decay=True)),
+    ("RAdam", dict(betas=(0.8, 0.9), maximize=True)),
+]
+IDS = [f"{n}-{kw}" for n, kw in CONFIGS]
+LR = {"RMSprop": 2.0**-8, "Adadelta": 0.5, "RAdam": 2.0**-7}  # exact in the float32 device lr
+
+
+def shapes():
+    return [(5, 3), (7,), (1,), (130, 9)]
+
+
+def twins(dtype=torch.float32, device="cpu"):
+    base = [torch.randn(s, dtype=dtype, device=device) for s in shapes()]
+    return ([b.clone().requires_grad_() for b in base], [b.clone().requires_grad_() for b in base])
+
+
+def run(pairs, n, start=0, scale=1.0):
+    for i in range(n):
+        g = torch.Generator().manual_seed(500 + start + i)
+        grads = None
+        for opt, params in pairs:
+            if grads is None:
+                grads = [torch.randn(p.shape, dtype=torch.float64, generator=g) * scale for p in params]
+            for p, gr in zip(params, grads):
+                p.grad = gr.to(p.dtype).to(p.device)
+            opt.step()
+
+
+def assert_state_close(ours, theirs, a, b, **tol):
+    for p, q in zip(a, b):
+        for k, v in theirs.state[p].items():
+            torch.testing.assert_close(ours.state[q][k].to(v.dtype), v, **tol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,kw", CONFIGS, ids=IDS)
+def test_float32_matches_torch_over_many_steps(name, kw, device):
+    a, b = twins(device=device)
+    theirs = TORCH[name](a, lr=LR[name], foreach=False, **kw)
+    ours = OURS[name](b, lr=LR[name], **kw)
+    run([(theirs, a), (ours, b)], 30)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(q, p, rtol=2e-5, atol=2e-6)
+    assert_state_close(ours, theirs, a, b, rtol=2e-5, atol=2e-6)
+    assert set(ours.state[b[0]]) == set(theirs.state[a[0]])  # torch's state keys
+
+
+@pytest.mark.parametrize("name,kw", CONFIGS, ids=IDS)
+def test_float64_matches_torch_to_rounding(name, kw):
+    a, b = twins(torch.float64)
+    theirs = TORCH[name](a, lr=LR[name], foreach=False, **kw)
+    ours = OURS[name](b, lr=LR[name], **kw)
+    run([(theirs, a), (ours, b)], 25)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(q, p, rtol=1e-11, atol=1e-12)
+    assert_state_close(ours, theirs, a, b, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,kw", [CONFIGS[3], CONFIGS[6], CONFIGS[10]], ids=[IDS[3], IDS[6], IDS[10]])
+def test_bf16_params_with_master_weights_follow_float32_torch(name, kw):
+    base = [torch.randn(s) for s in shapes()]
+    ref = [b.to(torch.bfloat16).float().requires_grad_() for b in base]
+    ours_p = [b.to(torch.bfloat16).requires_grad_() for b in base]
+    theirs = TORCH[name](ref, lr=LR[name], foreach=False, **kw)
+    ours = OURS[name](ours_p, lr=LR[name], master_weights=True, **kw)
+    for i in range(12):
+        g = torch.Generator().manual_seed(900 + i)
+        for p, q in zip(ref, ours_p):
+            gr = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            p.grad, q.grad = gr.float(), gr
+        theirs.step()
+        ours.step()
+    for p, q in zip(ref, ours_p):
+        torch.testing.assert_close(ours.state[q]["master_param"], p.detach(), rtol=2e-5, atol=2e-6)
+        assert torch.equal(q, ours.state[q]["master_param"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name,kw", CONFIGS, ids=IDS)
+def test_state_dicts_load_both_ways_and_steps_continue_alike(name, kw):
+    a, b = twins()
+    theirs = TORCH[name](a, lr=LR[name], foreach=False, **kw)
+    ours = OURS[name](b, lr=LR[name], **kw)
+    run([(theirs, a), (ours, b)], 4)
+    assert ours.state_dict()["param_groups"][0].keys() - {"max_grad_norm", "master_weights"} == \
+        theirs.state_dict()["param_groups"][0].keys()
+    # Cross-load: torch continues from ours, ours from torch's.
+    a2 = [q.detach().clone().requires_grad_() for q in b]
+    b2 = [p.detach().clone().requires_grad_() for p in a]
+    theirs2 = TORCH[name](a2, lr=LR[name], foreach=False, **kw)
+    theirs2.load_state_dict(copy.deepcopy(ours.state_dict()))  # torch's loader may alias the tensors
+    ours2 = OURS[name](b2, lr=LR[name], **kw)
+    ours2.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    run([(theirs2, a2), (ours2, b2), (theirs, a), (ours, b)], 5, start=50)
+    for p, q, p2, q2 in zip(a, b, a2, b2):
+        torch.testing.assert_close(q2, p, rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(p2, q, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", list(OURS))
+def test_lr_scheduler_clipping_and_a_skipped_step(name):
+    kw = dict(CONFIGS[3][1]) if name == "RMSprop" else {}
+    a, b = twins()
+    theirs = TORCH[name](a, lr=LR[name], foreach=False, **kw)
+    ours = OURS[name](b, lr=LR[name], max_grad_norm=0.5, **kw)
+    sched = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (theirs, ours)]
+    for i in range(6):
+        g = torch.Generator().manual_seed(70 + i)
+        grads = [torch.randn(p.shape, generator=g) * 4 for p in a]
+        for p, q, gr in zip(a, b, grads):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        if i == 3:  # a non-finite gradient: ours skips the whole step on the device, torch is not stepped
+            b[1].grad[0] = float("inf")
+            before = ([q.detach().clone() for q in b], {k: v.clone() for k, v in ours.state[b[0]].items()})
+            ours.step()
+            assert ours.last_found_inf.item() == 1.0
+            assert all(torch.equal(q, c) for q, c in zip(b, before[0]))
+            assert all(torch.equal(ours.state[b[0]][k], v) for k, v in before[1].items())
+        else:
+            torch.nn.utils.clip_grad_norm_(a, 0.5)
+            theirs.step()
+            ours.step()
+        for s in sched:
+            s.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+ADADELTA_ARGS = [dict(lr=-1.0), dict(rho=1.5), dict(eps=-1e-6), dict(weight_decay=-0.1), dict(foreach=True)]
+RMSPROP_ARGS = [dict(lr=-1.0), dict(alpha=-0.5), dict(momentum=-0.1), dict(eps=-1.0), dict(centered=True)]
+RADAM_ARGS = [dict(lr=-1.0), dict(betas=(1.0, 0.9)), dict(eps=-1.0), dict(weight_decay=-1.0), dict(foreach=True)]
+ARG_CASES = ([("Adadelta", kw) for kw in ADADELTA_ARGS] + [("RMSprop", kw) for kw in RMSPROP_ARGS]
+             + [("RAdam", kw) for kw in RADAM_ARGS])
+
+
+def outcome(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the comparison is the point
+        return type(e), str(e)
+    return None
+
+
+@pytest.mark.parametrize("name,kw", ARG_CASES, ids=[f"{n}-{kw}" for n, kw in ARG_CASES])
+def test_argument_checks_are_torchs(name, kw):
+    p = [torch.zeros(2, requires_grad=True)]
+    assert outcome(lambda: OURS[name](p, **kw)) == outcome(lambda: TORCH[name](p, **kw))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    def lists(*names):
+        return [[torch.randn(s, device=device).abs() for s in ((3, 4), (5,))] for _ in names]
+
+    params, grads, s1, s2, s3 = lists("p", "g", "s1", "s2", "s3")
+    steps = [torch.zeros((), device=device) for _ in params]
+    lr = torch.tensor(0.01, device=device)
+    tail = dict(inv_scale=torch.tensor(0.5, device=device), max_grad_norm=1.0,
+                grad_norm=torch.tensor(2.0, device=device))
+    cases = [
+        (torch.ops.fusetrain.fused_rmsprop_.default, (params, grads, s1, s2, s3, steps, [], []),
+         dict(lr=lr, alpha=0.9, eps=1e-8, weight_decay=0.01, momentum=0.9, centered=True, maximize=False, **tail)),
+        (torch.ops.fusetrain.fused_adadelta_.default, (params, grads, s1, s2, steps, [], []),
+         dict(lr=lr, rho=0.9, eps=1e-6, weight_decay=0.0, maximize=True, **tail)),
+        (torch.ops.fusetrain.fused_radam_.default, (params, grads, s1, s2, steps, [], []),
+         dict(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
+              maximize=False, **tail)),
+    ]
+    for op, args, kwargs in cases:
+        torch.library.opcheck(op, args, kwargs)
+
+
+def test_python_wrappers_call_the_ops():
+    p = [torch.randn(4)]
+    g = [torch.randn(4)]
+    sq, acc = [torch.zeros(4)], [torch.zeros(4)]
+    steps = [torch.zeros(())]
+    before = p[0].clone()
+    _ops.fused_adadelta_(p, g, sq, acc, steps, [], [], lr=torch.tensor(1.0), rho=0.9, eps=1e-6, weight_decay=0.0,
+                         maximize=False)
+    ref = torch.optim.Adadelta([before.requires_grad_()], lr=1.0)
+    before.grad = g[0].clone()
+    ref.step()
+    torch.testing.assert_close(p[0], before.detach())
+    assert steps[0].item() == 1.0
