@@ -57,6 +57,19 @@ inline void convert_block(const S* src, D* dst, int64_t n) {
 
 const float* scalar_ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
 
+// Calls f(bool_constant<a>, bool_constant<b>, bool_constant<c>).
+template <class F>
+void with_flags(bool a, bool b, bool c, F&& f) {
+  using T = std::true_type;
+  using N = std::false_type;
+  if (a) {
+    if (b) return c ? f(T{}, T{}, T{}) : f(T{}, T{}, N{});
+    return c ? f(T{}, N{}, T{}) : f(T{}, N{}, N{});
+  }
+  if (b) return c ? f(N{}, T{}, T{}) : f(N{}, T{}, N{});
+  return c ? f(N{}, N{}, T{}) : f(N{}, N{}, N{});
+}
+
 // The precision of the update: double for float64 params, else float.
 template <typename P>
 using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
@@ -115,21 +128,27 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
     C* m1 = s1 ? s1 + off : nullptr;
     C* m2 = s2 ? s2 + off : nullptr;
     C* m3 = s3 ? s3 + off : nullptr;
-    for (int64_t i = 0; i < m; i += VS) {
-      const int c = static_cast<int>(std::min<int64_t>(VS, m - i));
-      Vec p = Vec::loadu(pw + i, c);
-      Vec g = Vec::loadu(gw + i, c) * vgmul;
-      if (h.maximize) g = g.neg();
-      // State lists a group does not use are null; their registers stay unused.
-      Vec r1 = m1 ? Vec::loadu(m1 + i, c) : Vec(C(0));
-      Vec r2 = m2 ? Vec::loadu(m2 + i, c) : Vec(C(0));
-      Vec r3 = m3 ? Vec::loadu(m3 + i, c) : Vec(C(0));
-      apply_update<K>(p, g, m1 ? &r1 : nullptr, m2 ? &r2 : nullptr, m3 ? &r3 : nullptr, co);
-      if (m1) r1.store(m1 + i, c);
-      if (m2) r2.store(m2 + i, c);
-      if (m3) r3.store(m3 + i, c);
-      p.store(pw + i, c);
-    }
+    // NOTE [state presence]: which state lists a group uses is decided once
+    // per block (the inner loop is compiled for each combination) so that the
+    // per-vector loop holds no branch on it.
+    with_flags(m1 != nullptr, m2 != nullptr, m3 != nullptr, [&](auto has1, auto has2, auto has3) {
+      constexpr bool H1 = decltype(has1)::value, H2 = decltype(has2)::value, H3 = decltype(has3)::value;
+      for (int64_t i = 0; i < m; i += VS) {
+        const int c = static_cast<int>(std::min<int64_t>(VS, m - i));
+        Vec p = Vec::loadu(pw + i, c);
+        Vec g = Vec::loadu(gw + i, c) * vgmul;
+        if (h.maximize) g = g.neg();
+        Vec r1, r2, r3;
+        if constexpr (H1) r1 = Vec::loadu(m1 + i, c);
+        if constexpr (H2) r2 = Vec::loadu(m2 + i, c);
+        if constexpr (H3) r3 = Vec::loadu(m3 + i, c);
+        apply_update<K>(p, g, H1 ? &r1 : nullptr, H2 ? &r2 : nullptr, H3 ? &r3 : nullptr, co);
+        if constexpr (H1) r1.store(m1 + i, c);
+        if constexpr (H2) r2.store(m2 + i, c);
+        if constexpr (H3) r3.store(m3 + i, c);
+        p.store(pw + i, c);
+      }
+    });
     // Store the (rounded) param when the update did not run on its storage.
     if (master != nullptr || !kInPlace) convert_block(pw, param + off, m);
     if (ema != nullptr) {

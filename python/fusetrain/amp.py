@@ -25,14 +25,24 @@ from torch import Tensor
 from . import _ops
 from .optim._base import FusedOptimizer
 
-__all__ = ["LossScaler", "Precision", "resolve_precision"]
+__all__ = ["LossScaler", "Precision", "resolve_precision", "SCALE_FLOOR"]
 
 _READY, _UNSCALED, _STEPPED = 0, 1, 2
 
+#: The smallest scale: ``update_scale_`` backs off no further (2**-126, the smallest
+#: normal float32). A scale at this floor means every recent step was non-finite:
+#: the run has diverged (the Trainer stops it and says so).
+SCALE_FLOOR = 2.0**-126
+_SCALE_ALLOWED = "a finite number >= 2**-126 (the floor of the scale)"
 
-def _check_number(name: str, value: Any, ok, allowed: str) -> None:
+
+def _scale_ok(v: float) -> bool:
+    return SCALE_FLOOR <= v and math.isfinite(v)
+
+
+def _check_number(name: str, value: Any, ok, allowed: str, owner: str = "LossScaler") -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise ValueError(f"LossScaler: {name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{owner}: {name} must be {allowed}, got {value!r}")
 
 
 class LossScaler:
@@ -53,7 +63,7 @@ class LossScaler:
                  enabled: bool = True) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"LossScaler: enabled must be a bool, got {enabled!r}")
-        _check_number("init_scale", init_scale, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
+        _check_number("init_scale", init_scale, _scale_ok, _SCALE_ALLOWED)
         _check_number("growth_factor", growth_factor, lambda v: v > 1 and math.isfinite(v), "a finite number > 1")
         _check_number("backoff_factor", backoff_factor, lambda v: 0 < v < 1, "in (0, 1)")
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval <= 0:
@@ -196,7 +206,7 @@ class LossScaler:
                     raise ValueError("LossScaler.update: new_scale must have one element")
                 self._scale.copy_(new_scale.reshape(()))
             else:
-                _check_number("new_scale", new_scale, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
+                _check_number("new_scale", new_scale, _scale_ok, _SCALE_ALLOWED)
                 self._scale.fill_(float(new_scale))
         else:
             flags = [st["found_inf"] for st in self._per_optimizer.values() if st["found_inf"] is not None]
@@ -283,11 +293,24 @@ class LossScaler:
                    if k not in state_dict]
         if missing:
             raise KeyError(f"LossScaler.load_state_dict: missing keys {missing}")
-        self._init_scale = float(state_dict["scale"])
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        # Checked as the constructor checks its arguments, all before anything changes.
+        sd = {k: state_dict[k].item() if isinstance(state_dict[k], Tensor) and state_dict[k].numel() == 1
+              else state_dict[k] for k in ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                                            "_growth_tracker")}
+        owner = "LossScaler.load_state_dict"
+        _check_number("state_dict['scale']", sd["scale"], _scale_ok, _SCALE_ALLOWED, owner)
+        _check_number("state_dict['growth_factor']", sd["growth_factor"], lambda v: v > 1 and math.isfinite(v),
+                      "a finite number > 1", owner)
+        _check_number("state_dict['backoff_factor']", sd["backoff_factor"], lambda v: 0 < v < 1, "in (0, 1)", owner)
+        for key in ("growth_interval", "_growth_tracker"):
+            v, low = sd[key], 1 if key == "growth_interval" else 0
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{owner}: state_dict[{key!r}] must be an int >= {low}, got {v!r}")
+        self._init_scale = float(sd["scale"])
+        self._growth_factor = float(sd["growth_factor"])
+        self._backoff_factor = float(sd["backoff_factor"])
+        self._growth_interval = int(sd["growth_interval"])
+        self._init_growth_tracker = int(sd["_growth_tracker"])
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
             self._growth_tracker.fill_(self._init_growth_tracker)

@@ -37,7 +37,10 @@ ckpt_root_dir=ckpt_root_dir).train(...)`` runs; its result is printed as JSON.
 Any recipe error (a Hydra composition or override error, a missing ``???``
 value, an invalid or unknown key, a missing data path) is printed to stderr
 with where it was found and the process exits with status 2, having created
-nothing under the checkpoint root.
+nothing under the checkpoint root. Running a recipe again into a used
+experiment folder takes ``training_params.resume=true`` (continue) or
+``training_params.overwrite_experiment=true`` (start over); see
+``docs/checkpoints.md``.
 
 Why Hydra's compose API and not ``@hydra.main``: ``hydra.main`` changes the
 working directory per run and creates ``outputs/<date>/<time>`` folders with
@@ -274,13 +277,13 @@ def plot_lr(recipe: Dict[str, Any], path: str, where: str = "recipe") -> str:
     """Write the learning-rate schedule of a validated recipe (steps per epoch
     from its train loader) to ``path``; returns a summary line."""
     from .training.data import build_dataloaders
+    from .training.preflight import steps_per_epoch
     from .training.schedules import LRSchedule, write_schedule
-    from .training.trainer import Trainer
 
     p = _training_params(recipe, where)
     try:
         train_loader, _ = build_dataloaders(recipe["dataset_params"])
-        steps = Trainer._steps_per_epoch(train_loader, p)
+        steps = steps_per_epoch(train_loader, p)
         return write_schedule(LRSchedule(p, steps), path)
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, ImportError, OSError) as exc:
         raise RecipeError(f"{where}: {_error_text(exc)}") from exc

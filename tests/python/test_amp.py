@@ -15,6 +15,7 @@ bit-identical.
 
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -24,6 +25,7 @@ from torch import nn
 
 import fusetrain
 from fusetrain import LossScaler, Precision, resolve_precision
+from fusetrain.amp import SCALE_FLOOR
 from fusetrain.optim import SGD, Adam, AdamW, Lion
 
 from _test_helpers import CUDA, DEVICES
@@ -458,6 +460,39 @@ def test_load_state_dict_errors():
     with pytest.raises(KeyError, match="_growth_tracker"):
         LossScaler().load_state_dict({"scale": 2.0, "growth_factor": 2.0, "backoff_factor": 0.5,
                                       "growth_interval": 10})
+
+
+GOOD_STATE = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 10,
+              "_growth_tracker": 3}
+
+
+@pytest.mark.parametrize("key,value", [
+    ("scale", 0.0), ("scale", -1.0), ("scale", float("inf")), ("scale", float("nan")), ("scale", 2.0**-127),
+    ("scale", "1024"), ("growth_factor", 1.0), ("growth_factor", 0.5), ("growth_factor", float("inf")),
+    ("backoff_factor", 1.5), ("backoff_factor", 1.0), ("backoff_factor", 0.0), ("growth_interval", 0),
+    ("growth_interval", 2.5), ("growth_interval", True), ("_growth_tracker", -1), ("_growth_tracker", 1.5),
+])
+@pytest.mark.parametrize("after_first_scale", [False, True])
+def test_load_state_dict_checks_like_the_constructor(key, value, after_first_scale):
+    # A bad value names the key and the allowed values, and changes nothing:
+    # the scaler steps on as before (a scale of 0 would write NaN into the weights).
+    ls = LossScaler(init_scale=256.0, growth_interval=4)
+    model = make_model()
+    opt = AdamW(model.parameters())
+    if after_first_scale:
+        _continue(ls, opt, model, make_data(n=2), {})
+    before = ls.state_dict()
+    with pytest.raises(ValueError, match=rf"state_dict\['{key}'\] must be .*got {re.escape(repr(value))}"):
+        ls.load_state_dict({**GOOD_STATE, key: value})
+    assert ls.state_dict() == before
+    _continue(ls, opt, model, make_data(n=2), {})
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_load_state_dict_takes_the_floor_and_one_element_tensors():
+    ls = LossScaler()
+    ls.load_state_dict({**GOOD_STATE, "scale": torch.tensor(2.0**-126), "_growth_tracker": torch.tensor(2)})
+    assert ls.get_scale() == SCALE_FLOOR and ls._get_growth_tracker() == 2
 
 
 # ---- error paths -----------------------------------------------------------------------

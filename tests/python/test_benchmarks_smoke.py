@@ -61,3 +61,15 @@ def test_optim_step_quick_run_writes_report(tmp_path, device):
     for t in report["targets"]:
         assert set(t) >= {"name", "layout", "value", "threshold", "met"}
         assert t["met"] in (True, False, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_optim_family_quick_run_has_a_row_per_optimizer(tmp_path, device):
+    _, report = quick_run("optim_family", tmp_path, device)
+    assert set(report["results"]) == {"Adam", "AdamW", "SGD", "RMSprop", "Adadelta", "RAdam"}
+    for name, r in report["results"].items():
+        assert r["torch_impl"] == ("fused" if name in ("Adam", "AdamW", "SGD") else "foreach")
+        for variant in ("fusetrain", "torch", "fusetrain_full", "torch_full"):
+            assert r[variant]["median_ms"] > 0, (name, variant)
+        assert r["plain_ratio"] > 0 and r["full_ratio"] > 0
+    assert len(report["targets"]) == 12 and report["loadavg_start"] is not None

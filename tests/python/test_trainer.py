@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusetrain.optim import SGD, Adam, AdamW, Lion
+from fusetrain.optim import SGD, Adadelta, Adam, AdamW, Lion, RAdam, RMSprop
 from fusetrain.training import TrainingParamsError, resolve_training_params
 from fusetrain.training import checkpoints as ckpt_module
 from fusetrain.training import trainer as trainer_module
@@ -170,6 +170,10 @@ OPTIMIZER_CASES = [
     ("adam", Adam, 3e-3, {}, {"step", "exp_avg", "exp_avg_sq"}),
     ("SGD", SGD, 0.05, {"momentum": 0.9}, {"step", "momentum_buffer"}),
     ("Lion", Lion, 3e-4, {"weight_decay": 0.1}, {"step", "exp_avg"}),
+    ("rmsprop", RMSprop, 1e-3, {"momentum": 0.9, "centered": True},
+     {"step", "square_avg", "momentum_buffer", "grad_avg"}),
+    ("Adadelta", Adadelta, 1.0, {}, {"step", "square_avg", "acc_delta"}),
+    ("RAdam", RAdam, 3e-3, {"decoupled_weight_decay": True}, {"step", "exp_avg", "exp_avg_sq"}),
     (torch.optim.SGD, torch.optim.SGD, 0.05, {"momentum": 0.9}, {"momentum_buffer"}),
     (torch.optim.AdamW, torch.optim.AdamW, 3e-3, {}, {"step", "exp_avg", "exp_avg_sq"}),
 ]

@@ -29,21 +29,25 @@ EXPECTED_DEFAULTS = {
     "cosine_restart_mult": 1, "poly_power": 0.9, "linear_final_lr_ratio": 0.0,
     "onecycle_pct_start": 0.3, "onecycle_div_factor": 25.0, "onecycle_final_div_factor": 1e4,
     "cyclic_min_lr_ratio": 0.1, "cyclic_period_epochs": 2.0, "lr_warmup_epochs": 0, "lr_warmup_steps": 0,
-    "lr_warmup_mode": "linear", "warmup_initial_lr": None, "zero_weight_decay_on_bias_and_bn": False, "mixed_precision": False,
+    "lr_warmup_mode": "linear", "warmup_initial_lr": None, "zero_weight_decay_on_bias_and_bn": False,
+    "lr_multipliers": {}, "layer_decay": None, "pretrained_weights": None,
+    "pretrained_params": {"strict": False, "key_map": {}, "use_ema": False}, "freeze": [], "freeze_bn_stats": False,
+    "mixed_precision": False,
     "scaler_params": {}, "torch_compile": False, "torch_compile_mode": "default", "torch_compile_options": {},
     "compile_step": "off",
     "ema": False, "ema_params": {}, "clip_grad_norm": None, "batch_accumulate": 1, "sync_bn": False,
     "channels_last": False, "loss": "cross_entropy", "loss_params": {}, "train_metrics": ["accuracy"],
     "valid_metrics": ["accuracy"], "metric_to_watch": "accuracy", "greater_metric_to_watch_is_better": True,
     "run_validation_freq": 1, "max_train_batches": None, "max_valid_batches": None, "save_ckpt_epoch_list": [],
-    "resume": False, "resume_path": None, "seed": 42, "cudnn_benchmark": True, "early_stopping": None,
-    "log_interval": 0, "model_input": "auto", "split_batch": None, "callbacks": [], "device": "auto", "multi_gpu": "auto", "num_gpus": None, "num_processes": None,
+    "resume": False, "resume_path": None, "overwrite_experiment": False, "seed": 42, "cudnn_benchmark": True, "early_stopping": None,
+    "log_interval": 0, "loggers": [], "logger_params": {}, "export": [], "model_input": "auto", "split_batch": None,
+    "callbacks": [], "device": "auto", "multi_gpu": "auto", "num_gpus": None, "num_processes": None,
     "dist_backend": "auto", "dist_timeout_s": 300.0, "find_unused_parameters": False, "progress_bar": True,
 }
 
 BOOL = "a bool (true or false)"
-OPTIMIZER_ALLOWED = ("one of 'AdamW', 'Adam', 'SGD', 'Lion' (case-insensitive) or a torch.optim.Optimizer subclass "
-                     "(the class, not an instance)")
+OPTIMIZER_ALLOWED = ("one of 'AdamW', 'Adam', 'SGD', 'Lion', 'RMSprop', 'Adadelta', 'RAdam' (case-insensitive) "
+                     "or a torch.optim.Optimizer subclass (the class, not an instance)")
 LOSS_ALLOWED = ("a loss name (a torch.nn loss class name such as 'CrossEntropyLoss', one of 'cross_entropy', 'mse', "
                 "'l1', 'smooth_l1', 'bce_with_logits', 'nll', a name registered with fusetrain.register_loss, a class "
                 "path, or 'model') or a callable (outputs, targets) -> loss (an nn.Module instance or a function)")
@@ -97,6 +101,15 @@ CASES = [
     ("lr_warmup_steps", 100, 1.5, _msg("lr_warmup_steps", 1.5, "an int >= 0")),
     ("warmup_initial_lr", 0.0, -0.1, _msg("warmup_initial_lr", -0.1, "a float >= 0 or None")),
     ("zero_weight_decay_on_bias_and_bn", True, 1, _msg("zero_weight_decay_on_bias_and_bn", 1, BOOL)),
+    ("lr_multipliers", {"backbone": 0.1, "*.bias": 2.0}, {"backbone": 0},
+     "training_params.lr_multipliers['backbone']: got 0 (int); allowed: a float > 0"),
+    ("layer_decay", {"rate": 0.75, "pattern": r"layers\.(\d+)\."}, {"pattern": "x"},
+     "training_params.layer_decay: missing required key 'rate' (a float in (0, 1])"),
+    ("pretrained_weights", "weights/resnet50.pth", 3, _msg("pretrained_weights", 3, "a file path or None")),
+    ("pretrained_params", {"strict": True, "key_map": {"": "backbone."}, "use_ema": False}, {"key_map": {"a": 1}},
+     "training_params.pretrained_params.key_map['a']: got 1 (int); allowed: a key prefix (a string, may be empty)"),
+    ("freeze", ["backbone"], "backbone", _msg("freeze", "backbone", "a list of parameter-name patterns")),
+    ("freeze_bn_stats", True, "yes", _msg("freeze_bn_stats", "yes", BOOL)),
     ("mixed_precision", "bf16", "fp8",
      _msg("mixed_precision", "fp8", "a bool (true or false) or one of 'fp16', 'bf16', 'fp32' (case-insensitive)")),
     ("mixed_precision", True, 1,
@@ -138,11 +151,19 @@ CASES = [
     ("resume", True, "True", _msg("resume", "True", BOOL)),
     ("resume_path", "runs/ckpt_latest.pth", "",
      _msg("resume_path", "", "a non-empty string (a checkpoint path) or None")),
+    ("overwrite_experiment", True, "yes", _msg("overwrite_experiment", "yes", BOOL)),
     ("seed", 0, -1, _msg("seed", -1, "an int >= 0")),
     ("cudnn_benchmark", False, 1, _msg("cudnn_benchmark", 1, BOOL)),
     ("early_stopping", {"patience": 3, "min_delta": 0.01}, {"patience": 0},
      "training_params.early_stopping.patience: got 0 (int); allowed: an int >= 1"),
     ("log_interval", 10, -1, _msg("log_interval", -1, "an int >= 0")),
+    ("loggers", ["csv", "jsonl"], ["csvv"],
+     "training_params.loggers[0]: got 'csvv' (str); allowed: one of 'tensorboard', 'csv', 'jsonl', 'wandb', "
+     "'mlflow' or an object with log_scalars(step, values) and close() (from Python)"),
+    ("logger_params", {"wandb": {"project": "p"}}, ["wandb"],
+     _msg("logger_params", ["wandb"], "a dict of logger name -> keyword arguments")),
+    ("export", ["model.pt2", "model.onnx"], ["model.pth"],
+     "training_params.export[0]: got 'model.pth' (str); allowed: a file name ending in .pt2 or .onnx"),
     ("model_input", "unpack", "spread", _msg("model_input", "spread", "one of 'auto', 'unpack', 'whole', or a "
                                              "function (model, inputs) -> outputs (or its path, "
                                              "package.module.function)")),
@@ -261,15 +282,17 @@ def test_normalisation():
     p = resolve_training_params({"optimizer": "adamw", "mixed_precision": "FP16", "initial_lr": 1, "seed": 3})
     assert p.optimizer == "AdamW" and p.mixed_precision == "fp16"
     assert p.initial_lr == 1.0 and type(p.initial_lr) is float
-    for given, canonical in [("ADAM", "Adam"), ("sgd", "SGD"), ("LiOn", "Lion"), ("AdamW", "AdamW")]:
+    for given, canonical in [("ADAM", "Adam"), ("sgd", "SGD"), ("LiOn", "Lion"), ("AdamW", "AdamW"),
+                             ("rmsprop", "RMSprop"), ("ADADELTA", "Adadelta"), ("radam", "RAdam")]:
         assert resolve_training_params({"optimizer": given}).optimizer == canonical
     for given, canonical in [("Bf16", "bf16"), ("fp32", "fp32"), (True, True), (False, False)]:
         assert resolve_training_params({"mixed_precision": given}).mixed_precision == canonical
     assert resolve_training_params({"lr_updates": (2, 4)}).lr_updates == [2, 4]
     assert P.optimizer_class("adamw") is fusetrain.optim.AdamW
     assert P.optimizer_class(torch.optim.SGD) is torch.optim.SGD
+    assert P.optimizer_class("rmsprop") is fusetrain.optim.RMSprop
     with pytest.raises(ValueError, match="training_params.optimizer"):
-        P.optimizer_class("rmsprop")
+        P.optimizer_class("adagrad")
 
 
 # ---- unknown keys ------------------------------------------------------------------------------

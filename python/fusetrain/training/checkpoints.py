@@ -1,32 +1,58 @@
-"""Checkpoint files written atomically: a crash while writing leaves the
-previous file intact (write to a temporary file in the same directory, flush,
-fsync, then rename over the target)."""
+"""Files written atomically: a crash while writing leaves the previous file
+intact (write to a temporary file ``.tmp_<name>...`` in the same directory,
+flush, fsync, then rename over the target). A kill during the write leaves
+the temporary file behind; :func:`remove_temp_files` clears them when the next
+run takes the folder."""
 
 from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Dict
+from typing import IO, Any, Callable, Dict, List, Tuple
 
 import torch
 
-__all__ = ["atomic_save", "load_checkpoint"]
+__all__ = ["atomic_save", "atomic_write", "load_checkpoint", "remove_temp_files", "TMP_PREFIX"]
+
+TMP_PREFIX = ".tmp_"
+_UMASK = os.umask(0)  # read once (os.umask can only be read by setting it) ...
+os.umask(_UMASK)  # ... and put back: written files get the usual mode, not mkstemp's 0600
 
 
-def atomic_save(obj: Dict[str, Any], path: str) -> None:
+def atomic_write(path: str, write: Callable[[IO], None], mode: str = "wb") -> None:
+    """Call ``write(f)`` on a temporary file next to ``path``, then rename it over ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_" + os.path.basename(path), dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(path), dir=directory)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"newline": ""})) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def atomic_save(obj: Dict[str, Any], path: str) -> None:
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def remove_temp_files(directory: str) -> List[Tuple[str, int]]:
+    """Delete the temporary files of writes that a kill interrupted; returns
+    ``[(name, size in bytes)]``. Only call it while holding the folder's lock
+    (another run's writes in progress would be deleted too)."""
+    removed = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        path = os.path.join(directory, name)
+        if name.startswith(TMP_PREFIX) and os.path.isfile(path):
+            size = os.path.getsize(path)
+            os.remove(path)
+            removed.append((name, size))
+    return removed
 
 
 def load_checkpoint(path: str, map_location="cpu") -> Dict[str, Any]:

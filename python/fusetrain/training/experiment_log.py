@@ -1,7 +1,12 @@
 """Per-epoch logs of an experiment: metrics.csv, metrics.jsonl, TensorBoard
 event files (when tensorboard is installed) and, at the end, a PNG plot of the
-loss and metrics per epoch. Nothing is created before the first row is logged
-(a run that fails in its first epoch leaves no folder behind)."""
+loss and metrics per epoch. Nothing is created before the first row is logged.
+
+NOTE [append-only history]: each epoch appends one line to metrics.jsonl
+(flushed and fsynced) and replaces metrics.csv atomically, so a kill at any
+moment leaves every earlier row intact; at worst the last jsonl line is torn,
+and a resume drops it (with a warning) and rewrites both files atomically.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,34 @@ import os
 import warnings
 from typing import Any, Dict, List
 
-__all__ = ["ExperimentLogger", "NullLogger"]
+from .checkpoints import atomic_write
+
+__all__ = ["ExperimentLogger", "NullLogger", "read_jsonl_rows"]
+
+
+def read_jsonl_rows(path: str) -> List[Dict[str, Any]]:
+    """The rows of a metrics.jsonl. A torn last line (a kill while it was
+    appended) is dropped with a warning; a bad line before it is an error."""
+    with open(path, "rb") as f:
+        lines = f.read().decode("utf-8", errors="replace").split("\n")
+    rows: List[Dict[str, Any]] = []
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines[:last + 1]):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a {type(row).__name__}, not an object")
+        except ValueError as e:
+            if i == last:
+                warnings.warn(f"{path}: line {i + 1} is incomplete (the run was stopped while writing it) and is "
+                              f"dropped: {line[:80]!r}", stacklevel=3)
+                break
+            raise ValueError(f"{path}: line {i + 1} is not a metrics row ({e}); fix or delete that line to "
+                             f"resume") from None
+        rows.append(row)
+    return rows
 
 
 class ExperimentLogger:
@@ -37,17 +69,30 @@ class ExperimentLogger:
             warnings.warn(f"TensorBoard logging disabled: {e}", stacklevel=3)
 
     def load_existing(self, up_to_epoch: int) -> None:
-        """On resume: keep the rows of epochs already done."""
+        """On resume: keep the rows of epochs already done (those of later
+        epochs and a torn last line are dropped from both files)."""
         if not os.path.isfile(self._jsonl):
+            if up_to_epoch > 0:
+                warnings.warn(f"resume: {self._jsonl} is missing; the metrics history starts at epoch "
+                              f"{up_to_epoch + 1}", stacklevel=3)
             return
-        with open(self._jsonl) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = read_jsonl_rows(self._jsonl)
         self.rows = [r for r in rows if r.get("epoch", 0) <= up_to_epoch]
-        self._rewrite()
+        missing = sorted(set(range(1, up_to_epoch + 1)) - {r.get("epoch") for r in self.rows})
+        if missing:
+            warnings.warn(f"resume: {self._jsonl} has no rows for epoch(s) {missing} of the checkpoint's "
+                          f"{up_to_epoch}", stacklevel=3)
+        atomic_write(self._jsonl, lambda f: f.writelines(json.dumps(r) + "\n" for r in self.rows), "w")
+        self._write_csv()
 
     def log_epoch(self, row: Dict[str, Any]) -> None:
         self.rows.append(dict(row))
-        self._rewrite()
+        os.makedirs(self.directory, exist_ok=True)
+        with open(self._jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._write_csv()
         if self._tensorboard:
             self._open_tensorboard()
         if self._tb is not None:
@@ -57,19 +102,18 @@ class ExperimentLogger:
                     self._tb.add_scalar(k, v, epoch)
             self._tb.flush()
 
-    def _rewrite(self) -> None:
-        os.makedirs(self.directory, exist_ok=True)
-        with open(self._jsonl, "w") as f:
-            for r in self.rows:
-                f.write(json.dumps(r) + "\n")
+    def _write_csv(self) -> None:
         keys: List[str] = []
         for r in self.rows:
             keys.extend(k for k in r if k not in keys)
-        with open(self._csv, "w", newline="") as f:
+
+        def write(f) -> None:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             for r in self.rows:
                 w.writerow(r)
+
+        atomic_write(self._csv, write, "w")
 
     def plot(self, filename: str = "metrics.png") -> str:
         """Loss (left) and other metrics (right) per epoch; returns the path, or

@@ -95,3 +95,6 @@ class Run:
     best: Dict[str, Any] = field(default_factory=dict)
     stale_epochs: int = 0
     skipped_before: float = 0.0  # steps skipped by the loss scaler in earlier sessions of a resumed run
+    skipped_seen: float = 0.0  # the skipped-step count at the end of the previous epoch (host value)
+    frozen_bn: List[nn.Module] = field(default_factory=list)  # kept in eval mode (freeze_bn_stats)
+    step_log: Any = None  # StepLog: per-step scalars to training_params.loggers

@@ -28,15 +28,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..amp import Precision, resolve_precision
+from ..amp import SCALE_FLOOR, Precision, resolve_precision
 from ..ema import ModelEMA, unwrap_model
+from ..export import check_onnx_packages, export_model
 from ..optim._base import FusedOptimizer
 from . import distributed as _dist
-from . import launcher
+from . import finetune, launcher, preflight, resume, step_log
 from .batches import call_model, count_samples, split_batch, to_channels_last, to_device
 from .callbacks import CallbackList, TrainerState, build_callbacks
 from .checkpoints import atomic_save, load_checkpoint
 from .data.sharding import set_epoch, shard_train_loader, shard_valid_loader
+from .experiment_dir import ExperimentDir
 from .experiment_log import ExperimentLogger, NullLogger
 from .losses import build_loss, split_loss
 from .metrics import MetricSet
@@ -147,24 +149,27 @@ class Trainer:
     def _build_optimizer(model: nn.Module, p: TrainingParams, device: torch.device):
         cls = optimizer_class(p.optimizer)
         fused = issubclass(cls, FusedOptimizer)
-        trainable = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-        if p.zero_weight_decay_on_bias_and_bn:
-            decay = [q for _, q in trainable if q.dim() > 1]
-            no_decay = [q for _, q in trainable if q.dim() <= 1]
-            groups: List[Dict[str, Any]] = [{"params": decay}]
-            if no_decay:
-                groups.append({"params": no_decay, "weight_decay": 0.0})
-        else:
-            groups = [{"params": [q for _, q in trainable]}]
+        groups = finetune.param_groups(model, p.zero_weight_decay_on_bias_and_bn, p.lr_multipliers, p.layer_decay)
+        Trainer._assign_lrs(groups, p.initial_lr, fused, device)
         kwargs = dict(p.optimizer_params)
         if fused:
-            # NOTE [lr tensor]: a device tensor lr is filled by the schedule each
-            # step; no host sync, and no recompilation under torch.compile.
-            lr: Any = torch.tensor(p.initial_lr, dtype=torch.float32, device=device)
             kwargs["max_grad_norm"] = p.clip_grad_norm
-        else:
-            lr = p.initial_lr
-        return cls(groups, lr=lr, **kwargs), fused
+        return cls(groups, lr=groups[0]["lr"], **kwargs), fused
+
+    @staticmethod
+    def _assign_lrs(groups, base_lr: float, fused: bool, device: torch.device) -> None:
+        """Each group's lr: ``base_lr * lr_scale``. NOTE [lr tensor]: for fused
+        optimizers a device tensor, one per distinct scale, that the schedule
+        fills each step: no host sync, and no recompilation under torch.compile."""
+        tensors: Dict[float, torch.Tensor] = {}
+        for g in groups:
+            scale = g.get("lr_scale", 1.0)
+            if fused:
+                if scale not in tensors:
+                    tensors[scale] = torch.tensor(base_lr * scale, dtype=torch.float32, device=device)
+                g["lr"] = tensors[scale]
+            else:
+                g["lr"] = base_lr * scale
 
     @staticmethod
     def _loss_fn(p: TrainingParams, device: torch.device):
@@ -175,13 +180,13 @@ class Trainer:
     def _set_lr(opt, value: float) -> None:
         seen = set()
         for g in opt.param_groups:
-            lr = g["lr"]
+            lr, scaled = g["lr"], value * g.get("lr_scale", 1.0)
             if isinstance(lr, torch.Tensor):
                 if id(lr) not in seen:
                     seen.add(id(lr))
-                    lr.fill_(value)
+                    lr.fill_(scaled)
             else:
-                g["lr"] = value
+                g["lr"] = scaled
 
     # ---- public API ------------------------------------------------------------------
 
@@ -206,14 +211,30 @@ class Trainer:
             resume_path = p.resume_path or os.path.join(self.experiment_dir, "ckpt_latest.pth")
             if not os.path.isfile(resume_path):
                 raise FileNotFoundError(f"training_params.resume: no checkpoint at {resume_path}")
+        step_log.check_logger_packages(p.loggers)
+        if any(name.endswith(".onnx") for name in p.export):
+            check_onnx_packages()
+        pretrained = self._prepare_model(model, p, resume_path)
+        preflight.check_trainable(model)
+        preflight.check_not_empty(train_loader, "train_loader")
+        for what, loaders in (("valid_loader", valid_loader), ("test_loader", test_loader)):
+            for name, loader in _named_loaders(loaders, what).items():
+                preflight.check_not_empty(loader, f"{what}[{name!r}]" if name else what)
         n_workers = _dist.workers_to_launch(p)
         if n_workers > 1:  # multi_gpu 'ddp' outside a launcher: start the workers, each runs this method
             return self._launch(model, p, train_loader, valid_loader, test_loader, n_workers)
         ctx, device = _dist.setup(p)
+        folder = ExperimentDir(self.experiment_dir)
         failed = True
         try:
+            if ctx.is_main:  # rank 0 writes the folder (NOTE [folder lock])
+                folder.open(resume=resume_path is not None, overwrite=p.overwrite_experiment)
             run = self._setup(model, p, train_loader, valid_loader, test_loader, resume_path, ctx, device)
             result = self._loop(run)
+            if pretrained is not None:
+                result["pretrained"] = pretrained
+            if p.export and ctx.is_main:
+                result["export"] = self._export(run)
             failed = False
             return result
         except BaseException as exc:
@@ -222,7 +243,20 @@ class Trainer:
                 raise other_rank_failed from exc
             raise
         finally:
+            folder.close()
             ctx.teardown(failed)
+
+    @staticmethod
+    def _prepare_model(model: nn.Module, p: TrainingParams, resume_path: Optional[str]):
+        """Pretrained weights (not when resuming: the checkpoint has the weights)
+        and frozen parameters, before anything is written; returns the load report."""
+        report = None
+        if p.pretrained_weights and resume_path is None:
+            report = finetune.load_pretrained(model, p.pretrained_weights, **p.pretrained_params)
+            finetune.warn_report(report, p.pretrained_weights)
+        if p.freeze:
+            finetune.freeze(model, p.freeze)
+        return report
 
     def test(self, model: nn.Module, test_loader, metrics: Optional[List[Any]] = None,
              training_params: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
@@ -235,7 +269,8 @@ class Trainer:
         model = model.to(device)
         precision = resolve_precision(p.mixed_precision, device)
         ms = MetricSet(metrics if metrics is not None else list(p.valid_metrics), "test").to(device)
-        return self._evaluate(p, model, test_loader, self._loss_fn(p, device), precision, ms, device, None)
+        return self._evaluate(p, model, test_loader, self._loss_fn(p, device), precision, ms, device, None,
+                              what="Trainer.test: test_loader")
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -301,10 +336,12 @@ class Trainer:
         train_loader = shard_train_loader(train_loader, ctx, p.seed)
         valid_loaders = {k: shard_valid_loader(v, ctx) for k, v in valid_loaders.items()}
         test_loaders = {k: shard_valid_loader(v, ctx) for k, v in test_loaders.items()}
+        if ctx.enabled:
+            preflight.check_not_empty(train_loader, f"the train loader's shard of rank {ctx.rank}")
         precision = resolve_precision(p.mixed_precision, device)
         scaler = precision.make_scaler(**p.scaler_params)
         opt, fused = self._build_optimizer(model, p, device)
-        steps_per_epoch = self._steps_per_epoch(train_loader, p)
+        steps_per_epoch = preflight.steps_per_epoch(train_loader, p)
         ema = None
         if p.ema:
             ema_kwargs = dict(p.ema_params)
@@ -317,15 +354,9 @@ class Trainer:
         skipped_before = 0.0
         if resume_path is not None:
             ck = load_checkpoint(resume_path)
-            unwrap_model(model).load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optimizer"])
-            if fused:  # keep one device lr tensor per optimizer (NOTE [lr tensor])
-                lr_t = torch.tensor(p.initial_lr, dtype=torch.float32, device=device)
-                for g in opt.param_groups:
-                    g["lr"] = lr_t
-            scaler.load_state_dict(ck["scaler"]) if ck.get("scaler") else None
-            if ema is not None and ck.get("ema") is not None:
-                ema.load_state_dict(ck["ema"])
+            resume.check_changes(ck.get("training_params"), p, resume_path)
+            # The fresh param groups' settings (lr_scale, the lr tensors of NOTE [lr tensor]) are re-applied.
+            resume.restore(ck, resume_path, model, opt, scaler, ema)
             start_epoch, global_step = int(ck["epoch"]), int(ck["global_step"])
             best = ck.get("best", best)
             stale_epochs = int(ck.get("stale_epochs", 0))
@@ -361,7 +392,12 @@ class Trainer:
                    train_metrics=train_metrics, valid_metrics=valid_metrics, callbacks=callbacks, state=state,
                    logger=logger, watch_key=watch_key, split_fn=_resolve_fn(p.split_batch),
                    model_input=_resolve_fn(p.model_input), sums=LossSums(device), start_epoch=start_epoch,
-                   global_step=global_step, best=best, stale_epochs=stale_epochs, skipped_before=skipped_before)
+                   global_step=global_step, best=best, stale_epochs=stale_epochs, skipped_before=skipped_before,
+                   skipped_seen=skipped_before,
+                   frozen_bn=finetune.frozen_bn_modules(model) if p.freeze_bn_stats else [],
+                   step_log=step_log.StepLog(step_log.build_loggers(p.loggers, p.logger_params, self.experiment_dir,
+                                                                    self.experiment_name) if ctx.is_main else [],
+                                             p.log_interval or steps_per_epoch, device))
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -401,10 +437,34 @@ class Trainer:
                 except Exception as e:  # the plot is a convenience, never a failure
                     warnings.warn(f"could not write the metrics plot: {e}", stacklevel=2)
             run.logger.close()
+            run.step_log.close()
             cbs("on_train_end", state)
         if completed and run.test_loaders:
             test = self._run_tests(run)
         return {"final": last, "best": run.best, "test": test, "experiment_dir": self.experiment_dir}
+
+    @staticmethod
+    def _log_step(run: Run, loss: torch.Tensor) -> None:
+        """The step's scalars into the step log (device copies; NOTE [step log without syncs])."""
+        if not run.step_log.loggers:
+            return
+        scaler = run.scaler
+        scale = scaler.get_scale_tensor() if scaler.is_enabled() else None
+        norm = run.opt.last_grad_norm if run.fused else None
+        step = run.global_step - 1
+        run.step_log.record(step, run.schedule(step), loss, scale, norm)
+
+    def _export(self, run: Run) -> List[Dict[str, Any]]:
+        """training_params.export: the final weights (the EMA's with ema) to files in the experiment folder, each
+        checked against the eager model on the first validation batch."""
+        model = run.ema.module if run.ema is not None else run.model
+        loader = next(iter(run.valid_loaders.values()), None) or run.train_loader
+        inputs, _, _ = split_batch(to_device(next(iter(loader)), run.device), run.split_fn)
+        was_training = model.training
+        try:
+            return [export_model(model, inputs, os.path.join(self.experiment_dir, name)) for name in run.p.export]
+        finally:
+            model.train(was_training)
 
     @staticmethod
     def _stop_message(run: Run, epoch: int) -> str:
@@ -414,26 +474,19 @@ class Trainer:
                     f"{run.stale_epochs} validation(s)")
         return f"Stopping after epoch {epoch + 1}: {run.state.stop_reason}" if run.state.stop_training else ""
 
-    @staticmethod
-    def _steps_per_epoch(loader, p: TrainingParams) -> int:
-        try:
-            n = len(loader)
-        except TypeError:
-            n = p.max_train_batches or 1
-        if p.max_train_batches:
-            n = min(n, p.max_train_batches)
-        return max(1, -(-n // p.batch_accumulate))
-
     def _train_epoch(self, run: Run, epoch: int) -> Dict[str, Any]:
         p, train_step, state, cbs, sums = run.p, run.train_step, run.state, run.callbacks, run.sums
         batch_hooks, step_hooks = cbs.has("on_train_batch_end"), cbs.has("on_step_end")
         run.model.train()
+        for m in run.frozen_bn:  # freeze_bn_stats: pretrained running statistics stay
+            m.eval()
         run.train_metrics.reset()
         sums.reset()
         loader = run.train_loader
-        n_batches = len(loader) if hasattr(loader, "__len__") else None
+        has_len = (n_batches := preflight.loader_length(loader)) is not None
         if p.max_train_batches:
             n_batches = min(n_batches or p.max_train_batches, p.max_train_batches)
+        batches, step0 = 0, run.global_step
         progress = _Progress(p.progress_bar and run.ctx.is_main, n_batches or 0, f"epoch {epoch + 1}/{p.max_epochs}")
         samples = first_batch = 0
         t0 = time.perf_counter()
@@ -443,16 +496,29 @@ class Trainer:
                 break
             batch = to_device(batch, run.device)
             x, y, extras = split_batch(batch, run.split_fn)
+            batches += 1
+            # Once per session, with a cross-entropy loss: one read of the targets' range.
+            first = i == 0 and epoch == run.start_epoch and preflight.class_loss(p)
             # The step (channels_last conversion, forward, loss, backward and, on
             # the last micro-batch of a group, the optimizer tail: TrainStep).
             last_micro = n_batches is not None and i + 1 == n_batches
             do_step = train_step.will_step(last_micro)
             if do_step:
                 self._set_lr(run.opt, run.schedule(run.global_step))
-            with run.ctx.grad_sync(train_step.model, do_step):  # DDP: all-reduce only on the micro-batch that steps
-                out_d, loss_d = train_step(x, y, last=last_micro)
+            rng = preflight.target_range(y) if first else None
+            try:
+                with run.ctx.grad_sync(train_step.model, do_step):  # DDP: all-reduce only on the stepping micro-batch
+                    out_d, loss_d = train_step(x, y, last=last_micro)
+            except Exception as e:
+                self._explain_failure(run, e, x, y, rng)
+                raise
+            if first:
+                cause = preflight.targets_out_of_range(out_d, y, rng, run.p.loss_params.get("ignore_index", -100))
+                if cause:
+                    raise ValueError(f"Trainer.train: {cause}")
             if do_step:
                 run.global_step += 1
+                self._log_step(run, loss_d)
             n = count_samples(x, run.model_input)
             sums.add(loss_d, train_step.components, n)
             run.train_metrics.update(out_d, y, loss_d)
@@ -470,7 +536,7 @@ class Trainer:
                 progress.first_step_done()
             elif p.log_interval and progress.bar is not None and (i + 1) % p.log_interval == 0:
                 # One host read per log interval, not per step.
-                progress.update(loss=f"{sums.loss.item() / samples:.4f}")
+                progress.update(loss=f"{self._interval_read(run, samples):.4f}")
             else:
                 progress.update()
         progress.close()
@@ -480,6 +546,13 @@ class Trainer:
         steady = time.perf_counter() - t_steady if warmup_time is not None else 0.0
         first_batch *= run.ctx.world_size
         samples = int(run.ctx.sum_(sums.tensors() + run.train_metrics.state_tensors(), [samples])[0])
+        if samples == 0:
+            raise ValueError(f"Trainer.train: the train loader yielded no batches in epoch {epoch + 1}; it must "
+                             f"yield at least one per epoch")
+        if not has_len and batches < n_batches:
+            warnings.warn(f"the train loader (no length) ended after {batches} batches, before max_train_batches="
+                          f"{n_batches}, which the lr schedule and the EMA count as one epoch; set max_train_batches "
+                          f"to the batches of an epoch", stacklevel=3)
         row: Dict[str, Any] = {"epoch": epoch + 1}
         row.update(_prefixed("train", "", sums.means(samples)))
         row.update({k: v for k, v in _prefixed("train", "", run.train_metrics.compute()).items() if k not in row})
@@ -491,14 +564,64 @@ class Trainer:
         if scaler.is_enabled() and scaler.skipped_steps is not None:
             row["skipped_steps"] = run.skipped_before + float(scaler.skipped_steps.item())
             row["loss_scale"] = scaler.get_scale()
+            self._check_divergence(run, epoch, row, run.global_step - step0)
         run.state.global_step, run.state.metrics = run.global_step, row
         run.callbacks("on_train_epoch_end", run.state)
         return row
 
+    @staticmethod
+    def _interval_read(run: Run, samples: int) -> float:
+        """The running loss (for the progress bar), read with the loss scale at
+        no extra sync: a scale at its floor is reported at once."""
+        scale = run.scaler.get_scale_tensor() if run.scaler.is_enabled() else None
+        if scale is None:
+            return run.sums.loss.item() / samples
+        loss, scale_v = torch.stack([run.sums.loss, scale.double()]).tolist()
+        if scale_v <= SCALE_FLOOR and not run.state.stop_training:
+            warnings.warn(f"the run diverged at step {run.global_step}: the loss scale is at its floor 2**-126 "
+                          f"(every recent step had non-finite gradients); training stops at the end of this epoch",
+                          RuntimeWarning, stacklevel=3)
+            run.state.request_stop("the run diverged (loss scale at its floor)")
+        return loss / samples
+
+    @staticmethod
+    def _check_divergence(run: Run, epoch: int, row: Dict[str, Any], steps: int) -> None:
+        """NOTE [divergence]: read from the epoch's row (no extra sync). A scale
+        at its floor means every recent step had non-finite gradients: the run
+        stops, saying so. A fully skipped epoch above the floor only warns (the
+        scale may still be settling)."""
+        skipped = row["skipped_steps"] - run.skipped_seen
+        run.skipped_seen = row["skipped_steps"]
+        if row["loss_scale"] <= SCALE_FLOOR:
+            msg = (f"the run diverged: the loss scale reached its floor 2**-126 in epoch {epoch + 1} ({skipped:.0f} of "
+                   f"its {steps} steps skipped for non-finite gradients; a skipped step leaves the weights as they "
+                   f"were); stopping. Lower initial_lr, set clip_grad_norm or check the data for inf/NaN, and start "
+                   f"again from an earlier checkpoint")
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            run.state.request_stop(msg)
+        elif steps and skipped >= steps:
+            warnings.warn(f"every optimizer step of epoch {epoch + 1} ({steps}) was skipped for non-finite gradients; "
+                          f"the optimizer did not change the weights in this epoch (loss scale now "
+                          f"{row['loss_scale']:g})", RuntimeWarning, stacklevel=3)
+
+    @staticmethod
+    def _explain_failure(run: Run, exc: Exception, x, y, rng) -> None:
+        """Raise a ValueError naming the cause of a failed step when it is a usual one."""
+        def forward(inputs):
+            with run.precision.autocast():
+                return call_model(run.model, inputs, run.model_input)
+
+        rng = rng if rng is not None else preflight.target_range(y)
+        cause = preflight.explain_batch_error(run.model, x, y, rng, run.p.loss_params.get("ignore_index", -100),
+                                              forward)
+        if cause:
+            raise ValueError(f"Trainer.train: the training step failed: {cause}") from exc
+
     def _validate(self, run: Run, row: Dict[str, Any]) -> None:
         for name, loader in run.valid_loaders.items():
             res = self._evaluate(run.p, run.eval_model, loader, run.loss_fn, run.precision, run.valid_metrics[name],
-                                 run.device, run.p.max_valid_batches, run.ctx)
+                                 run.device, run.p.max_valid_batches, run.ctx,
+                                 what=f"valid_loader[{name!r}]" if name else "valid_loader")
             row.update(_prefixed("valid", name, res))
             run.callbacks("on_validation_end", run.state, name, res)
 
@@ -509,7 +632,7 @@ class Trainer:
         for name, loader in run.test_loaders.items():
             metrics = MetricSet(run.p.valid_metrics, "test").to(run.device)
             res = self._evaluate(run.p, model, loader, run.loss_fn, run.precision, metrics, run.device, None,
-                                 run.ctx)
+                                 run.ctx, what=f"test_loader[{name!r}]" if name else "test_loader")
             out.update(_prefixed("test", name, res))
             run.callbacks("on_test_end", run.state, name, res)
         if run.ctx.is_main:
@@ -521,7 +644,8 @@ class Trainer:
 
     @staticmethod
     def _evaluate(p: TrainingParams, model, loader, loss_fn, precision: Precision, metrics: MetricSet, device,
-                  max_batches: Optional[int], ctx: Optional["_dist.DistContext"] = None) -> Dict[str, float]:
+                  max_batches: Optional[int], ctx: Optional["_dist.DistContext"] = None,
+                  what: str = "the loader") -> Dict[str, float]:
         """Loss (unless the model computes its own) and metrics over ``loader``,
         in eval mode under ``inference_mode``; the model is called without
         targets. A distributed run sums every rank's shard."""
@@ -549,6 +673,8 @@ class Trainer:
         model.train(was_training)
         if ctx is not None and ctx.enabled:  # each rank evaluated its shard
             n = ctx.sum_(sums.tensors() + metrics.state_tensors(), [n])[0]
+        if n == 0:  # a loss of 0.0 over no samples would pass for a perfect score
+            raise ValueError(f"Trainer: {what} yielded no samples; it must yield at least one batch")
         res = sums.means(n) if loss_fn is not None else {}
         res.update({k: v for k, v in metrics.compute().items() if k not in res})
         return res
@@ -559,6 +685,7 @@ class Trainer:
         improved = self._update_best(run, row, epoch)
         run.stale_epochs = 0 if improved else run.stale_epochs + (1 if run.watch_key in row else 0)
         run.logger.log_epoch(row)
+        run.step_log.flush()
         if ctx.is_main:  # logs and checkpoints on rank 0; the others wait at the barrier
             self._print_epoch(row)
             state = self._checkpoint(run, epoch + 1)

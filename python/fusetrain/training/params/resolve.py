@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Optional, Type
 
@@ -168,12 +169,28 @@ def _cross_checks(values: Dict[str, Any]) -> List[str]:
     if warmup and values["lr_warmup_mode"] == "exponential" and values["warmup_initial_lr"] == 0:
         errors.append(f"{ROOT}.warmup_initial_lr: got 0 with lr_warmup_mode 'exponential'; allowed: > 0 or None "
                       f"(a geometric rise cannot start at 0)")
+    unknown = [k for k in values["logger_params"] if k not in ("tensorboard", "csv", "jsonl", "wandb", "mlflow")]
+    if unknown:
+        errors.append(f"{ROOT}.logger_params: unknown logger(s) {unknown}; allowed keys: 'tensorboard', 'csv', "
+                      f"'jsonl', 'wandb', 'mlflow'")
+    ld = values["layer_decay"]
+    if ld is not None:
+        try:
+            problem = "" if re.compile(ld["pattern"]).groups >= 1 else "no group"
+        except re.error as e:
+            problem = f"not a regex: {e}"
+        if problem:
+            errors.append(f"{ROOT}.layer_decay.pattern: got {ld['pattern']!r} ({problem}); allowed: a regex whose "
+                          f"group 1 captures the block index, e.g. 'blocks\\.(\\d+)\\.'")
     if values["lr_mode"] == "step":
         ups, max_epochs = values["lr_updates"], values["max_epochs"]
         if not ups or ups != sorted(set(ups)) or ups[-1] >= max_epochs:
             errors.append(f"{ROOT}.lr_updates: got {show(ups)} (list); allowed: for lr_mode 'step', a non-empty "
                           f"list of epochs in increasing order without duplicates, each >= 1 and < max_epochs "
                           f"({max_epochs})")
+    if values["overwrite_experiment"] and (values["resume"] or values["resume_path"]):
+        errors.append(f"{ROOT}.overwrite_experiment: got True with resume; allowed: resume to continue the run in "
+                      f"the experiment folder, or overwrite_experiment to delete it and start over, not both")
     errors += _check_distributed(values)
     errors += _check_optimizer(values)
     errors += _check_loss_params(values)

@@ -13,21 +13,23 @@ import torch
 
 from ...amp import LossScaler
 from ...ema import ModelEMA
-from ...optim import SGD, Adam, AdamW, Lion
+from ...optim import SGD, Adadelta, Adam, AdamW, Lion, RAdam, RMSprop
 from ..batches import MODEL_INPUT_MODES
 from ..callbacks import CALLBACKS, Callback
 from ..losses import LOSS_ALIASES, MODEL_LOSS, loss_factory
 from ..metrics import METRICS, Metric
 from ..registry import import_path, resolve_name, split_spec
-from .validators import (Invalid, Validator, any_of, boolean, callable_value, choice, float_range, int_range,
-                         kwargs_of, list_of, optional, record, regex, reject, str_dict, string, subclass_of)
+from .validators import (Invalid, Validator, any_of, boolean, callable_value, choice, dict_of, float_range,
+                         int_range, kwargs_of, list_of, optional, record, regex, reject, str_dict, string,
+                         subclass_of)
 
 __all__ = ["ParamSpec", "TRAINING_PARAMS", "OPTIMIZERS", "LR_MODES", "TORCH_COMPILE_MODES", "COMPILE_STEP_MODES",
            "KEY_HINTS"]
 
 #: The built-in optimizers by canonical name (names are matched case-insensitively).
 OPTIMIZERS: Mapping[str, Type[torch.optim.Optimizer]] = MappingProxyType(
-    {"AdamW": AdamW, "Adam": Adam, "SGD": SGD, "Lion": Lion})
+    {"AdamW": AdamW, "Adam": Adam, "SGD": SGD, "Lion": Lion, "RMSprop": RMSprop, "Adadelta": Adadelta,
+     "RAdam": RAdam})
 LR_MODES = ("constant", "step", "cosine", "onecycle", "cyclic", "linear", "poly", "exponential", "cosine_restarts")
 WARMUP_MODES = ("linear", "constant", "exponential")
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -55,6 +57,24 @@ FUSED_RESERVED = {"max_grad_norm": "set gradient clipping with training_params.c
 LOSS_RESERVED = {"size_average": "deprecated by torch; use reduction", "reduce": "deprecated by torch; use reduction"}
 COMPILE_RESERVED = {"mode": "set it with training_params.torch_compile_mode", "model": "the model is compiled"}
 
+def _prefix(v: Any, path: str) -> str:
+    if not isinstance(v, str):
+        reject(path, v, "a key prefix (a string, may be empty)")
+    return v
+
+
+_V_PREFIX = Validator("a key prefix (a string, may be empty)", _prefix)
+STEP_LOGGERS = ("tensorboard", "csv", "jsonl", "wandb", "mlflow")
+
+
+def _logger_object(v: Any, path: str) -> Any:
+    if isinstance(v, (str, type)) or not (callable(getattr(v, "log_scalars", None))
+                                          and callable(getattr(v, "close", None))):
+        reject(path, v, "an object with log_scalars(step, values) and close()")
+    return v
+
+
+_V_LOGGER_OBJECT = Validator("an object with log_scalars(step, values) and close() (from Python)", _logger_object)
 _V_OPTIMIZER = any_of(choice(*OPTIMIZERS, case_insensitive=True),
                       subclass_of(torch.optim.Optimizer, "a torch.optim.Optimizer subclass (the class, not an "
                                                          "instance)"))
@@ -196,7 +216,8 @@ _SPECS = [
         `max_epochs` times the number of optimizer steps per epoch."""),
     _p("optimizer", _V_OPTIMIZER, "AdamW", """
         The optimizer. A name selects one of fusetrain's fused optimizers (`fusetrain.optim.AdamW`, `Adam`, `SGD`,
-        `Lion`), whose whole step (unscaling of fp16 gradients, non-finite check, clipping, update and EMA) runs in
+        `Lion`, `RMSprop`, `Adadelta`, `RAdam`; the last three with the arguments and defaults of torch.optim's),
+        whose whole step (unscaling of fp16 gradients, non-finite check, clipping, update and EMA) runs in
         fused kernels without synchronising with the host; its learning rate is a device tensor that the schedule
         rewrites each step. Names are case-insensitive and normalised to the spelling shown. From Python, a
         `torch.optim.Optimizer` subclass may be given instead: it is built as
@@ -282,6 +303,47 @@ _SPECS = [
         Put every one-dimensional parameter (biases and the weights of normalisation layers such as BatchNorm,
         LayerNorm and GroupNorm) in a parameter group with weight decay 0; the other parameters keep the
         optimizer's `weight_decay`."""),
+    _p("lr_multipliers", dict_of(float_range(min=0, min_inclusive=False),
+                                 "a dict of parameter-name pattern -> lr multiplier > 0"), {}, """
+        Per-group learning rates: each trainable parameter runs at the scheduled learning rate times the multiplier
+        of the first pattern its name matches (1 when none does), e.g. `{backbone: 0.1}` for a pretrained backbone
+        under a new head. Patterns are `fnmatch` globs over parameter names (`backbone.*`, `*.bias`); a pattern
+        without a wildcard also matches everything below that module. Every schedule, resume and the device-side
+        learning rate keep the multipliers (one learning-rate tensor per multiplier; no host synchronisation, no
+        recompilation). A pattern that matches no trainable parameter is an error."""),
+    _p("layer_decay", optional(record({"rate": float_range(min=0, max=1, min_inclusive=False),
+                                       "pattern": string("a regex whose group 1 is the block index")},
+                                      required=("rate",),
+                                      defaults={"pattern": r"(?:blocks|layers|layer)\.(\d+)\."})), None, """
+        Layer-wise learning-rate decay for transformer-style models: with blocks numbered 1..L by the block index
+        that `pattern` captures in a parameter name (0-based in the name), a parameter of block l runs at the
+        learning rate times `rate ** (L + 1 - l)`; parameters before the first block (embeddings) count as block
+        0, those after the last (the head) as block L + 1, so the head keeps the full rate. Multiplies with
+        `lr_multipliers`."""),
+    _p("pretrained_weights", optional(string("a file path")), None, """
+        Initialise the model from this file before training (not when resuming, whose checkpoint has the
+        weights): a fusetrain checkpoint, a plain `state_dict` (`torch.save(model.state_dict())`, as timm and
+        torchvision publish them), a saved module, a checkpoint with the weights under `state_dict`/`model`, or a
+        `.safetensors` file. Tensors whose shape differs from the model's (a new head) are skipped; the loaded,
+        skipped, missing and unexpected keys are reported in the result (`pretrained`) and as a warning. See
+        `pretrained_params`."""),
+    _p("pretrained_params", record({"strict": boolean(), "key_map": dict_of(_V_PREFIX),
+                                    "use_ema": boolean()},
+                                   defaults={"strict": False, "key_map": {}, "use_ema": False}),
+       {"strict": False, "key_map": {}, "use_ema": False}, """
+        How `pretrained_weights` is read. `key_map`: checkpoint key prefix -> model key prefix, e.g.
+        `{"backbone.": "encoder."}` or `{"": "backbone."}` to load a bare backbone into `model.backbone` (the
+        longest matching prefix is replaced; a `module.` prefix of a DDP-saved file is dropped by itself).
+        `strict`: any missing, unexpected or shape-mismatched key is an error (otherwise only a file of which
+        nothing fits is). `use_ema`: take the EMA weights of a fusetrain checkpoint."""),
+    _p("freeze", list_of(string("a parameter-name pattern"), "a list of parameter-name patterns"), [], """
+        Parameters whose names match one of these patterns (as in `lr_multipliers`) are frozen
+        (`requires_grad` off) before the optimizer is built, e.g. `[backbone]` to train only a new head. A pattern
+        that matches no parameter is an error, and so is freezing every parameter."""),
+    _p("freeze_bn_stats", boolean(), False, """
+        Keep the normalisation layers with running statistics (BatchNorm and friends) whose parameters are all
+        frozen in eval mode during training: their running mean and variance stay those of the pretrained
+        weights."""),
     _p("mixed_precision", any_of(boolean(), choice(*PRECISIONS, case_insensitive=True)), False, """
         Precision of the forward passes (training and validation), resolved for the training device by
         `fusetrain.resolve_precision`. `false` or `fp32`: float32 throughout. `bf16`: `torch.autocast` with
@@ -392,7 +454,9 @@ _SPECS = [
         Validate every `run_validation_freq` epochs; the last epoch is always validated."""),
     _p("max_train_batches", optional(int_range(min=1)), None, """
         Use at most this many batches of the training loader per epoch (None: all of them), e.g. for quick runs.
-        The schedules follow the shortened epochs."""),
+        The schedules follow the shortened epochs. Required for a train loader without a length (a DataLoader over
+        an `IterableDataset`): it is then the length of an epoch for the schedule, the warmup and the EMA (an
+        epoch also ends when the loader does, with a warning when that is sooner)."""),
     _p("max_valid_batches", optional(int_range(min=1)), None, """
         Use at most this many batches of the validation loader at each validation (None: all of them)."""),
     _p("save_ckpt_epoch_list", _V_EPOCHS, [], """
@@ -402,10 +466,17 @@ _SPECS = [
     _p("resume", boolean(), False, """
         Continue the run from a checkpoint: `resume_path` if set, else the experiment's `ckpt_latest.pth`. The
         model, optimizer (with master weights), loss scaler, EMA, schedule position, best metric and random states
-        are restored, so training continues where it stopped."""),
+        are restored, so training continues where it stopped. Hyperparameters come from these training_params:
+        what a resume keeps from the checkpoint and what it takes from the new values is listed in
+        `docs/checkpoints.md`; each changed key is reported in a warning, and a change that cannot work (another
+        `optimizer`) is an error."""),
     _p("resume_path", optional(string("a non-empty string (a checkpoint path)")), None, """
         The checkpoint file to resume from; setting it implies `resume`. None: the experiment's `ckpt_latest.pth`
         when `resume` is true."""),
+    _p("overwrite_experiment", boolean(), False, """
+        A fresh run (not `resume`) into an experiment folder that holds an earlier run's files (checkpoints,
+        metrics, TensorBoard events) fails unless this is true; true deletes those files first. Two runs never
+        share a folder: a run holds a lock on it, and a second run fails with an error naming the holder."""),
     _p("seed", int_range(min=0), 42, """
         Seed of torch (CPU and CUDA), Python's `random` and NumPy, set at the start of training."""),
     _p("cudnn_benchmark", boolean(), True, """
@@ -416,7 +487,28 @@ _SPECS = [
         validations. `min_delta` also applies when choosing the best checkpoint. None disables early stopping."""),
     _p("log_interval", int_range(min=0), 0, """
         Training batches between host reads of the running loss shown in the progress bar; 0 reads it only at the
-        end of the epoch. Each read waits for the device, so small values cost some speed."""),
+        end of the epoch. Each read waits for the device, so small values cost some speed. With `loggers`, also
+        the number of optimizer steps whose scalars are written together (one host read per interval)."""),
+    _p("loggers", list_of(any_of(choice(*STEP_LOGGERS), _V_LOGGER_OBJECT), "a list of logger names or objects"), [],
+       """
+        Per-step scalars (the loss of the step's last batch, the learning rate, the loss scale and the global
+        gradient norm when they exist) every `log_interval` optimizer steps, to these loggers: `tensorboard`
+        (`<experiment>/tensorboard`, tag `step/<name>`), `csv` (`steps.csv`), `jsonl` (`steps.jsonl`), `wandb` and
+        `mlflow` (when those packages are installed; their keyword arguments from `logger_params`), or from Python
+        any object with `log_scalars(step, values)` and `close()`. The scalars stay on the device between the host
+        reads, one per interval (one per epoch with `log_interval: 0`). The per-epoch logs
+        (metrics.csv, metrics.jsonl, TensorBoard per epoch) are written in any case."""),
+    _p("logger_params", str_dict("a dict of logger name -> keyword arguments"), {}, """
+        Keyword arguments of the named loggers, e.g. `{wandb: {project: digits}, mlflow: {run_name: try1}}` (wandb:
+        `wandb.init`; mlflow: `mlflow.start_run`, plus `experiment` for the MLflow experiment name, default the
+        experiment_name)."""),
+    _p("export", list_of(regex(r".+\.(pt2|onnx)$", "a file name ending in .pt2 or .onnx"),
+                         "a list of file names ending in .pt2 (torch.export) or .onnx"), [], """
+        After training, export the final weights (the EMA's with `ema: true`) to these files in the experiment
+        folder: `.pt2` with `torch.export`, `.onnx` with the ONNX exporter (needs `pip install
+        'fusetrain[export]'`, checked before training). The batch dimension is dynamic, and each file is run on the
+        first validation batch and must match the eager model (ONNX through onnxruntime); the result lists the
+        files under `export`. `python -m fusetrain.export` exports from a recipe and a checkpoint instead."""),
     _p("model_input", _V_MODEL_INPUT, "auto", """
         How a batch's inputs reach the model. A batch is split into inputs and targets (see `split_batch`); then
         `auto` calls `model(**inputs)` for a dict and `model(inputs)` for anything else (a tensor, a list of images

@@ -250,6 +250,18 @@ def str_dict(description: str = "a dict with string keys") -> Validator:
     return Validator(description, check)
 
 
+def dict_of(value: Validator, description: Optional[str] = None) -> Validator:
+    """A mapping with string keys whose values are each accepted by ``value``
+    (insertion order kept); returns a dict."""
+    desc = description or f"a dict with string keys and values {value.description}"
+
+    def check(v: Any, path: str) -> Dict[str, Any]:
+        v = string_keyed_dict(v, path, desc)
+        return {k: value(x, f"{path}[{k!r}]") for k, x in v.items()}
+
+    return Validator(desc, check)
+
+
 def unknown_key(path: str, key: str, valid: Sequence[str], hints: Optional[Mapping[str, str]] = None) -> str:
     """The message for an unknown key, suggesting the closest valid one."""
     if hints and key in hints:
