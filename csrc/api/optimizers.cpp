@@ -16,6 +16,13 @@ using api_detail::check_nonneg;
 using api_detail::check_range;
 using api_detail::state_zeros_like;
 
+namespace {
+void read_optional_bool(torch::serialize::InputArchive& archive, const char* key, bool& value) {
+  c10::IValue v;
+  if (archive.try_read(key, v)) value = v.toBool();
+}
+}  // namespace
+
 // ---- options -------------------------------------------------------------------
 #define FT_COMMON_SERIALIZE()                            \
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);                  \
@@ -36,12 +43,14 @@ void AdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(amsgrad);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(bias_correction);
 }
 void AdamOptions::serialize(torch::serialize::InputArchive& archive) {
   FT_COMMON_DESERIALIZE();
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, amsgrad);
+  read_optional_bool(archive, "bias_correction", bias_correction_);  // absent in archives of earlier versions
 }
 AdamWOptions::AdamWOptions(double lr) : lr_(lr) {}
 void AdamWOptions::serialize(torch::serialize::OutputArchive& archive) const {
@@ -49,12 +58,14 @@ void AdamWOptions::serialize(torch::serialize::OutputArchive& archive) const {
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(amsgrad);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(bias_correction);
 }
 void AdamWOptions::serialize(torch::serialize::InputArchive& archive) {
   FT_COMMON_DESERIALIZE();
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, amsgrad);
+  read_optional_bool(archive, "bias_correction", bias_correction_);  // absent in archives of earlier versions
 }
 SGDOptions::SGDOptions(double lr) : lr_(lr) {}
 void SGDOptions::serialize(torch::serialize::OutputArchive& archive) const {
@@ -216,7 +227,7 @@ static void init_adam_state(FusedParamState& s, const at::Tensor& p, const O& o)
 template <typename O>
 static void adam_fields(const O& o, bool decoupled, std::vector<double>& h) {
   h.insert(h.end(), {std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
-                     o.amsgrad() ? 1.0 : 0.0, decoupled ? 1.0 : 0.0});
+                     o.amsgrad() ? 1.0 : 0.0, decoupled ? 1.0 : 0.0, o.bias_correction() ? 1.0 : 0.0});
 }
 template <typename O>
 static void collect_adam_state(FusedLists& l, FusedParamState& s, const O& o) {

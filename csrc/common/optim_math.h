@@ -80,15 +80,20 @@ FT_HD V lerp_weight(V self, V end, T w) {
 
 // NOTE [update order]: the grad arriving here is already unscaled, clipped and
 // negated for maximize; weight decay and the moments follow torch's order.
+// Adam-style weight decay: decoupled (p *= 1 - lr*wd) or L2 (g += wd*p).
+template <typename V, typename Co>
+FT_HD void adam_weight_decay(V& p, V& g, const Co& c) {
+  if (c.weight_decay == decltype(c.weight_decay)(0)) return;
+  if (c.decoupled) {
+    p = p * V(c.decay_mul);
+  } else {
+    g = g + V(c.weight_decay) * p;
+  }
+}
+
 template <typename V, typename T>
 FT_HD void adam_update(V& p, V g, V& m, V& v, V* vmax_state, const AdamCoeffs<T>& c) {
-  if (c.weight_decay != T(0)) {
-    if (c.decoupled) {
-      p = p * V(c.decay_mul);
-    } else {
-      g = g + V(c.weight_decay) * p;
-    }
-  }
+  adam_weight_decay(p, g, c);
   m = lerp_weight(m, g, c.one_minus_beta1);
   v = v * V(c.beta2) + V(c.one_minus_beta2) * g * g;
   V denom;
@@ -103,13 +108,7 @@ FT_HD void adam_update(V& p, V g, V& m, V& v, V* vmax_state, const AdamCoeffs<T>
 
 template <typename V, typename T>
 FT_HD void radam_update(V& p, V g, V& m, V& v, const RAdamCoeffs<T>& c) {
-  if (c.weight_decay != T(0)) {
-    if (c.decoupled) {
-      p = p * V(c.decay_mul);
-    } else {
-      g = g + V(c.weight_decay) * p;
-    }
-  }
+  adam_weight_decay(p, g, c);
   m = lerp_weight(m, g, c.one_minus_beta1);
   v = v * V(c.beta2) + V(c.one_minus_beta2) * g * g;
   const V corrected = m * V(c.inv_bc1);
@@ -147,6 +146,7 @@ FT_HD void lion_update(V& p, V g, V& m, const LionCoeffs<T>& c) {
 struct AdamHyper {
   double beta1, beta2, eps, weight_decay;
   bool decoupled, amsgrad;
+  bool bias_correction = true;  // false: the BertAdam form (no 1 - beta^t corrections)
 };
 struct SGDHyper {
   double momentum, dampening, weight_decay;
@@ -173,8 +173,8 @@ FT_HD AdamCoeffs<T> make_adam_coeffs(const AdamHyper& h, float lr, float step) {
   c.decay_mul = static_cast<T>(1.0 - lr_d * h.weight_decay);
   const double bc1 = 1.0 - ::pow(h.beta1, static_cast<double>(step));
   const double bc2 = 1.0 - ::pow(h.beta2, static_cast<double>(step));
-  c.neg_step_size = static_cast<T>(-(lr_d / bc1));
-  c.inv_bc2_sqrt = static_cast<T>(1.0 / ::sqrt(bc2));
+  c.neg_step_size = static_cast<T>(h.bias_correction ? -(lr_d / bc1) : -lr_d);
+  c.inv_bc2_sqrt = static_cast<T>(h.bias_correction ? 1.0 / ::sqrt(bc2) : 1.0);
   c.decoupled = h.decoupled;
   c.amsgrad = h.amsgrad;
   return c;

@@ -84,7 +84,7 @@ void fused_adam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
                      at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double beta1,
                      double beta2, double weight_decay, double eps, bool amsgrad, bool maximize,
                      bool decoupled_weight_decay, const OptT& inv_scale, const OptT& found_inf,
-                     const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay);
+                     const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay, bool bias_correction);
 void fused_sgd_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                     at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
                     const at::Tensor& lr, double momentum, double dampening, double weight_decay, bool nesterov,
@@ -137,6 +137,21 @@ inline at::Tensor opt_or_undef(const std::optional<at::Tensor>& t) { return t.ha
 // (csrc/ops/fused_update.cpp); each bucket goes to `kernel`.
 void run_fused_update(const char* op_name, const UpdateLists& lists, const OptimHyper& hyper,
                       const UpdateScalars& scalars, UpdateKernel kernel);
+
+// An update op's state lists (empty when its configuration does not use one)
+// and their argument names, for run_update_op.
+struct OpStates {
+  at::TensorList s1, s2, s3;
+  const char* names[3];
+};
+
+// What every update op does after its own checks: the lists and the tail into
+// UpdateLists/UpdateScalars, then run_fused_update.
+void run_update_op(const char* op, UpdateKernel kernel, OptimHyper h, const OpStates& states,
+                   at::TensorList params, at::TensorList grads, at::TensorList state_steps,
+                   at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, bool maximize,
+                   const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
+                   const OptT& ema_decay);
 
 }  // namespace detail
 }  // namespace fusetrain

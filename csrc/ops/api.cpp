@@ -26,11 +26,12 @@ std::tuple<at::Tensor, at::Tensor> grad_stats(at::TensorList grads, const std::o
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                  at::TensorList max_exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
                  at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double weight_decay,
-                 double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, const FusedTail& tail) {
+                 double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, const FusedTail& tail,
+                 bool bias_correction) {
   static auto op = op_handle<&detail::fused_adam_impl>("fusetrain::fused_adam_");
   op.call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, ema_params, lr, beta1,
           beta2, weight_decay, eps, amsgrad, maximize, decoupled_weight_decay, tail.inv_scale, tail.found_inf,
-          tail.grad_norm, tail.max_grad_norm, tail.ema_decay);
+          tail.grad_norm, tail.max_grad_norm, tail.ema_decay, bias_correction);
 }
 
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,

@@ -2,8 +2,6 @@
 // clip, non-finite skip and EMA folded in.
 #include <torch/library.h>
 
-#include <algorithm>
-
 #include "../common/update_args.h"
 
 namespace fusetrain {
@@ -21,24 +19,12 @@ void fused_adadelta_impl(UpdateKernel kernel, at::TensorList params, at::TensorL
   const size_t n = params.size();
   TORCH_CHECK(square_avgs.size() == n && acc_deltas.size() == n, op, ": square_avgs and acc_deltas need one tensor "
               "per param (", n, "), got ", square_avgs.size(), " and ", acc_deltas.size());
-  UpdateLists l;
-  const char* names[3] = {"square_avgs", "acc_deltas", "state3"};
-  std::copy(names, names + 3, l.state_names);
-  l.params = params.vec();
-  l.grads = grads.vec();
-  l.state1 = square_avgs.vec();
-  l.state2 = acc_deltas.vec();
-  l.steps = state_steps.vec();
-  l.master = master_params.vec();
-  l.ema = ema_params.vec();
   OptimHyper h;
   h.kind = OptimKind::Adadelta;
   h.adadelta = AdadeltaHyper{rho, eps, weight_decay};
-  h.maximize = maximize;
-  h.max_grad_norm = max_grad_norm;
-  UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
-                  opt_or_undef(ema_decay)};
-  run_fused_update(op, l, h, s, kernel);
+  const OpStates st{square_avgs, acc_deltas, {}, {"square_avgs", "acc_deltas", "state3"}};
+  run_update_op(op, kernel, h, st, params, grads, state_steps, master_params, ema_params, lr, maximize, inv_scale,
+                found_inf, grad_norm, max_grad_norm, ema_decay);
 }
 
 }  // namespace detail

@@ -2,8 +2,6 @@
 // gradient unscale, clip, non-finite skip and EMA folded into the same pass.
 #include <torch/library.h>
 
-#include <algorithm>
-
 #include "../common/update_args.h"
 
 namespace fusetrain {
@@ -15,7 +13,7 @@ void fused_adam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
                      double beta1, double beta2, double weight_decay, double eps, bool amsgrad, bool maximize,
                      bool decoupled_weight_decay, const std::optional<at::Tensor>& inv_scale,
                      const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_norm,
-                     double max_grad_norm, const std::optional<at::Tensor>& ema_decay) {
+                     double max_grad_norm, const std::optional<at::Tensor>& ema_decay, bool bias_correction) {
   const char* op = "fused_adam_";
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1), got ", beta1);
   TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1), got ", beta2);
@@ -27,25 +25,13 @@ void fused_adam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
   TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == params.size(), op,
               ": amsgrad=True needs one max_exp_avg_sqs tensor per param (", params.size(), "), got ",
               max_exp_avg_sqs.size());
-  UpdateLists l;
-  const char* names[3] = {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"};
-  std::copy(names, names + 3, l.state_names);
-  l.params = params.vec();
-  l.grads = grads.vec();
-  l.state1 = exp_avgs.vec();
-  l.state2 = exp_avg_sqs.vec();
-  if (amsgrad) l.state3 = max_exp_avg_sqs.vec();
-  l.steps = state_steps.vec();
-  l.master = master_params.vec();
-  l.ema = ema_params.vec();
   OptimHyper h;
   h.kind = OptimKind::Adam;
-  h.adam = AdamHyper{beta1, beta2, eps, weight_decay, decoupled_weight_decay, amsgrad};
-  h.maximize = maximize;
-  h.max_grad_norm = max_grad_norm;
-  UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
-                  opt_or_undef(ema_decay)};
-  run_fused_update(op, l, h, s, kernel);
+  h.adam = AdamHyper{beta1, beta2, eps, weight_decay, decoupled_weight_decay, amsgrad, bias_correction};
+  const OpStates st{exp_avgs, exp_avg_sqs, amsgrad ? max_exp_avg_sqs : at::TensorList(),
+                    {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"}};
+  run_update_op(op, kernel, h, st, params, grads, state_steps, master_params, ema_params, lr, maximize, inv_scale,
+                found_inf, grad_norm, max_grad_norm, ema_decay);
 }
 
 }  // namespace detail
@@ -59,5 +45,5 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
       "Tensor(g!)[] ema_params, *, Tensor lr, float beta1, float beta2, float weight_decay, float eps, "
       "bool amsgrad, bool maximize, bool decoupled_weight_decay, Tensor? inv_scale=None, "
       "Tensor? found_inf=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
-      "Tensor? ema_decay=None) -> ()");
+      "Tensor? ema_decay=None, bool bias_correction=True) -> ()");
 }

@@ -2,8 +2,6 @@
 // of tensors, with unscale, clip, non-finite skip and EMA folded in.
 #include <torch/library.h>
 
-#include <algorithm>
-
 #include "../common/update_args.h"
 
 namespace fusetrain {
@@ -21,23 +19,12 @@ void fused_lion_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
   TORCH_CHECK(weight_decay >= 0.0, op, ": weight_decay must be >= 0, got ", weight_decay);
   TORCH_CHECK(exp_avgs.size() == params.size(), op, ": exp_avgs needs one tensor per param (", params.size(),
               "), got ", exp_avgs.size());
-  UpdateLists l;
-  const char* names[3] = {"exp_avgs", "state2", "state3"};
-  std::copy(names, names + 3, l.state_names);
-  l.params = params.vec();
-  l.grads = grads.vec();
-  l.state1 = exp_avgs.vec();
-  l.steps = state_steps.vec();
-  l.master = master_params.vec();
-  l.ema = ema_params.vec();
   OptimHyper h;
   h.kind = OptimKind::Lion;
   h.lion = LionHyper{beta1, beta2, weight_decay};
-  h.maximize = maximize;
-  h.max_grad_norm = max_grad_norm;
-  UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
-                  opt_or_undef(ema_decay)};
-  run_fused_update(op, l, h, s, kernel);
+  const OpStates st{exp_avgs, {}, {}, {"exp_avgs", "state2", "state3"}};
+  run_update_op(op, kernel, h, st, params, grads, state_steps, master_params, ema_params, lr, maximize, inv_scale,
+                found_inf, grad_norm, max_grad_norm, ema_decay);
 }
 
 }  // namespace detail

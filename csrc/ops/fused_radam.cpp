@@ -3,8 +3,6 @@
 // folded in.
 #include <torch/library.h>
 
-#include <algorithm>
-
 #include "../common/update_args.h"
 
 namespace fusetrain {
@@ -23,24 +21,12 @@ void fused_radam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList
   const size_t n = params.size();
   TORCH_CHECK(exp_avgs.size() == n && exp_avg_sqs.size() == n, op, ": exp_avgs and exp_avg_sqs need one tensor "
               "per param (", n, "), got ", exp_avgs.size(), " and ", exp_avg_sqs.size());
-  UpdateLists l;
-  const char* names[3] = {"exp_avgs", "exp_avg_sqs", "state3"};
-  std::copy(names, names + 3, l.state_names);
-  l.params = params.vec();
-  l.grads = grads.vec();
-  l.state1 = exp_avgs.vec();
-  l.state2 = exp_avg_sqs.vec();
-  l.steps = state_steps.vec();
-  l.master = master_params.vec();
-  l.ema = ema_params.vec();
   OptimHyper h;
   h.kind = OptimKind::RAdam;
   h.radam = RAdamHyper{beta1, beta2, eps, weight_decay, decoupled_weight_decay};
-  h.maximize = maximize;
-  h.max_grad_norm = max_grad_norm;
-  UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
-                  opt_or_undef(ema_decay)};
-  run_fused_update(op, l, h, s, kernel);
+  const OpStates st{exp_avgs, exp_avg_sqs, {}, {"exp_avgs", "exp_avg_sqs", "state3"}};
+  run_update_op(op, kernel, h, st, params, grads, state_steps, master_params, ema_params, lr, maximize, inv_scale,
+                found_inf, grad_norm, max_grad_norm, ema_decay);
 }
 
 }  // namespace detail

@@ -2,8 +2,6 @@
 // lists of tensors, with unscale, clip, non-finite skip and EMA folded in.
 #include <torch/library.h>
 
-#include <algorithm>
-
 #include "../common/update_args.h"
 
 namespace fusetrain {
@@ -27,25 +25,13 @@ void fused_rmsprop_impl(UpdateKernel kernel, at::TensorList params, at::TensorLi
               "tensor per param (", n, "), got ", momentum_buffers.size());
   TORCH_CHECK(!centered || grad_avgs.size() == n, op, ": centered=True needs one grad_avgs tensor per param (", n,
               "), got ", grad_avgs.size());
-  UpdateLists l;
-  const char* names[3] = {"square_avgs", "momentum_buffers", "grad_avgs"};
-  std::copy(names, names + 3, l.state_names);
-  l.params = params.vec();
-  l.grads = grads.vec();
-  l.state1 = square_avgs.vec();
-  if (momentum > 0.0) l.state2 = momentum_buffers.vec();
-  if (centered) l.state3 = grad_avgs.vec();
-  l.steps = state_steps.vec();
-  l.master = master_params.vec();
-  l.ema = ema_params.vec();
   OptimHyper h;
   h.kind = OptimKind::RMSprop;
   h.rmsprop = RMSpropHyper{alpha, eps, weight_decay, momentum, centered};
-  h.maximize = maximize;
-  h.max_grad_norm = max_grad_norm;
-  UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
-                  opt_or_undef(ema_decay)};
-  run_fused_update(op, l, h, s, kernel);
+  const OpStates st{square_avgs, momentum > 0.0 ? momentum_buffers : at::TensorList(),
+                    centered ? grad_avgs : at::TensorList(), {"square_avgs", "momentum_buffers", "grad_avgs"}};
+  run_update_op(op, kernel, h, st, params, grads, state_steps, master_params, ema_params, lr, maximize, inv_scale,
+                found_inf, grad_norm, max_grad_norm, ema_decay);
 }
 
 }  // namespace detail

@@ -2,8 +2,6 @@
 // over lists of tensors, with unscale, clip, non-finite skip and EMA folded in.
 #include <torch/library.h>
 
-#include <algorithm>
-
 #include "../common/update_args.h"
 
 namespace fusetrain {
@@ -24,23 +22,13 @@ void fused_sgd_impl(UpdateKernel kernel, at::TensorList params, at::TensorList g
   TORCH_CHECK(momentum == 0.0 || momentum_buffers.size() == params.size(), op,
               ": momentum != 0 needs one momentum_buffers tensor per param (", params.size(), "), got ",
               momentum_buffers.size());
-  UpdateLists l;
-  const char* names[3] = {"momentum_buffers", "state2", "state3"};
-  std::copy(names, names + 3, l.state_names);
-  l.params = params.vec();
-  l.grads = grads.vec();
-  if (momentum != 0.0) l.state1 = momentum_buffers.vec();
-  l.steps = state_steps.vec();
-  l.master = master_params.vec();
-  l.ema = ema_params.vec();
   OptimHyper h;
   h.kind = OptimKind::SGD;
   h.sgd = SGDHyper{momentum, dampening, weight_decay, nesterov};
-  h.maximize = maximize;
-  h.max_grad_norm = max_grad_norm;
-  UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
-                  opt_or_undef(ema_decay)};
-  run_fused_update(op, l, h, s, kernel);
+  const OpStates st{momentum != 0.0 ? momentum_buffers : at::TensorList(), {}, {},
+                    {"momentum_buffers", "state2", "state3"}};
+  run_update_op(op, kernel, h, st, params, grads, state_steps, master_params, ema_params, lr, maximize, inv_scale,
+                found_inf, grad_norm, max_grad_norm, ema_decay);
 }
 
 }  // namespace detail

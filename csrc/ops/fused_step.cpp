@@ -28,7 +28,7 @@ namespace {
 // NOTE [group records]: `hyper` holds one record per group: kCommon fields,
 // then the optimizer's own fields (flags as 0 or 1):
 //   common: max_grad_norm (<= 0: no clipping), master_weights, has_ema, maximize
-//   adam:   beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay
+//   adam:   beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, bias_correction
 //   sgd:    momentum, dampening, weight_decay, nesterov
 //   lion:   beta1, beta2, weight_decay
 //   rmsprop: alpha, eps, weight_decay, momentum, centered
@@ -48,7 +48,7 @@ struct KindInfo {
 };
 
 KindInfo kind_info(const std::string& name) {
-  if (name == "adam") return {Kind::Adam, kCommon + 6};
+  if (name == "adam") return {Kind::Adam, kCommon + 7};
   if (name == "sgd") return {Kind::SGD, kCommon + 4};
   if (name == "lion") return {Kind::Lion, kCommon + 3};
   if (name == "rmsprop") return {Kind::RMSprop, kCommon + 5};
@@ -87,7 +87,7 @@ void call_update(Kind kind, const Lists& l, const at::Tensor& lr, const double* 
   switch (kind) {
     case Kind::Adam:
       fused_adam_(l.params, l.grads, l.s[0], l.s[1], l.s[2], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3],
-                  k[4] != 0.0, maximize, k[5] != 0.0, tail);
+                  k[4] != 0.0, maximize, k[5] != 0.0, tail, k[6] != 0.0);
       break;
     case Kind::SGD:
       fused_sgd_(l.params, l.grads, l.s[0], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3] != 0.0, maximize,

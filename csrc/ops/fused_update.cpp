@@ -6,6 +6,7 @@
 #include <ATen/ops/empty_strided.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <map>
 #include <utility>
 
@@ -162,6 +163,28 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
   if (dev.is_cpu()) check_cpu_features(op);
   for (auto& kv : buckets) kernel(kv.second, hyper, scalars);
   for (auto& [view, dense] : write_back) view.copy_(dense);
+}
+
+void run_update_op(const char* op, UpdateKernel kernel, OptimHyper h, const OpStates& states,
+                   at::TensorList params, at::TensorList grads, at::TensorList state_steps,
+                   at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, bool maximize,
+                   const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
+                   const OptT& ema_decay) {
+  UpdateLists l;
+  std::copy(states.names, states.names + 3, l.state_names);
+  l.params = params.vec();
+  l.grads = grads.vec();
+  l.state1 = states.s1.vec();
+  l.state2 = states.s2.vec();
+  l.state3 = states.s3.vec();
+  l.steps = state_steps.vec();
+  l.master = master_params.vec();
+  l.ema = ema_params.vec();
+  h.maximize = maximize;
+  h.max_grad_norm = max_grad_norm;
+  UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
+                  opt_or_undef(ema_decay)};
+  run_fused_update(op, l, h, s, kernel);
 }
 
 }  // namespace detail

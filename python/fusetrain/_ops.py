@@ -66,12 +66,13 @@ def grad_stats(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None) -> t
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, ema_params, *,
                 lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled_weight_decay, inv_scale=None,
-                found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
+                found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None, bias_correction=True) -> None:
     """In-place Adam/AdamW step over lists of tensors (see ``fusetrain::fused_adam_``)."""
     _ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, ema_params,
                      lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
                      maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, inv_scale=inv_scale,
-                     found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
+                     found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay,
+                     bias_correction=bias_correction)
 
 
 def fused_sgd_(params, grads, momentum_buffers, state_steps, master_params, ema_params, *, lr, momentum, dampening,

@@ -23,7 +23,7 @@ std::vector<Case> read_cases() {
     if (line.empty() || line[0] == '#') continue;
     std::istringstream words(line);
     Case c{{"optimizer", "adamw"}, {"dtype", "fp32"}, {"master", "0"}, {"clip", "0"}, {"amsgrad", "0"},
-           {"scaler", "0"}, {"ema", "0"}, {"accumulate", "1"}, {"steps", "4"}, {"inf_step", "-1"},
+           {"bias_correction", "1"}, {"scaler", "0"}, {"ema", "0"}, {"accumulate", "1"}, {"steps", "4"}, {"inf_step", "-1"},
            {"lr", "0.01"}, {"lr_decay", "1"}, {"seed", "0"}, {"groups", "1"}};
     words >> c["name"];
     std::string kv;
@@ -66,13 +66,16 @@ std::unique_ptr<fusetrain::FusedOptimizer> make(const Case& c, std::vector<torch
 std::unique_ptr<fusetrain::FusedOptimizer> make_optimizer(const Case& c, std::vector<torch::Tensor> params) {
   const double lr = std::stod(c.at("lr")), clip = std::stod(c.at("clip"));
   const bool master = c.at("master") == "1", amsgrad = c.at("amsgrad") == "1";
+  const bool bias_correction = c.at("bias_correction") == "1";
   const auto& name = c.at("optimizer");
   if (name == "adam")
     return make<fusetrain::Adam>(c, params, fusetrain::AdamOptions(lr).betas({0.9, 0.99}).weight_decay(0.01)
-                                                .amsgrad(amsgrad).max_grad_norm(clip).master_weights(master));
+                                                .amsgrad(amsgrad).bias_correction(bias_correction)
+                                                .max_grad_norm(clip).master_weights(master));
   if (name == "adamw")
     return make<fusetrain::AdamW>(c, params, fusetrain::AdamWOptions(lr).betas({0.9, 0.99}).weight_decay(0.05)
-                                                 .amsgrad(amsgrad).max_grad_norm(clip).master_weights(master));
+                                                 .amsgrad(amsgrad).bias_correction(bias_correction)
+                                                 .max_grad_norm(clip).master_weights(master));
   if (name == "sgd")
     return make<fusetrain::SGD>(c, params, fusetrain::SGDOptions(lr).momentum(0.9).nesterov(true).weight_decay(0.01)
                                                .max_grad_norm(clip).master_weights(master));

@@ -16,3 +16,13 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 #: ``@pytest.mark.parametrize("device", DEVICES)``: the CPU path always runs,
 #: the CUDA one where a GPU is present.
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def outcome(fn):
+    """``(exception type, message)`` of calling ``fn``, or None when it returns:
+    to compare what fusetrain and torch do with the same arguments."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the comparison is the point
+        return type(e), str(e)
+    return None

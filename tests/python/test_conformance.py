@@ -17,7 +17,8 @@ from _test_helpers import REPO
 from fusetrain.optim import SGD, Adadelta, Adam, AdamW, Lion, RAdam, RMSprop
 
 SHAPES = [(7,), (13, 5), (3, 4, 2)]
-DEFAULTS = {"optimizer": "adamw", "dtype": "fp32", "master": "0", "clip": "0", "amsgrad": "0", "scaler": "0",
+DEFAULTS = {"optimizer": "adamw", "dtype": "fp32", "master": "0", "clip": "0", "amsgrad": "0", "bias_correction": "1",
+            "scaler": "0",
             "ema": "0", "accumulate": "1", "steps": "4", "inf_step": "-1", "lr": "0.01", "lr_decay": "1",
             "seed": "0", "groups": "1"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,9 +56,11 @@ def make_optimizer(c, params):
     if c["groups"] == "2":  # the last param in a group of its own without weight decay
         params = [dict(params=params[:-1]), dict(params=params[-1:], weight_decay=0.0)]
     if c["optimizer"] == "adam":
-        return Adam(params, betas=(0.9, 0.99), weight_decay=0.01, amsgrad=c["amsgrad"] == "1", **common)
+        return Adam(params, betas=(0.9, 0.99), weight_decay=0.01, amsgrad=c["amsgrad"] == "1",
+                    bias_correction=c["bias_correction"] == "1", **common)
     if c["optimizer"] == "adamw":
-        return AdamW(params, betas=(0.9, 0.99), weight_decay=0.05, amsgrad=c["amsgrad"] == "1", **common)
+        return AdamW(params, betas=(0.9, 0.99), weight_decay=0.05, amsgrad=c["amsgrad"] == "1",
+                     bias_correction=c["bias_correction"] == "1", **common)
     if c["optimizer"] == "sgd":
         return SGD(params, momentum=0.9, nesterov=True, weight_decay=0.01, **common)
     if c["optimizer"] == "rmsprop":

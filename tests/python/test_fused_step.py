@@ -34,7 +34,7 @@ def adam_group(device, shapes, dtypes, *, clip=0.0, master=False, ema=False, ams
         "emas": [rand(s, dt, device) for s, dt in zip(shapes, dtypes)] if ema else [],
         "lr": torch.tensor(lr, device=device),
         "hyper": [clip, float(master), float(ema), float(maximize), 0.9, 0.99, 0.05, 1e-8, float(amsgrad),
-                  float(decoupled)],
+                  float(decoupled), 1.0],
     }
     return g
 
@@ -67,7 +67,7 @@ def run_reference(groups, inv_scale=None, found_inf=None, ema_decay=None):
         norm, f = _ops.grad_stats([t for g in groups for t in g["grads"]], inv_scale)
         flag = f if flag is None else torch.maximum(flag, f)
     for g in groups:
-        clip, master, _, maximize, b1, b2, wd, eps, ams, dec = g["hyper"]
+        clip, master, _, maximize, b1, b2, wd, eps, ams, dec, _ = g["hyper"]
         idx_low = [i for i, p in enumerate(g["params"]) if p.dtype != torch.float32]
         parts = [(list(range(len(g["params"]))), g["masters"])]
         if master and idx_low and len(idx_low) < len(g["params"]):
@@ -140,7 +140,7 @@ def test_bad_records_name_the_argument():
     lists = ([t for t in g["params"]], g["grads"], g["steps"], g["s"][0], g["s"][1], [], [], [])
     with pytest.raises(ValueError, match="optimizer must be one of 'adam', 'sgd', 'lion', 'rmsprop', 'adadelta', 'radam', got 'adamw'"):
         _ops.fused_step_("adamw", *lists, [1], [g["lr"]], g["hyper"])
-    with pytest.raises(ValueError, match="takes 10 hyper values per group"):
+    with pytest.raises(ValueError, match="takes 11 hyper values per group"):
         _ops.fused_step_("adam", *lists, [1], [g["lr"]], g["hyper"][:-1])
     with pytest.raises(ValueError, match="got 1 group_sizes but 2 lrs"):
         _ops.fused_step_("adam", *lists, [1], [g["lr"], g["lr"]], g["hyper"])

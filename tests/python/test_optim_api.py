@@ -107,8 +107,10 @@ def test_defaults_match_torch(name):
     assert not missing, f"torch.optim.{name} defaults not in ours: {missing}"
     for k, v in ref.items():
         assert ours[k] == v, f"default {k}: ours {ours[k]!r}, torch {v!r}"
-    assert set(ours) - set(ref) == {"max_grad_norm", "master_weights"}
+    extra = {"max_grad_norm", "master_weights"} | ({"bias_correction"} if name in ("Adam", "AdamW") else set())
+    assert set(ours) - set(ref) == extra
     assert ours["max_grad_norm"] is None and ours["master_weights"] is False
+    assert ours.get("bias_correction", True) is True
 
 
 @pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD"])

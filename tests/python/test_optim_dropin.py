@@ -15,6 +15,8 @@ import torch
 import fusetrain  # noqa: F401
 from fusetrain.optim import SGD, Adam, AdamW
 
+from _test_helpers import outcome
+
 SEED = 77
 OURS = {"Adam": Adam, "AdamW": AdamW, "SGD": SGD}
 TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
@@ -35,14 +37,6 @@ SGD_CONFIGS = [
     dict(dampening=-0.1), dict(fused=False), dict(foreach=True), dict(fused=True), dict(weight_decay=torch.tensor(0.1)),
 ]
 CASES = [(n, kw) for n in ("Adam", "AdamW") for kw in ADAM_CONFIGS] + [("SGD", kw) for kw in SGD_CONFIGS]
-
-
-def outcome(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the comparison is the point
-        return type(e), str(e)
-    return None
 
 
 @pytest.mark.parametrize("name,kw", CASES, ids=[f"{n}-{kw}" for n, kw in CASES])

@@ -12,7 +12,7 @@ import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain import _ops
 from fusetrain.optim import Adadelta, RAdam, RMSprop
 
-from _test_helpers import DEVICES
+from _test_helpers import DEVICES, outcome
 
 SEED = 31
 OURS = {"RMSprop": RMSprop, "Adadelta": Adadelta, "RAdam": RAdam}
@@ -155,14 +155,6 @@ ARG_CASES = ([("Adadelta", kw) for kw in ADADELTA_ARGS] + [("RMSprop", kw) for k
              + [("RAdam", kw) for kw in RADAM_ARGS])
 
 
-def outcome(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the comparison is the point
-        return type(e), str(e)
-    return None
-
-
 @pytest.mark.parametrize("name,kw", ARG_CASES, ids=[f"{n}-{kw}" for n, kw in ARG_CASES])
 def test_argument_checks_are_torchs(name, kw):
     p = [torch.zeros(2, requires_grad=True)]
@@ -205,3 +197,33 @@ def test_python_wrappers_call_the_ops():
     ref.step()
     torch.testing.assert_close(p[0], before.detach())
     assert steps[0].item() == 1.0
+
+
+@pytest.mark.parametrize("cls", [fusetrain.optim.Adam, fusetrain.optim.AdamW])
+def test_adam_without_bias_correction_is_the_bertadam_form(cls):
+    # p -= lr * m / (sqrt(v) + eps) with no 1 - beta^t corrections, the rest as Adam/AdamW (float64 reference).
+    base = [torch.randn(s, dtype=torch.float64) for s in shapes()]
+    ours_p = [b.clone().requires_grad_() for b in base]
+    ref_p = [b.clone() for b in base]
+    lr, b1, b2, eps, wd = 2.0**-7, 0.9, 0.999, 1e-6, 0.01
+    ours = cls(ours_p, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, bias_correction=False)
+    m = [torch.zeros_like(b) for b in base]
+    v = [torch.zeros_like(b) for b in base]
+    for i in range(10):
+        g = torch.Generator().manual_seed(40 + i)
+        for j, p in enumerate(ours_p):
+            gr = torch.randn(p.shape, dtype=torch.float64, generator=g)
+            p.grad = gr.clone()
+            q = ref_p[j]
+            if cls is fusetrain.optim.AdamW:
+                q.mul_(1 - lr * wd)
+            else:
+                gr = gr + wd * q
+            m[j].mul_(b1).add_(gr, alpha=1 - b1)
+            v[j].mul_(b2).addcmul_(gr, gr, value=1 - b2)
+            q.sub_(lr * m[j] / (v[j].sqrt() + eps))
+        ours.step()
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(p.detach(), q, rtol=1e-10, atol=1e-12)
+    with pytest.raises(TypeError, match="bias_correction must be a bool"):
+        cls(ours_p, bias_correction="no")

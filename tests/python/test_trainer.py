@@ -809,3 +809,32 @@ def test_outputs_and_returned_metrics(tmp_path):
     res5 = trainer.test(model, loaders()[1], metrics=["top5"])
     assert res5["top5"] == final["valid_top5"]
     assert not os.path.exists(os.path.join(str(tmp_path), "t"))  # test() writes nothing
+
+
+# ---- max_steps ----------------------------------------------------------------------------------------------
+
+
+def test_max_steps_ends_mid_epoch_and_resume_extends_it(tmp_path, built_optimizers):
+    applied = []
+    built_optimizers.on_build.append(lambda opt: opt.register_step_pre_hook(
+        lambda o, args, kwargs: applied.append(float(o.param_groups[0]["lr"]))))
+    params = dict(max_steps=7, max_train_batches=4, lr_mode="linear", initial_lr=0.01, ema=True)
+    result, model = run(tmp_path, **params)  # 4 steps per epoch: 4 + 3
+    rows = rows_of(result["experiment_dir"])
+    assert [r["epoch"] for r in rows] == [1, 2] and "valid_accuracy" in rows[-1]
+    assert len(applied) == 7
+    expected = LRSchedule(resolve_training_params({**FAST, **params}), 4).sample(range(7))
+    assert applied == pytest.approx(expected, rel=1e-6) and applied[-1] == pytest.approx(0.0, abs=1e-9)
+    ck = ckpt(result["experiment_dir"])
+    assert ck["global_step"] == 7 and ck["epoch"] == 2
+    assert ck["ema"]["step"].item() == 7
+    # Resuming with a larger max_steps runs the remaining steps only.
+    applied.clear()
+    with pytest.warns(UserWarning, match=r"max_steps: 7 -> 10"):
+        result2, _ = run(tmp_path, model=model, **dict(params, max_steps=10, resume=True))
+    assert len(applied) == 3 and ckpt(result2["experiment_dir"])["global_step"] == 10
+    assert [r["epoch"] for r in rows_of(result2["experiment_dir"])] == [1, 2, 3]
+    # A resume with nothing left to do trains nothing and reports the last epoch.
+    applied.clear()
+    result3, _ = run(tmp_path, model=model, **dict(params, max_steps=10, resume=True))
+    assert applied == [] and result3["final"]["epoch"] == 3

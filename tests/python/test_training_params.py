@@ -24,7 +24,8 @@ from fusetrain.training import params as P
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 EXPECTED_DEFAULTS = {
-    "max_epochs": 10, "optimizer": "AdamW", "optimizer_params": {}, "initial_lr": 1e-3, "lr_mode": "constant",
+    "max_epochs": 10, "max_steps": None, "optimizer": "AdamW", "optimizer_params": {}, "initial_lr": 1e-3,
+    "lr_mode": "constant",
     "lr_updates": [], "lr_decay_factor": 0.1, "cosine_final_lr_ratio": 0.01, "cosine_restart_epochs": 10.0,
     "cosine_restart_mult": 1, "poly_power": 0.9, "linear_final_lr_ratio": 0.0,
     "onecycle_pct_start": 0.3, "onecycle_div_factor": 25.0, "onecycle_final_div_factor": 1e4,
@@ -39,7 +40,8 @@ EXPECTED_DEFAULTS = {
     "channels_last": False, "loss": "cross_entropy", "loss_params": {}, "train_metrics": ["accuracy"],
     "valid_metrics": ["accuracy"], "metric_to_watch": "accuracy", "greater_metric_to_watch_is_better": True,
     "run_validation_freq": 1, "max_train_batches": None, "max_valid_batches": None, "save_ckpt_epoch_list": [],
-    "resume": False, "resume_path": None, "overwrite_experiment": False, "seed": 42, "cudnn_benchmark": True, "early_stopping": None,
+    "resume": False, "resume_path": None, "overwrite_experiment": False, "seed": 42, "cudnn_benchmark": True,
+    "early_stopping": None,
     "log_interval": 0, "loggers": [], "logger_params": {}, "export": [], "model_input": "auto", "split_batch": None,
     "callbacks": [], "device": "auto", "multi_gpu": "auto", "num_gpus": None, "num_processes": None,
     "dist_backend": "auto", "dist_timeout_s": 300.0, "find_unused_parameters": False, "progress_bar": True,
@@ -65,6 +67,7 @@ CASES = [
     ("max_epochs", 3, 0, _msg("max_epochs", 0, "an int >= 1")),
     ("max_epochs", 3, 2.0, _msg("max_epochs", 2.0, "an int >= 1")),
     ("max_epochs", 3, True, _msg("max_epochs", True, "an int >= 1")),
+    ("max_steps", 5000, 0, _msg("max_steps", 0, "an int >= 1 or None")),
     ("optimizer", "Lion", "adamax", _msg("optimizer", "adamax", OPTIMIZER_ALLOWED)),
     ("optimizer", torch.optim.RMSprop, nn.Linear, _msg("optimizer", nn.Linear, OPTIMIZER_ALLOWED)),
     ("optimizer_params", {"weight_decay": 0.05, "betas": [0.9, 0.95]}, ["weight_decay"],
@@ -307,7 +310,7 @@ def test_unknown_key_suggests_closest(typo, suggestion):
 
 def test_unknown_key_without_close_match_lists_keys():
     msg = _error({"qqqqqq": 1})
-    assert msg.startswith("training_params: unknown key 'qqqqqq'; valid keys: max_epochs, optimizer, ")
+    assert msg.startswith("training_params: unknown key 'qqqqqq'; valid keys: max_epochs, max_steps, optimizer, ")
     assert all(k in msg for k in TRAINING_PARAMS)
 
 
@@ -584,7 +587,8 @@ def test_mapping_access_repr_replace_pickle():
     assert dict(p) == p.to_dict() and p == resolve_training_params({"ema": True, "max_epochs": 3})
     assert resolve_training_params(p) is p
     r = repr(p)
-    assert r.startswith("TrainingParams(max_epochs=3, optimizer='AdamW', optimizer_params={}, initial_lr=0.001")
+    assert r.startswith("TrainingParams(max_epochs=3, max_steps=None, optimizer='AdamW', optimizer_params={}, "
+                        "initial_lr=0.001")
     assert all(f"{k}=" in r for k in TRAINING_PARAMS)
     q = p.replace(max_epochs=5, optimizer="lion")
     assert q.max_epochs == 5 and q.optimizer == "Lion" and q.ema is True and p.max_epochs == 3

@@ -31,11 +31,13 @@ std::tuple<at::Tensor, at::Tensor> grad_stats(at::TensorList grads,
                                               const std::optional<at::Tensor>& inv_scale = std::nullopt);
 
 // Adam (decoupled_weight_decay=false) / AdamW (true). state_steps are float32
-// scalars incremented in place; max_exp_avg_sqs is used when amsgrad.
+// scalars incremented in place; max_exp_avg_sqs is used when amsgrad;
+// bias_correction=false drops the 1 - beta^t corrections (the BertAdam form).
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                  at::TensorList max_exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
                  at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double weight_decay,
-                 double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, const FusedTail& tail = {});
+                 double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, const FusedTail& tail = {},
+                 bool bias_correction = true);
 
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                 at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,

@@ -64,6 +64,7 @@ struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions>
   TORCH_ARG(double, eps) = 1e-8;
   TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(bool, amsgrad) = false;
+  TORCH_ARG(bool, bias_correction) = true;  // false: the BertAdam form
   TORCH_ARG(bool, maximize) = false;
   TORCH_ARG(double, max_grad_norm) = 0.0;
   TORCH_ARG(bool, master_weights) = false;
@@ -83,6 +84,7 @@ struct AdamWOptions : public torch::optim::OptimizerCloneableOptions<AdamWOption
   TORCH_ARG(double, eps) = 1e-8;
   TORCH_ARG(double, weight_decay) = 1e-2;
   TORCH_ARG(bool, amsgrad) = false;
+  TORCH_ARG(bool, bias_correction) = true;  // false: the BertAdam form
   TORCH_ARG(bool, maximize) = false;
   TORCH_ARG(double, max_grad_norm) = 0.0;
   TORCH_ARG(bool, master_weights) = false;

@@ -19,6 +19,8 @@ class Adam(FusedOptimizer):
         (computed on the device, no host sync). ``None`` disables clipping.
       master_weights: keep an fp32 master copy of fp16/bf16 params; the update
         runs on the master and writes the rounded param in the same pass.
+      bias_correction: False drops Adam's ``1 - beta^t`` corrections of both
+        moments (the BertAdam form: ``p -= lr * m / (sqrt(v) + eps)``).
 
     Arguments are checked by torch.optim.Adam's own checks (same exceptions and
     messages). ``foreach``, ``capturable`` and ``fused`` are accepted with any
@@ -34,16 +36,19 @@ class Adam(FusedOptimizer):
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: Optional[bool] = None, max_grad_norm: Optional[float] = None,
-                 master_weights: bool = False):
+                 master_weights: bool = False, bias_correction: bool = True):
         _no_differentiable(self._opt_name, differentiable)
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled_default
         _torch_checks(torch.optim.Adam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                       foreach=foreach, maximize=maximize, capturable=capturable, fused=fused,
                       decoupled_weight_decay=decoupled_weight_decay)
+        if not isinstance(bias_correction, bool):
+            raise TypeError(f"{self._opt_name}: bias_correction must be a bool, got {bias_correction!r}")
         defaults = dict(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=bool(amsgrad), maximize=bool(maximize), foreach=foreach, capturable=capturable,
-                        differentiable=False, fused=fused, decoupled_weight_decay=bool(decoupled_weight_decay))
+                        differentiable=False, fused=fused, decoupled_weight_decay=bool(decoupled_weight_decay),
+                        bias_correction=bias_correction)
         super().__init__(params, defaults, max_grad_norm, master_weights)
 
     def _sparse_error(self) -> str:
@@ -57,7 +62,8 @@ class Adam(FusedOptimizer):
     def _kind_fields(self, group):
         beta1, beta2 = group["betas"]
         return [float(beta1), float(beta2), float(group["weight_decay"]), float(group["eps"]),
-                1.0 if group["amsgrad"] else 0.0, 1.0 if group["decoupled_weight_decay"] else 0.0]
+                1.0 if group["amsgrad"] else 0.0, 1.0 if group["decoupled_weight_decay"] else 0.0,
+                1.0 if group.get("bias_correction", True) else 0.0]
 
 
 class AdamW(Adam):
@@ -78,8 +84,8 @@ class AdamW(Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None, max_grad_norm: Optional[float] = None,
-                 master_weights: bool = False):
+                 master_weights: bool = False, bias_correction: bool = True):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, max_grad_norm=max_grad_norm,
-                         master_weights=master_weights)
+                         master_weights=master_weights, bias_correction=bias_correction)

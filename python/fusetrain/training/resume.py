@@ -39,7 +39,8 @@ NOTES = {
                      "continue from the checkpoint",
     "mixed_precision": "applied; the loss scaler's state is restored only when both runs use fp16",
     "ema": "applied; an EMA that the checkpoint lacks starts from the restored weights",
-    "max_epochs": "applied; the schedule is recomputed for the new length at the restored step",
+    **dict.fromkeys(("max_epochs", "max_steps"), "applied; the schedule is recomputed for the new length at the "
+                    "restored step"),
     **dict.fromkeys(("lr_multipliers", "layer_decay", "freeze"), "applied to the restored groups; a change that "
                     "regroups the parameters makes the optimizer state unfit (an error)"),
     "batch_accumulate": "applied; it changes the steps per epoch, so the schedule, which continues at the restored "

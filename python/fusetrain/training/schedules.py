@@ -13,7 +13,19 @@ import math
 import os
 from typing import Callable, Sequence
 
-__all__ = ["LRSchedule", "write_schedule"]
+__all__ = ["LRSchedule", "run_epochs", "run_steps", "write_schedule"]
+
+
+def run_steps(params, steps_per_epoch: int) -> int:
+    """The optimizer steps of the whole run: ``max_steps``, else ``max_epochs`` epochs."""
+    return max(1, params.max_steps or params.max_epochs * max(1, int(steps_per_epoch)))
+
+
+def run_epochs(params, steps_per_epoch: int) -> int:
+    """The epochs of the whole run (the last one may end early at ``max_steps``)."""
+    if params.max_steps:
+        return -(-params.max_steps // max(1, int(steps_per_epoch)))
+    return params.max_epochs
 
 
 class LRSchedule:
@@ -30,7 +42,7 @@ class LRSchedule:
         self.mode = params.lr_mode
         self.initial_lr = float(params.initial_lr)
         self.steps_per_epoch = max(1, int(steps_per_epoch))
-        self.total_steps = max(1, params.max_epochs * self.steps_per_epoch)
+        self.total_steps = run_steps(params, self.steps_per_epoch)
         warmup = params.lr_warmup_steps or params.lr_warmup_epochs * self.steps_per_epoch
         self.warmup_steps = min(int(warmup), self.total_steps)
         self.warmup_mode = params.lr_warmup_mode

@@ -15,6 +15,7 @@ schedule position, RNG states).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -46,7 +47,7 @@ from .params import TrainingParams, TrainingParamsError, optimizer_class, resolv
 from .params.resolve import watch_candidates
 from .registry import import_path
 from .run import LossSums, Run
-from .schedules import LRSchedule
+from .schedules import LRSchedule, run_epochs, run_steps
 from .step import TrainStep
 
 __all__ = ["Trainer"]
@@ -345,7 +346,7 @@ class Trainer:
         ema = None
         if p.ema:
             ema_kwargs = dict(p.ema_params)
-            ema_kwargs.setdefault("total_steps", p.max_epochs * steps_per_epoch)
+            ema_kwargs.setdefault("total_steps", run_steps(p, steps_per_epoch))
             ema = ModelEMA(model, **ema_kwargs)
         loss_fn = self._loss_fn(p, device)
         best = {"metric": p.metric_to_watch, "value": None, "epoch": None}
@@ -403,12 +404,19 @@ class Trainer:
 
     def _loop(self, run: Run) -> Dict[str, Any]:
         p, ctx, state, cbs = run.p, run.ctx, run.state, run.callbacks
-        last: Dict[str, Any] = {}
+        # A resumed run that has nothing left to do reports the checkpoint's last epoch.
+        last: Dict[str, Any] = dict(run.logger.rows[-1]) if run.logger.rows else {}
         test: Dict[str, float] = {}
         completed = False
         cbs("on_train_start", state)
         try:
-            for epoch in range(run.start_epoch, p.max_epochs):
+            n_epochs = run_epochs(p, run.steps_per_epoch)
+            # With max_steps the epochs go on until the step count is reached (a loader without a length may
+            # give fewer steps per epoch than counted).
+            epochs = itertools.count(run.start_epoch) if p.max_steps else range(run.start_epoch, n_epochs)
+            for epoch in epochs:
+                if self._steps_done(run):
+                    break
                 state.epoch = epoch
                 if ctx.enabled:  # per rank and epoch, so a resumed run re-derives it
                     _dist.seed_everything(_dist.epoch_seed(p.seed, ctx.rank, epoch))
@@ -416,7 +424,7 @@ class Trainer:
                 cbs("on_epoch_start", state)
                 row = self._train_epoch(run, epoch)
                 ctx.broadcast_buffers([run.model, run.ema.module if run.ema is not None else None])
-                if (epoch + 1) % p.run_validation_freq == 0 or epoch + 1 == p.max_epochs:
+                if (epoch + 1) % p.run_validation_freq == 0 or epoch + 1 == n_epochs or self._steps_done(run):
                     self._validate(run, row)
                 row.update(_memory_mb(run.device))
                 cbs("on_epoch_end", state)
@@ -442,6 +450,10 @@ class Trainer:
         if completed and run.test_loaders:
             test = self._run_tests(run)
         return {"final": last, "best": run.best, "test": test, "experiment_dir": self.experiment_dir}
+
+    @staticmethod
+    def _steps_done(run: Run) -> bool:
+        return bool(run.p.max_steps) and run.global_step >= run.p.max_steps
 
     @staticmethod
     def _log_step(run: Run, loss: torch.Tensor) -> None:
@@ -487,7 +499,8 @@ class Trainer:
         if p.max_train_batches:
             n_batches = min(n_batches or p.max_train_batches, p.max_train_batches)
         batches, step0 = 0, run.global_step
-        progress = _Progress(p.progress_bar and run.ctx.is_main, n_batches or 0, f"epoch {epoch + 1}/{p.max_epochs}")
+        progress = _Progress(p.progress_bar and run.ctx.is_main, n_batches or 0,
+                             f"epoch {epoch + 1}/{run_epochs(p, run.steps_per_epoch)}")
         samples = first_batch = 0
         t0 = time.perf_counter()
         warmup_time = None
@@ -539,6 +552,8 @@ class Trainer:
                 progress.update(loss=f"{self._interval_read(run, samples):.4f}")
             else:
                 progress.update()
+            if do_step and self._steps_done(run):  # max_steps: the run ends at this step
+                break
         progress.close()
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)

@@ -213,7 +213,11 @@ def _p(name: str, validator: Validator, default: Any, doc: str) -> ParamSpec:
 _SPECS = [
     _p("max_epochs", int_range(min=1), 10, """
         Number of passes over the training loader. Schedules (and the EMA's `exp` decay horizon) span
-        `max_epochs` times the number of optimizer steps per epoch."""),
+        `max_epochs` times the number of optimizer steps per epoch. Not used when `max_steps` is set."""),
+    _p("max_steps", optional(int_range(min=1)), None, """
+        Train for this many optimizer steps instead of `max_epochs` epochs: epochs follow one another until the
+        step count is reached, the last one ending early at that step (validation and checkpoints as at any epoch
+        end); schedules and the EMA's decay horizon span `max_steps`. None: `max_epochs` decides."""),
     _p("optimizer", _V_OPTIMIZER, "AdamW", """
         The optimizer. A name selects one of fusetrain's fused optimizers (`fusetrain.optim.AdamW`, `Adam`, `SGD`,
         `Lion`, `RMSprop`, `Adadelta`, `RAdam`; the last three with the arguments and defaults of torch.optim's),
