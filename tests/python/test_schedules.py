@@ -229,4 +229,35 @@ def test_bad_schedule_settings_are_rejected_naming_the_key():
     with pytest.raises(TrainingParamsError, match="cosine_restart_mult"):
         resolve_training_params(dict(lr_mode="cosine_restarts", cosine_restart_mult=0))
     with pytest.raises(TrainingParamsError, match="lr_mode"):
-        resolve_training_params(dict(lr_mode="plateau"))
+        resolve_training_params(dict(lr_mode="reduce_on_plateau"))
+
+
+@pytest.mark.parametrize("greater,patience,delta", [(True, 2, 0.0), (False, 0, 0.05), (True, 1, 0.1)])
+def test_plateau_matches_torch_reduce_on_plateau(greater, patience, delta):
+    metrics = [0.5, 0.6, 0.6, 0.55, 0.61, 0.62, 0.62, 0.7, 0.69, 0.69, 0.69, 0.3, 0.8]
+    if not greater:
+        metrics = [1.0 - m for m in metrics]
+    s = schedule(4, lr_mode="plateau", initial_lr=0.1, lr_decay_factor=0.5, plateau_patience=patience,
+                 plateau_min_delta=delta, max_epochs=len(metrics))
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    ref = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max" if greater else "min", factor=0.5,
+                                                     patience=patience, threshold=delta, threshold_mode="abs")
+    for epoch, m in enumerate(metrics):
+        s.observe(m, greater)
+        ref.step(m)
+        assert s(4 * (epoch + 1)) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12), epoch
+    assert s.reductions > 0
+    again = schedule(4, lr_mode="plateau", initial_lr=0.1, lr_decay_factor=0.5, max_epochs=3)
+    again.load_state_dict(s.state_dict())
+    assert again(0) == s(0) and again.state_dict() == s.state_dict()
+
+
+def test_plateau_ignores_missing_values_and_other_modes():
+    s = schedule(2, lr_mode="plateau", initial_lr=1.0, plateau_patience=0, max_epochs=4)
+    for v in (None, float("nan"), 3.0, 3.0):
+        s.observe(v, True)
+    assert s.reductions == 1 and s(5) == pytest.approx(0.1)
+    c = schedule(2, lr_mode="cosine", initial_lr=1.0, max_epochs=2)
+    c.observe(1.0, True)
+    c.observe(0.0, True)
+    assert c.state_dict() == {"reductions": 0, "best": None, "bad": 0}

@@ -838,3 +838,33 @@ def test_max_steps_ends_mid_epoch_and_resume_extends_it(tmp_path, built_optimize
     applied.clear()
     result3, _ = run(tmp_path, model=model, **dict(params, max_steps=10, resume=True))
     assert applied == [] and result3["final"]["epoch"] == 3
+
+
+# ---- lr_mode plateau ---------------------------------------------------------------------------------------
+
+
+def test_plateau_reduces_after_stale_validations_and_resume_keeps_the_reductions(tmp_path, built_optimizers):
+    applied = []
+    built_optimizers.on_build.append(lambda opt: opt.register_step_pre_hook(
+        lambda o, args, kwargs: applied.append(float(o.param_groups[0]["lr"]))))
+    # min_delta so large that only the first validation counts as an improvement; patience 0: every later
+    # validation reduces the rate.
+    params = dict(lr_mode="plateau", initial_lr=0.01, lr_decay_factor=0.5, plateau_patience=0,
+                  plateau_min_delta=1e9, max_epochs=2, max_train_batches=2)
+    result, model = run(tmp_path, **params)
+    assert applied == pytest.approx([0.01] * 4, rel=1e-6)
+    assert ckpt(result["experiment_dir"])["schedule"]["reductions"] == 1
+    applied.clear()
+    with pytest.warns(UserWarning, match="max_epochs: 2 -> 3"):
+        result, _ = run(tmp_path, model=model, **dict(params, max_epochs=3, resume=True))
+    assert applied == pytest.approx([0.005] * 2, rel=1e-6)
+    assert ckpt(result["experiment_dir"])["schedule"]["reductions"] == 2
+
+
+def test_plateau_needs_a_validation_loader(tmp_path):
+    from fusetrain.training.params import TrainingParamsError
+
+    tl, _ = loaders()
+    with pytest.raises(TrainingParamsError, match="lr_mode: got 'plateau' without a valid_loader"):
+        Trainer("exp", ckpt_root_dir=str(tmp_path)).train(cnn(), {**FAST, "lr_mode": "plateau"}, tl)
+    assert os.listdir(tmp_path) == []

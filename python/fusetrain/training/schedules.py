@@ -3,7 +3,9 @@
 The value for optimizer step ``k`` is a pure function of ``k`` (plain float
 math, no tensor reads), written into each param group's lr *tensor* with
 ``fill_``: no host sync, and torch.compile sees a tensor, so a changing lr never
-recompiles. Resume needs only the step index.
+recompiles. Resume needs only the step index, except for ``plateau``, whose
+reductions follow the validation metric (``observe``) and are saved in the
+checkpoint (``state_dict``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import csv
 import math
 import os
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 __all__ = ["LRSchedule", "run_epochs", "run_steps", "write_schedule"]
 
@@ -49,6 +51,31 @@ class LRSchedule:
         wil = params.warmup_initial_lr
         self.warmup_initial_lr = self.initial_lr * 0.01 if wil is None else float(wil)
         self.p = params
+        # plateau: reductions so far, the best watched value and the validations since it improved
+        self.reductions, self.best, self.bad = 0, None, 0
+
+    def observe(self, value: float, greater_is_better: bool) -> None:
+        """``lr_mode: plateau``: the watched metric after a validation. After
+        more than ``plateau_patience`` validations without an improvement of more
+        than ``plateau_min_delta``, the rate drops by ``lr_decay_factor``
+        (torch's ReduceLROnPlateau with an absolute threshold)."""
+        if self.mode != "plateau" or value is None or not math.isfinite(value):
+            return
+        delta = self.p.plateau_min_delta
+        if self.best is None or (value > self.best + delta if greater_is_better else value < self.best - delta):
+            self.best, self.bad = float(value), 0
+            return
+        self.bad += 1
+        if self.bad > self.p.plateau_patience:
+            self.reductions += 1
+            self.bad = 0
+
+    def state_dict(self) -> dict:
+        return {"reductions": self.reductions, "best": self.best, "bad": self.bad}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        if state:
+            self.reductions, self.best, self.bad = int(state["reductions"]), state["best"], int(state["bad"])
 
     def __call__(self, step: int) -> float:
         """lr of the optimizer step with 0-based index ``step``."""
@@ -65,6 +92,8 @@ class LRSchedule:
         t = min(1.0, k / span)
         if self.mode == "constant":
             return lr0
+        if self.mode == "plateau":
+            return lr0 * p.lr_decay_factor ** self.reductions
         if self.mode == "step":
             epoch = step // self.steps_per_epoch
             passed = sum(1 for e in p.lr_updates if epoch >= e)
@@ -146,8 +175,9 @@ def write_schedule(schedule: LRSchedule, path: str) -> str:
         for e in range(1, -(-n // spe)):
             ax.axvline(e * spe, color="0.85", lw=0.6, zorder=0)
         mode = getattr(schedule.mode, "__name__", schedule.mode)
+        note = " (reductions follow the validation metric)" if mode == "plateau" else ""
         ax.set(xlabel=f"optimizer step ({spe} per epoch)", ylabel="learning rate",
-               title=f"lr_mode {mode}, warmup {schedule.warmup_steps} step(s) ({schedule.warmup_mode})")
+               title=f"lr_mode {mode}{note}, warmup {schedule.warmup_steps} step(s) ({schedule.warmup_mode})")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)

@@ -212,6 +212,10 @@ class Trainer:
             resume_path = p.resume_path or os.path.join(self.experiment_dir, "ckpt_latest.pth")
             if not os.path.isfile(resume_path):
                 raise FileNotFoundError(f"training_params.resume: no checkpoint at {resume_path}")
+        if p.lr_mode == "plateau" and valid_loader is None:
+            raise TrainingParamsError(["training_params.lr_mode: got 'plateau' without a valid_loader; allowed: "
+                                       "another lr_mode, or pass valid_loader (plateau follows metric_to_watch "
+                                       "after each validation)"])
         step_log.check_logger_packages(p.loggers)
         if any(name.endswith(".onnx") for name in p.export):
             check_onnx_packages()
@@ -353,8 +357,10 @@ class Trainer:
         logger = ExperimentLogger(self.experiment_dir) if ctx.is_main else NullLogger()
         start_epoch = global_step = stale_epochs = 0
         skipped_before = 0.0
+        schedule = LRSchedule(p, steps_per_epoch)
         if resume_path is not None:
             ck = load_checkpoint(resume_path)
+            schedule.load_state_dict(ck.get("schedule"))
             resume.check_changes(ck.get("training_params"), p, resume_path)
             # The fresh param groups' settings (lr_scale, the lr tensors of NOTE [lr tensor]) are re-applied.
             resume.restore(ck, resume_path, model, opt, scaler, ema)
@@ -388,7 +394,7 @@ class Trainer:
                              epoch=start_epoch, global_step=global_step, best=best)
         return Run(p=p, ctx=ctx, device=device, model=model, train_step=train_step, eval_model=eval_model, opt=opt,
                    fused=fused, scaler=scaler, precision=precision, ema=ema, loss_fn=loss_fn,
-                   schedule=LRSchedule(p, steps_per_epoch), steps_per_epoch=steps_per_epoch,
+                   schedule=schedule, steps_per_epoch=steps_per_epoch,
                    train_loader=train_loader, valid_loaders=valid_loaders, test_loaders=test_loaders,
                    train_metrics=train_metrics, valid_metrics=valid_metrics, callbacks=callbacks, state=state,
                    logger=logger, watch_key=watch_key, split_fn=_resolve_fn(p.split_batch),
@@ -426,6 +432,7 @@ class Trainer:
                 ctx.broadcast_buffers([run.model, run.ema.module if run.ema is not None else None])
                 if (epoch + 1) % p.run_validation_freq == 0 or epoch + 1 == n_epochs or self._steps_done(run):
                     self._validate(run, row)
+                    run.schedule.observe(row.get(run.watch_key), p.greater_metric_to_watch_is_better)
                 row.update(_memory_mb(run.device))
                 cbs("on_epoch_end", state)
                 self._end_epoch(run, epoch, row)
@@ -774,4 +781,4 @@ class Trainer:
                 "epoch": epoch, "global_step": run.global_step, "best": dict(run.best),
                 "stale_epochs": run.stale_epochs, "rng": self._rng_state(run.train_loader),
                 "training_params": run.p.to_dict(json_safe=True), "world_size": run.ctx.world_size,
-                "skipped_steps": run.skipped_before + skipped}
+                "skipped_steps": run.skipped_before + skipped, "schedule": run.schedule.state_dict()}

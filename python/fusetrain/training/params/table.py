@@ -30,7 +30,8 @@ __all__ = ["ParamSpec", "TRAINING_PARAMS", "OPTIMIZERS", "LR_MODES", "TORCH_COMP
 OPTIMIZERS: Mapping[str, Type[torch.optim.Optimizer]] = MappingProxyType(
     {"AdamW": AdamW, "Adam": Adam, "SGD": SGD, "Lion": Lion, "RMSprop": RMSprop, "Adadelta": Adadelta,
      "RAdam": RAdam})
-LR_MODES = ("constant", "step", "cosine", "onecycle", "cyclic", "linear", "poly", "exponential", "cosine_restarts")
+LR_MODES = ("constant", "step", "cosine", "onecycle", "cyclic", "linear", "poly", "exponential", "cosine_restarts",
+            "plateau")
 WARMUP_MODES = ("linear", "constant", "exponential")
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -249,7 +250,10 @@ _SPECS = [
         `initial_lr / onecycle_div_factor` to `initial_lr` over the first `onecycle_pct_start` of the steps, then
         anneals to `initial_lr / (onecycle_div_factor * onecycle_final_div_factor)` (both phases cosine, like
         `torch.optim.lr_scheduler.OneCycleLR`); `cyclic` is a triangular wave between
-        `initial_lr * cyclic_min_lr_ratio` and `initial_lr` with a period of `cyclic_period_epochs`. The decaying
+        `initial_lr * cyclic_min_lr_ratio` and `initial_lr` with a period of `cyclic_period_epochs`; `plateau`
+        multiplies it by `lr_decay_factor` after more than `plateau_patience` validations in which
+        `metric_to_watch` did not improve by more than `plateau_min_delta` (torch's `ReduceLROnPlateau`; the
+        reductions are saved in checkpoints). The decaying
         schedules span the steps from the end of warmup to the last step of `max_epochs`. From Python, a function
         of the 0-based optimizer step returning the learning rate (a float) may be given instead: it is the whole
         schedule (no warmup is added)."""),
@@ -260,7 +264,8 @@ _SPECS = [
     _p("lr_decay_factor", float_range(min=0, max=1, min_inclusive=False), 0.1, """
         For `lr_mode: step`, the factor applied at each epoch of `lr_updates`; after `k` of them the learning rate
         is `initial_lr * lr_decay_factor ** k`. For `lr_mode: exponential`, the factor per epoch: after `e`
-        epochs (fractions included) past warmup the learning rate is `initial_lr * lr_decay_factor ** e`."""),
+        epochs (fractions included) past warmup the learning rate is `initial_lr * lr_decay_factor ** e`. For
+        `lr_mode: plateau`, the factor of each reduction."""),
     _p("cosine_final_lr_ratio", float_range(min=0, max=1), 0.01, """
         For `lr_mode: cosine`, the learning rate at the last optimizer step, as a fraction of `initial_lr`; for
         `lr_mode: cosine_restarts`, the low end of each cycle."""),
@@ -272,6 +277,11 @@ _SPECS = [
         cycles)."""),
     _p("poly_power", float_range(min=0, min_inclusive=False), 0.9, """
         For `lr_mode: poly`, the exponent of `(1 - k / K)`."""),
+    _p("plateau_patience", int_range(min=0), 10, """
+        For `lr_mode: plateau`, the validations without improvement that are tolerated; the next one reduces the
+        learning rate."""),
+    _p("plateau_min_delta", float_range(min=0), 0.0, """
+        For `lr_mode: plateau`, how much `metric_to_watch` must improve (absolute) to count as an improvement."""),
     _p("linear_final_lr_ratio", float_range(min=0, max=1), 0.0, """
         For `lr_mode: linear`, the learning rate at the last optimizer step, as a fraction of `initial_lr`."""),
     _p("onecycle_pct_start", float_range(min=0, max=1, min_inclusive=False, max_inclusive=False), 0.3, """
