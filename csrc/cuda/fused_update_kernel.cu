@@ -34,9 +34,7 @@ struct StepPtrs {
 };
 
 struct KernelArgs {
-  OptimHyper hyper;
-  bool maximize;
-  float max_grad_norm;
+  OptimHyper hyper;  // with maximize and max_grad_norm
   const float* lr;
   const float* inv_scale;
   const float* found_inf;
@@ -69,7 +67,8 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
   const float lr = *a.lr;
   const float step = *meta.step[t];
   const auto co = make_coeffs<K, C>(a.hyper, lr, step);
-  const C gmul = static_cast<C>(grad_multiplier(a.inv_scale, a.grad_norm, a.max_grad_norm));
+  const C gmul =
+      static_cast<C>(grad_multiplier(a.inv_scale, a.grad_norm, static_cast<float>(a.hyper.max_grad_norm)));
   const C ema_w = a.ema_decay != nullptr ? static_cast<C>(1.f - *a.ema_decay) : C(0);
 
   P* param = static_cast<P*>(meta.addrs[0][t]) + start;
@@ -83,7 +82,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
 
   auto finish = [&](C g) {
     g *= gmul;
-    if (a.maximize) g = -g;
+    if (a.hyper.maximize) g = -g;
     return g;
   };
 
@@ -149,8 +148,6 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   KernelArgs a;
   a.hyper = h;
-  a.maximize = h.maximize;
-  a.max_grad_norm = static_cast<float>(h.max_grad_norm);
   a.lr = scalar_ptr(s.lr);
   a.inv_scale = scalar_ptr(s.inv_scale);
   a.found_inf = scalar_ptr(s.found_inf);
