@@ -7,6 +7,10 @@ run or start two at once (test_trainer_reliability.py).
   kill_jsonl    SIGKILL itself halfway through appending epoch 2's metrics line
   kill_csv      SIGKILL itself while writing metrics.csv after epoch 2
   kill_ckpt     SIGKILL itself while writing epoch 2's ckpt_latest.pth
+  kill_step:N   SIGKILL itself at the end of optimizer step N
+  kill_ckpt_step:N  SIGKILL itself while writing the mid-epoch checkpoint of step N
+PARAMS_JSON may hold ``_model``: extra keyword arguments of digits_cnn, and
+``_step_sleep``: seconds to sleep after each optimizer step (a slower run).
 """
 
 import json
@@ -42,8 +46,36 @@ class Hold(Callback):
             time.sleep(0.05)
 
 
+class Sleep(Callback):
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def on_step_end(self, state):
+        time.sleep(self.seconds)
+
+
+class KillAtStep(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, state):
+        if state.global_step == self.step:
+            die()
+
+
 def patch(mode):
-    if mode == "kill_jsonl":
+    if mode.startswith("kill_ckpt_step:"):
+        step, original_save = int(mode.split(":")[1]), torch.save
+
+        def save_or_die(obj, f, *args, **kwargs):
+            if obj.get("global_step") == step and obj.get("position") is not None:
+                f.write(b"PK\x03\x04" + b"\0" * 65536)
+                f.flush()
+                die()
+            original_save(obj, f, *args, **kwargs)
+
+        checkpoints.torch.save = save_or_die
+    elif mode == "kill_jsonl":
         original = experiment_log.ExperimentLogger.log_epoch
 
         def log_epoch(self, row):
@@ -90,9 +122,14 @@ def main():
     torch.set_num_threads(1)
     patch(mode)
     callbacks = [Hold(root, name)] if mode == "hold" else []
+    if mode.startswith("kill_step:"):
+        callbacks.append(KillAtStep(int(mode.split(":")[1])))
+    if params.get("_step_sleep"):
+        callbacks.append(Sleep(params.pop("_step_sleep")))
+    params.pop("_step_sleep", None)
     tl, vl = build_dataloaders({"name": "digits", "batch_size": 32, "image_size": 12})
     torch.manual_seed(0)
-    model = build_model("digits_cnn", num_classes=10, width=8)
+    model = build_model("digits_cnn", num_classes=10, width=8, **params.pop("_model", {}))
     result = Trainer(name, ckpt_root_dir=root).train(model, {**FAST, "callbacks": callbacks, **params}, tl, vl)
     print("RESULT", json.dumps({"epochs": result["final"]["epoch"]}), flush=True)
 

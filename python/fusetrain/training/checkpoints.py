@@ -7,12 +7,13 @@ run takes the folder."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from typing import IO, Any, Callable, Dict, List, Tuple
 
 import torch
 
-__all__ = ["atomic_save", "atomic_write", "load_checkpoint", "remove_temp_files", "TMP_PREFIX"]
+__all__ = ["atomic_copy", "atomic_save", "atomic_write", "load_checkpoint", "remove_temp_files", "TMP_PREFIX"]
 
 TMP_PREFIX = ".tmp_"
 _UMASK = os.umask(0)  # read once (os.umask can only be read by setting it) ...
@@ -39,6 +40,31 @@ def atomic_write(path: str, write: Callable[[IO], None], mode: str = "wb") -> No
 
 def atomic_save(obj: Dict[str, Any], path: str) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_copy(src: str, dst: str) -> None:
+    """Make ``dst`` a copy of the finished file ``src`` atomically: a hard link
+    where the file system has them (nothing written; later atomic writes to
+    either path replace that path only), else a copy."""
+    directory = os.path.dirname(os.path.abspath(dst))
+    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(dst)}.{os.getpid()}")
+    try:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            def copy(f: IO) -> None:
+                with open(src, "rb") as source:
+                    shutil.copyfileobj(source, f)
+
+            atomic_write(dst, copy)
+            return
+        os.replace(tmp, dst)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def remove_temp_files(directory: str) -> List[Tuple[str, int]]:

@@ -193,6 +193,17 @@ class DistContext:
             offset += n
         return [float(v) for v in flat[offset:].tolist()]
 
+    def gather_object(self, obj: Any) -> Optional[List[Any]]:
+        """Every rank's picklable ``obj``, in rank order, on rank 0 (None on the
+        other ranks); ``[obj]`` outside a distributed run."""
+        if not self.enabled:
+            return [obj]
+        import torch.distributed as dist
+
+        out: Optional[List[Any]] = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def barrier(self) -> None:
         """Wait for every rank. On gloo a monitored barrier, which names the ranks
         that did not arrive within ``dist_timeout_s``."""

@@ -1,6 +1,8 @@
 """Per-epoch logs of an experiment: metrics.csv, metrics.jsonl, TensorBoard
 event files (when tensorboard is installed) and, at the end, a PNG plot of the
 loss and metrics per epoch. Nothing is created before the first row is logged.
+Validations every N steps (``valid_every_n_steps``) append their rows to
+valid_steps.jsonl.
 
 NOTE [append-only history]: each epoch appends one line to metrics.jsonl
 (flushed and fsynced) and replaces metrics.csv atomically, so a kill at any
@@ -53,6 +55,7 @@ class ExperimentLogger:
         self.rows: List[Dict[str, Any]] = []
         self._jsonl = os.path.join(directory, "metrics.jsonl")
         self._csv = os.path.join(directory, "metrics.csv")
+        self._steps_jsonl = os.path.join(directory, "valid_steps.jsonl")
         self._tensorboard = tensorboard
         self._tb = None
 
@@ -68,9 +71,13 @@ class ExperimentLogger:
         except Exception as e:
             warnings.warn(f"TensorBoard logging disabled: {e}", stacklevel=3)
 
-    def load_existing(self, up_to_epoch: int) -> None:
+    def load_existing(self, up_to_epoch: int, up_to_step: int = 0) -> None:
         """On resume: keep the rows of epochs already done (those of later
-        epochs and a torn last line are dropped from both files)."""
+        epochs and a torn last line are dropped from both files), and the
+        step validations of the ``up_to_step`` optimizer steps done."""
+        if os.path.isfile(self._steps_jsonl):
+            kept = [r for r in read_jsonl_rows(self._steps_jsonl) if r.get("step", 0) < up_to_step]
+            atomic_write(self._steps_jsonl, lambda f: f.writelines(json.dumps(r) + "\n" for r in kept), "w")
         if not os.path.isfile(self._jsonl):
             if up_to_epoch > 0:
                 warnings.warn(f"resume: {self._jsonl} is missing; the metrics history starts at epoch "
@@ -84,6 +91,14 @@ class ExperimentLogger:
                           f"{up_to_epoch}", stacklevel=3)
         atomic_write(self._jsonl, lambda f: f.writelines(json.dumps(r) + "\n" for r in self.rows), "w")
         self._write_csv()
+
+    def log_step_validation(self, row: Dict[str, Any]) -> None:
+        """A ``valid_every_n_steps`` row (``epoch``, ``step``: the step's index, ``valid_*``), appended and synced."""
+        os.makedirs(self.directory, exist_ok=True)
+        with open(self._steps_jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def log_epoch(self, row: Dict[str, Any]) -> None:
         self.rows.append(dict(row))
@@ -171,7 +186,10 @@ class NullLogger:
     def __init__(self) -> None:
         self.rows: List[Dict[str, Any]] = []
 
-    def load_existing(self, up_to_epoch: int) -> None:
+    def load_existing(self, up_to_epoch: int, up_to_step: int = 0) -> None:
+        pass
+
+    def log_step_validation(self, row: Dict[str, Any]) -> None:
         pass
 
     def log_epoch(self, row: Dict[str, Any]) -> None:

@@ -78,6 +78,18 @@ class Metric:
         """The names ``compute`` reports; None when not known in advance."""
         return (self.name,)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The running state (CPU copies), for a mid-epoch checkpoint."""
+        return {"tensors": [t.cpu() for t in self.state_tensors()]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        mine = self.state_tensors()
+        if len(mine) != len(state["tensors"]):
+            raise ValueError(f"metric {self.name!r}: the checkpoint has {len(state['tensors'])} state tensors, this "
+                             f"metric {len(mine)}")
+        for t, v in zip(mine, state["tensors"]):
+            t.copy_(v)
+
 
 class SumMetric(Metric):
     """A ratio of two running float64 sums (``_sum / _count``)."""
@@ -182,6 +194,15 @@ class _ConfusionMatrix(Metric):
 
     def state_tensors(self) -> List[Tensor]:
         return [] if self._cm is None else [self._cm]
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"num_classes": self.num_classes, **super().state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if self._cm is None and state["num_classes"] is not None:
+            self.num_classes = state["num_classes"]
+            self.reset()
+        super().load_state_dict(state)
 
     @torch.no_grad()
     def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
@@ -305,6 +326,21 @@ class TorchMetric(Metric):
     def result_names(self) -> Optional[Tuple[str, ...]]:
         return None
 
+    def state_dict(self) -> Dict[str, Any]:
+        def cpu(v: Any) -> Any:
+            return [cpu(x) for x in v] if isinstance(v, list) else v.cpu() if isinstance(v, Tensor) else v
+
+        return {"states": {k: cpu(v) for k, v in self.metric.metric_state.items()},
+                "update_count": getattr(self.metric, "_update_count", 0)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        def dev(v: Any) -> Any:
+            return [dev(x) for x in v] if isinstance(v, list) else v.to(self.device) if isinstance(v, Tensor) else v
+
+        for k, v in state["states"].items():
+            setattr(self.metric, k, dev(v))
+        self.metric._update_count = state["update_count"]
+
 
 class DetectionMAP(TorchMetric):
     """COCO-style mean average precision of boxes, computed at the end of an
@@ -419,6 +455,16 @@ class MetricSet:
 
     def state_tensors(self) -> List[Tensor]:
         return [t for m in self.metrics for t in m.state_tensors()]
+
+    def state_dict(self) -> List[Dict[str, Any]]:
+        return [m.state_dict() for m in self.metrics]
+
+    def load_state_dict(self, states: List[Dict[str, Any]]) -> None:
+        if len(states) != len(self.metrics):
+            raise ValueError(f"{self.phase} metrics: the checkpoint has the state of {len(states)} metrics, this run "
+                             f"has {len(self.metrics)}")
+        for m, s in zip(self.metrics, states):
+            m.load_state_dict(s)
 
     def compute(self) -> Dict[str, float]:
         out: Dict[str, float] = {}

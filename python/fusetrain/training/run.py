@@ -52,6 +52,16 @@ class LossSums:
         """The sums in a fixed order (for a cross-rank reduction)."""
         return [self.loss] + [self.components[k] for k in sorted(self.components)]
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The sums as CPU tensors (for a mid-epoch checkpoint)."""
+        return {"loss": self.loss.cpu(), "components": {k: v.cpu() for k, v in self.components.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.reset()
+        self.loss.copy_(state["loss"])
+        for k, v in state["components"].items():
+            self.components.setdefault(k, torch.zeros((), dtype=torch.float64, device=self.device)).copy_(v)
+
     def means(self, samples: float) -> Dict[str, float]:
         """``{"loss": mean, "loss_<component>": mean, ...}`` (one host read)."""
         n = max(1.0, samples)
@@ -98,3 +108,6 @@ class Run:
     skipped_seen: float = 0.0  # the skipped-step count at the end of the previous epoch (host value)
     frozen_bn: List[nn.Module] = field(default_factory=list)  # kept in eval mode (freeze_bn_stats)
     step_log: Any = None  # StepLog: per-step scalars to training_params.loggers
+    triggers: Any = None  # StepTriggers: validation, checkpoints and a graceful stop inside epochs
+    resume_position: Optional[Dict[str, Any]] = None  # this rank's part of a mid-epoch checkpoint's position
+    epoch_start: Dict[str, Any] = field(default_factory=dict)  # the epoch's random states before its iterator

@@ -174,6 +174,12 @@ class StepLog:
         self._steps.clear()
         self._lrs.clear()
 
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        """Write host ``values`` at ``step`` now (after the rows collected so far)."""
+        self.flush()
+        for lg in self.loggers:
+            lg.log_scalars(step, dict(values))
+
     def close(self) -> None:
         self.flush()
         for lg in self.loggers:

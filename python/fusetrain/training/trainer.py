@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import random
+import re
 import resource
 import sys
 import time
@@ -37,7 +38,7 @@ from . import distributed as _dist
 from . import finetune, launcher, preflight, resume, step_log
 from .batches import call_model, count_samples, split_batch, to_channels_last, to_device
 from .callbacks import CallbackList, TrainerState, build_callbacks
-from .checkpoints import atomic_save, load_checkpoint
+from .checkpoints import atomic_copy, atomic_save, load_checkpoint
 from .data.sharding import set_epoch, shard_train_loader, shard_valid_loader
 from .experiment_dir import ExperimentDir
 from .experiment_log import ExperimentLogger, NullLogger
@@ -45,10 +46,12 @@ from .losses import build_loss, split_loss
 from .metrics import MetricSet
 from .params import TrainingParams, TrainingParamsError, optimizer_class, resolve_training_params
 from .params.resolve import watch_candidates
+from .position import resume_iterator, rng_state, set_rng_state
 from .registry import import_path
 from .run import LossSums, Run
 from .schedules import LRSchedule, run_epochs, run_steps
 from .step import TrainStep
+from .triggers import GracefulStop, StepTriggers, TrainingInterrupted
 
 __all__ = ["Trainer"]
 
@@ -357,6 +360,7 @@ class Trainer:
         logger = ExperimentLogger(self.experiment_dir) if ctx.is_main else NullLogger()
         start_epoch = global_step = stale_epochs = 0
         skipped_before = 0.0
+        position = None
         schedule = LRSchedule(p, steps_per_epoch)
         if resume_path is not None:
             ck = load_checkpoint(resume_path)
@@ -368,8 +372,9 @@ class Trainer:
             best = ck.get("best", best)
             stale_epochs = int(ck.get("stale_epochs", 0))
             skipped_before = float(ck.get("skipped_steps", 0.0))
-            self._set_rng(ck["rng"], train_loader)
-            logger.load_existing(start_epoch)
+            set_rng_state(ck["rng"], train_loader)
+            position = self._rank_position(ck.get("position"), ctx, resume_path)
+            logger.load_existing(start_epoch, global_step)
         if ema is not None and fused:
             ema.attach(opt)
 
@@ -400,48 +405,38 @@ class Trainer:
                    logger=logger, watch_key=watch_key, split_fn=_resolve_fn(p.split_batch),
                    model_input=_resolve_fn(p.model_input), sums=LossSums(device), start_epoch=start_epoch,
                    global_step=global_step, best=best, stale_epochs=stale_epochs, skipped_before=skipped_before,
-                   skipped_seen=skipped_before,
+                   skipped_seen=position["skipped_seen"] if position else skipped_before, resume_position=position,
+                   triggers=StepTriggers(p, ctx, device, GracefulStop()),
                    frozen_bn=finetune.frozen_bn_modules(model) if p.freeze_bn_stats else [],
                    step_log=step_log.StepLog(step_log.build_loggers(p.loggers, p.logger_params, self.experiment_dir,
                                                                     self.experiment_name) if ctx.is_main else [],
                                              p.log_interval or steps_per_epoch, device))
 
+    @staticmethod
+    def _rank_position(position: Optional[Dict[str, Any]], ctx, path: str) -> Optional[Dict[str, Any]]:
+        """This rank's part of a mid-epoch checkpoint's position (NOTE [mid-epoch resume]), or None."""
+        if position is None:
+            return None
+        ranks = position["ranks"]
+        if len(ranks) != ctx.world_size:
+            raise ValueError(f"resume: {path} was written in the middle of epoch {position['epoch'] + 1} by "
+                             f"{len(ranks)} process(es); allowed: resume it with {len(ranks)} process(es) (the "
+                             f"position in the epoch belongs to each process's shard of the data), or resume from "
+                             f"a checkpoint written at an epoch end")
+        return {**ranks[ctx.rank], **{k: v for k, v in position.items() if k != "ranks"}}
+
     # ---- the loop ------------------------------------------------------------------------
 
     def _loop(self, run: Run) -> Dict[str, Any]:
-        p, ctx, state, cbs = run.p, run.ctx, run.state, run.callbacks
+        state, cbs = run.state, run.callbacks
         # A resumed run that has nothing left to do reports the checkpoint's last epoch.
         last: Dict[str, Any] = dict(run.logger.rows[-1]) if run.logger.rows else {}
         test: Dict[str, float] = {}
         completed = False
         cbs("on_train_start", state)
         try:
-            n_epochs = run_epochs(p, run.steps_per_epoch)
-            # With max_steps the epochs go on until the step count is reached (a loader without a length may
-            # give fewer steps per epoch than counted).
-            epochs = itertools.count(run.start_epoch) if p.max_steps else range(run.start_epoch, n_epochs)
-            for epoch in epochs:
-                if self._steps_done(run):
-                    break
-                state.epoch = epoch
-                if ctx.enabled:  # per rank and epoch, so a resumed run re-derives it
-                    _dist.seed_everything(_dist.epoch_seed(p.seed, ctx.rank, epoch))
-                set_epoch(run.train_loader, epoch)
-                cbs("on_epoch_start", state)
-                row = self._train_epoch(run, epoch)
-                ctx.broadcast_buffers([run.model, run.ema.module if run.ema is not None else None])
-                if (epoch + 1) % p.run_validation_freq == 0 or epoch + 1 == n_epochs or self._steps_done(run):
-                    self._validate(run, row)
-                    run.schedule.observe(row.get(run.watch_key), p.greater_metric_to_watch_is_better)
-                row.update(_memory_mb(run.device))
-                cbs("on_epoch_end", state)
-                self._end_epoch(run, epoch, row)
-                last = row
-                stop = self._stop_message(run, epoch)
-                if stop:
-                    if ctx.is_main:
-                        print(stop, flush=True)
-                    break
+            with run.triggers.stop:  # NOTE [graceful stop]
+                last = self._epochs(run, last)
             completed = True
         finally:
             if run.ema is not None:
@@ -457,6 +452,44 @@ class Trainer:
         if completed and run.test_loaders:
             test = self._run_tests(run)
         return {"final": last, "best": run.best, "test": test, "experiment_dir": self.experiment_dir}
+
+    def _epochs(self, run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
+        """The epochs from ``run.start_epoch``; returns the last epoch's row."""
+        p, ctx, state, cbs = run.p, run.ctx, run.state, run.callbacks
+        n_epochs = run_epochs(p, run.steps_per_epoch)
+        # With max_steps the epochs go on until the step count is reached (a loader without a length may
+        # give fewer steps per epoch than counted).
+        epochs = itertools.count(run.start_epoch) if p.max_steps else range(run.start_epoch, n_epochs)
+        for epoch in epochs:
+            if self._steps_done(run):
+                break
+            state.epoch = epoch
+            if ctx.enabled:  # per rank and epoch, so a resumed run re-derives it
+                _dist.seed_everything(_dist.epoch_seed(p.seed, ctx.rank, epoch))
+            set_epoch(run.train_loader, epoch)
+            cbs("on_epoch_start", state)
+            row = self._train_epoch(run, epoch)
+            ctx.broadcast_buffers([run.model, run.ema.module if run.ema is not None else None])
+            if (epoch + 1) % p.run_validation_freq == 0 or epoch + 1 == n_epochs or self._steps_done(run):
+                self._validate(run, row)
+                run.schedule.observe(row.get(run.watch_key), p.greater_metric_to_watch_is_better)
+            row.update(_memory_mb(run.device))
+            cbs("on_epoch_end", state)
+            self._end_epoch(run, epoch, row)
+            last = row
+            if run.triggers.stop_at_epoch_end():
+                raise self._interrupted(run)
+            stop = self._stop_message(run, epoch)
+            if stop:
+                if ctx.is_main:
+                    print(stop, flush=True)
+                break
+        return last
+
+    def _interrupted(self, run: Run) -> TrainingInterrupted:
+        return TrainingInterrupted(
+            f"training stopped on {run.triggers.stop.signal} after optimizer step {run.global_step}; "
+            f"{os.path.join(self.experiment_dir, 'ckpt_latest.pth')} continues it with resume=True")
 
     @staticmethod
     def _steps_done(run: Run) -> bool:
@@ -496,9 +529,7 @@ class Trainer:
     def _train_epoch(self, run: Run, epoch: int) -> Dict[str, Any]:
         p, train_step, state, cbs, sums = run.p, run.train_step, run.state, run.callbacks, run.sums
         batch_hooks, step_hooks = cbs.has("on_train_batch_end"), cbs.has("on_step_end")
-        run.model.train()
-        for m in run.frozen_bn:  # freeze_bn_stats: pretrained running statistics stay
-            m.eval()
+        self._train_mode(run)
         run.train_metrics.reset()
         sums.reset()
         loader = run.train_loader
@@ -506,19 +537,33 @@ class Trainer:
         if p.max_train_batches:
             n_batches = min(n_batches or p.max_train_batches, p.max_train_batches)
         batches, step0 = 0, run.global_step
+        samples = first_batch = 0
+        # NOTE [mid-epoch resume]: the random states before the epoch's iterator is made go into mid-epoch
+        # checkpoints; a resume into this epoch makes the iterator from them and continues after its position.
+        at, run.resume_position = run.resume_position, None
+        if at is not None:
+            set_rng_state(at["rng_start"], loader)
+        run.epoch_start = {"rng_start": rng_state(loader), "step0": step0}
+        batch_iter = loader
+        if at is not None:
+            batch_iter = resume_iterator(loader, at["batches"], p.resume_skip)
+            batches, samples, step0 = at["batches"], at["samples"], at["step0"]
+            run.epoch_start["step0"] = step0
+            sums.load_state_dict(at["sums"])
+            run.train_metrics.load_state_dict(at["train_metrics"])
+            set_rng_state(at["rng"], loader)
         progress = _Progress(p.progress_bar and run.ctx.is_main, n_batches or 0,
                              f"epoch {epoch + 1}/{run_epochs(p, run.steps_per_epoch)}")
-        samples = first_batch = 0
         t0 = time.perf_counter()
         warmup_time = None
-        for i, batch in enumerate(loader):
+        for i, batch in enumerate(batch_iter, batches):
             if p.max_train_batches and i >= p.max_train_batches:
                 break
             batch = to_device(batch, run.device)
             x, y, extras = split_batch(batch, run.split_fn)
             batches += 1
             # Once per session, with a cross-entropy loss: one read of the targets' range.
-            first = i == 0 and epoch == run.start_epoch and preflight.class_loss(p)
+            first = warmup_time is None and epoch == run.start_epoch and preflight.class_loss(p)
             # The step (channels_last conversion, forward, loss, backward and, on
             # the last micro-batch of a group, the optimizer tail: TrainStep).
             last_micro = n_batches is not None and i + 1 == n_batches
@@ -561,12 +606,16 @@ class Trainer:
                 progress.update()
             if do_step and self._steps_done(run):  # max_steps: the run ends at this step
                 break
+            if do_step and not last_micro:
+                self._between_steps(run, epoch, i + 1, samples)
         progress.close()
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
         elapsed = time.perf_counter() - t0
         steady = time.perf_counter() - t_steady if warmup_time is not None else 0.0
         first_batch *= run.ctx.world_size
+        # first_batch also leaves out the samples trained on before a mid-epoch resume (from the throughput).
+        first_batch += run.ctx.world_size * (at["samples"] if at is not None else 0)
         samples = int(run.ctx.sum_(sums.tensors() + run.train_metrics.state_tensors(), [samples])[0])
         if samples == 0:
             raise ValueError(f"Trainer.train: the train loader yielded no batches in epoch {epoch + 1}; it must "
@@ -710,19 +759,62 @@ class Trainer:
         run.step_log.flush()
         if ctx.is_main:  # logs and checkpoints on rank 0; the others wait at the barrier
             self._print_epoch(row)
-            state = self._checkpoint(run, epoch + 1)
-            paths = [os.path.join(self.experiment_dir, "ckpt_latest.pth")]
-            if improved:
-                paths.append(os.path.join(self.experiment_dir, "ckpt_best.pth"))
-            if epoch + 1 in p.save_ckpt_epoch_list:
-                paths.append(os.path.join(self.experiment_dir, f"ckpt_epoch_{epoch + 1}.pth"))
-            for path in paths:
-                atomic_save(state, path)
-                run.callbacks("on_checkpoint_saved", run.state, path)
+            self._write_checkpoint(run, self._checkpoint(run, epoch + 1), latest=True, best=improved,
+                                   epoch_file=epoch + 1 if epoch + 1 in p.save_ckpt_epoch_list else None)
+        run.triggers.checkpoint_written()
         ctx.barrier()
 
+    # ---- between two steps of an epoch -----------------------------------------------------
+
+    def _between_steps(self, run: Run, epoch: int, batches: int, samples: int) -> None:
+        """Validation, a checkpoint and a graceful stop after an optimizer step
+        inside an epoch, when ``valid_every_n_steps``, ``ckpt_every_n_steps``,
+        ``ckpt_every_minutes`` or a signal ask for them (host tests only)."""
+        validate, checkpoint, stop = run.triggers.after_step(run.global_step)
+        run.state.global_step = run.global_step  # what the callbacks of a validation or a checkpoint read
+        improved = self._validate_at_step(run, epoch) if validate else False
+        if checkpoint or improved:
+            self._save_mid_epoch(run, epoch, batches, samples, latest=checkpoint, best=improved)
+        if stop:
+            raise self._interrupted(run)
+
+    def _validate_at_step(self, run: Run, epoch: int) -> bool:
+        """``valid_every_n_steps``: validate, report at the step; returns whether the watched metric improved."""
+        step = run.global_step - 1  # the index of the step just taken, as in the step log
+        row: Dict[str, Any] = {"epoch": epoch + 1, "step": step}
+        self._validate(run, row)
+        self._train_mode(run)
+        improved = self._update_best(run, row, epoch, step=run.global_step)
+        values = {k: v for k, v in row.items() if k.startswith("valid_")}
+        run.step_log.write(step, values)
+        if run.ctx.is_main:
+            print(f"Step: {run.global_step}, " + ", ".join(f"{k}: {v:.4f}" for k, v in values.items()), flush=True)
+            run.logger.log_step_validation(row)
+        return improved
+
+    def _save_mid_epoch(self, run: Run, epoch: int, batches: int, samples: int, latest: bool, best: bool) -> None:
+        """A checkpoint with the position in the epoch (NOTE [mid-epoch resume]); every rank sends its part."""
+        run.step_log.flush()
+        mine = {"rng_start": run.epoch_start["rng_start"], "rng": rng_state(run.train_loader),
+                "sums": run.sums.state_dict(), "train_metrics": run.train_metrics.state_dict(), "samples": samples}
+        ranks = run.ctx.gather_object(mine)
+        if run.ctx.is_main:
+            state = self._checkpoint(run, epoch)
+            state["position"] = {"epoch": epoch, "batches": batches, "step0": run.epoch_start["step0"],
+                                 "skipped_seen": run.skipped_seen, "ranks": ranks}
+            self._write_checkpoint(run, state, latest=latest, best=best)
+        if latest:
+            run.triggers.checkpoint_written()
+        run.ctx.barrier()
+
     @staticmethod
-    def _update_best(run: Run, row: Dict[str, Any], epoch: int) -> bool:
+    def _train_mode(run: Run) -> None:
+        run.model.train()
+        for m in run.frozen_bn:  # freeze_bn_stats: pretrained running statistics stay
+            m.eval()
+
+    @staticmethod
+    def _update_best(run: Run, row: Dict[str, Any], epoch: int, step: Optional[int] = None) -> bool:
         p, best, key = run.p, run.best, run.watch_key
         if key not in row:
             return False
@@ -736,6 +828,10 @@ class Trainer:
             better = v < best["value"] - min_delta
         if better:
             best.update(value=v, epoch=epoch + 1)
+            if step is not None:  # a valid_every_n_steps validation: the optimizer steps done
+                best["step"] = step
+            else:
+                best.pop("step", None)
         return better
 
     @staticmethod
@@ -751,26 +847,7 @@ class Trainer:
         parts.append(f"Throughput: {row['samples_per_s']:.1f} samples/s")
         print(", ".join(parts), flush=True)
 
-    # ---- checkpoints and RNG -------------------------------------------------------------
-
-    @staticmethod
-    def _rng_state(loader) -> Dict[str, Any]:
-        gen = getattr(loader, "generator", None)
-        return {"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "numpy": np.random.get_state(), "python": random.getstate(),
-                "loader": gen.get_state() if isinstance(gen, torch.Generator) else None}
-
-    @staticmethod
-    def _set_rng(state: Dict[str, Any], loader) -> None:
-        torch.set_rng_state(state["torch"])
-        if state.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-        np.random.set_state(state["numpy"])
-        random.setstate(state["python"])
-        gen = getattr(loader, "generator", None)
-        if state.get("loader") is not None and isinstance(gen, torch.Generator):
-            gen.set_state(state["loader"])
+    # ---- checkpoints -----------------------------------------------------------------------
 
     def _checkpoint(self, run: Run, epoch: int) -> Dict[str, Any]:
         scaler, ema = run.scaler, run.ema
@@ -779,6 +856,30 @@ class Trainer:
         return {"model": unwrap_model(run.model).state_dict(), "optimizer": run.opt.state_dict(),
                 "scaler": scaler.state_dict(), "ema": ema.state_dict() if ema is not None else None,
                 "epoch": epoch, "global_step": run.global_step, "best": dict(run.best),
-                "stale_epochs": run.stale_epochs, "rng": self._rng_state(run.train_loader),
+                "stale_epochs": run.stale_epochs, "rng": rng_state(run.train_loader),
                 "training_params": run.p.to_dict(json_safe=True), "world_size": run.ctx.world_size,
                 "skipped_steps": run.skipped_before + skipped, "schedule": run.schedule.state_dict()}
+
+    def _write_checkpoint(self, run: Run, state: Dict[str, Any], latest: bool, best: bool,
+                          epoch_file: Optional[int] = None) -> None:
+        """Write ``state`` (atomically) as ``ckpt_latest.pth`` and/or ``ckpt_best.pth``, the epoch's file of
+        ``save_ckpt_epoch_list`` and, with ``keep_last_ckpts``, ``ckpt_step_<N>.pth`` (the files after the first
+        are links to it, or copies where the file system has no links)."""
+        names = (["ckpt_latest.pth"] if latest else []) + (["ckpt_best.pth"] if best else [])
+        names += [f"ckpt_epoch_{epoch_file}.pth"] if epoch_file is not None else []
+        names += [f"ckpt_step_{run.global_step}.pth"] if latest and run.p.keep_last_ckpts else []
+        paths = [os.path.join(self.experiment_dir, n) for n in names]
+        for k, path in enumerate(paths):
+            if k == 0:
+                atomic_save(state, path)
+            else:
+                atomic_copy(paths[0], path)
+            run.callbacks("on_checkpoint_saved", run.state, path)
+        if latest and run.p.keep_last_ckpts:
+            self._prune_step_checkpoints(run.p.keep_last_ckpts)
+
+    def _prune_step_checkpoints(self, keep: int) -> None:
+        found = sorted((int(m.group(1)), n) for n in os.listdir(self.experiment_dir)
+                       if (m := re.fullmatch(r"ckpt_step_(\d+)\.pth", n)))
+        for _, name in found[:-keep]:
+            os.remove(os.path.join(self.experiment_dir, name))

@@ -466,6 +466,11 @@ _SPECS = [
         Whether a larger `metric_to_watch` is better: true for accuracies, false when watching `loss`."""),
     _p("run_validation_freq", int_range(min=1), 1, """
         Validate every `run_validation_freq` epochs; the last epoch is always validated."""),
+    _p("valid_every_n_steps", int_range(min=0), 0, """
+        Also validate every `valid_every_n_steps` optimizer steps, in the middle of epochs (0: only at epoch ends,
+        as `run_validation_freq` says). Each result is printed, written to the step `loggers` as `valid_<name>` at
+        that step and to `valid_steps.jsonl`, and updates `ckpt_best.pth` like an epoch-end validation;
+        `early_stopping` and the `plateau` schedule follow the epoch-end validations only."""),
     _p("max_train_batches", optional(int_range(min=1)), None, """
         Use at most this many batches of the training loader per epoch (None: all of them), e.g. for quick runs.
         The schedules follow the shortened epochs. Required for a train loader without a length (a DataLoader over
@@ -477,6 +482,25 @@ _SPECS = [
         Epochs (counted from 1) after which an extra checkpoint `ckpt_epoch_<N>.pth` is kept in the experiment
         directory, besides `ckpt_latest.pth` (written after every epoch) and `ckpt_best.pth` (the best
         `metric_to_watch` so far)."""),
+    _p("ckpt_every_n_steps", int_range(min=0), 0, """
+        Also write `ckpt_latest.pth` every `ckpt_every_n_steps` optimizer steps, in the middle of epochs (0: at
+        epoch ends only). A mid-epoch checkpoint records the position in the epoch (the batches already trained
+        on, the epoch's running sums and the random states), so `resume` continues from the next batch and ends
+        as the uninterrupted run would (`docs/checkpoints.md`)."""),
+    _p("ckpt_every_minutes", float_range(min=0.0), 0.0, """
+        Also write `ckpt_latest.pth` after the first optimizer step that ends `ckpt_every_minutes` minutes after
+        the last checkpoint (0: off); like `ckpt_every_n_steps`, a mid-epoch checkpoint. In a distributed run the
+        ranks agree on it once every `log_interval` steps (every epoch with `log_interval: 0`)."""),
+    _p("keep_last_ckpts", int_range(min=0), 0, """
+        Besides `ckpt_latest.pth`, keep the last `keep_last_ckpts` checkpoints as `ckpt_step_<N>.pth` (N: the
+        optimizer step at which each was written; epoch-end and mid-epoch checkpoints alike), deleting older ones
+        (0: keep none). `ckpt_best.pth` and the `save_ckpt_epoch_list` files are kept in any case."""),
+    _p("resume_skip", choice("fast", "replay"), "fast", """
+        How a resume from a mid-epoch checkpoint skips the batches already trained on. `fast`: a torch DataLoader
+        over a map-style dataset skips them in its batch sampler, without loading them (exact data order; with
+        `num_workers > 0`, random augmentations in the workers differ from those of an uninterrupted run);
+        `replay`: the batches are loaded and dropped (exact in every case, at the cost of loading them). Loaders
+        that cannot skip in their sampler replay in any case."""),
     _p("resume", boolean(), False, """
         Continue the run from a checkpoint: `resume_path` if set, else the experiment's `ckpt_latest.pth`. The
         model, optimizer (with master weights), loss scaler, EMA, schedule position, best metric and random states
