@@ -97,6 +97,9 @@ void RMSpropOptions::serialize(torch::serialize::OutputArchive& archive) const {
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(centered);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(tf_style);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr_in_momentum);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(decoupled_weight_decay);
 }
 void RMSpropOptions::serialize(torch::serialize::InputArchive& archive) {
   FT_COMMON_DESERIALIZE();
@@ -104,6 +107,9 @@ void RMSpropOptions::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, momentum);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, centered);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, tf_style);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, lr_in_momentum);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, decoupled_weight_decay);
 }
 AdadeltaOptions::AdadeltaOptions(double lr) : lr_(lr) {}
 void AdadeltaOptions::serialize(torch::serialize::OutputArchive& archive) const {
@@ -202,6 +208,8 @@ RMSprop::RMSprop(const std::vector<torch::optim::OptimizerParamGroup>& groups, R
   check_nonneg(n, "momentum", d.momentum());
   check_nonneg(n, "weight_decay", d.weight_decay());
   check_nonneg(n, "max_grad_norm", d.max_grad_norm());
+  TORCH_CHECK_VALUE(d.tf_style() || (!d.lr_in_momentum() && !d.decoupled_weight_decay()), n,
+                    ": lr_in_momentum and decoupled_weight_decay need tf_style(true) (timm's RMSpropTF form)");
 }
 Adadelta::Adadelta(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdadeltaOptions d)
     : FusedOptimizer(groups, std::make_unique<AdadeltaOptions>(d)) {
@@ -279,11 +287,13 @@ void Lion::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::
 
 void RMSprop::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
   const auto& o = static_cast<const RMSpropOptions&>(oo);
-  h.insert(h.end(), {o.alpha(), o.eps(), o.weight_decay(), o.momentum(), o.centered() ? 1.0 : 0.0});
+  h.insert(h.end(), {o.alpha(), o.eps(), o.weight_decay(), o.momentum(), o.centered() ? 1.0 : 0.0,
+                     o.tf_style() ? 1.0 : 0.0, o.lr_in_momentum() ? 1.0 : 0.0,
+                     o.decoupled_weight_decay() ? 1.0 : 0.0});
 }
 void RMSprop::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& oo) const {
   const auto& o = static_cast<const RMSpropOptions&>(oo);
-  if (!s.square_avg().defined()) s.square_avg(state_zeros_like(p));
+  if (!s.square_avg().defined()) s.square_avg(o.tf_style() ? state_zeros_like(p).fill_(1.0) : state_zeros_like(p));
   if (o.momentum() > 0 && !s.momentum_buffer().defined()) s.momentum_buffer(state_zeros_like(p));
   if (o.centered() && !s.grad_avg().defined()) s.grad_avg(state_zeros_like(p));
 }

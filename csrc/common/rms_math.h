@@ -10,6 +10,12 @@ namespace detail {
 struct RMSpropHyper {
   double alpha, eps, weight_decay, momentum;
   bool centered;
+  // NOTE [rmsprop tf]: timm's RMSpropTF (TensorFlow's form): eps inside the
+  // square root, the averages updated as a + (x - a) * (1 - alpha), optional
+  // decoupled decay p *= 1 - lr * wd, and with lr_in_momentum the lr goes into
+  // the momentum buffer (buf = m * buf + lr * g / avg; p -= buf). Its
+  // square_avg starts at 1 (the front ends create it so).
+  bool tf_style = false, lr_in_momentum = false, decoupled = false;
 };
 struct AdadeltaHyper {
   double rho, eps, weight_decay;
@@ -17,8 +23,8 @@ struct AdadeltaHyper {
 
 template <typename T>
 struct RMSpropCoeffs {
-  T alpha, one_minus_alpha, eps, weight_decay, momentum, neg_lr;
-  bool centered, has_momentum;
+  T alpha, one_minus_alpha, eps, weight_decay, momentum, neg_lr, decay_mul;
+  bool centered, has_momentum, tf_style, lr_in_momentum, decoupled;
 };
 template <typename T>
 struct AdadeltaCoeffs {
@@ -34,8 +40,12 @@ FT_HD RMSpropCoeffs<T> make_rmsprop_coeffs(const RMSpropHyper& h, float lr, floa
   c.weight_decay = static_cast<T>(h.weight_decay);
   c.momentum = static_cast<T>(h.momentum);
   c.neg_lr = -static_cast<T>(lr);
+  c.decay_mul = static_cast<T>(1.0 - static_cast<double>(lr) * h.weight_decay);
   c.centered = h.centered;
   c.has_momentum = h.momentum > 0.0;
+  c.tf_style = h.tf_style;
+  c.lr_in_momentum = h.lr_in_momentum;
+  c.decoupled = h.decoupled;
   return c;
 }
 
@@ -53,8 +63,38 @@ FT_HD AdadeltaCoeffs<T> make_adadelta_coeffs(const AdadeltaHyper& h, float lr, f
 // RMSprop: sq = alpha*sq + (1-alpha)*g^2; centered: ga = lerp(ga, g, 1-alpha)
 // and the denominator is sqrt(sq - ga^2) + eps; with momentum the step goes
 // through buf = momentum*buf + g/denom. `buf` / `grad_avg` are null when unused.
+// NOTE [rmsprop tf]: the TensorFlow form, in timm's RMSpropTF's order.
+template <typename V, typename T>
+FT_HD void rmsprop_tf_update(V& p, V g, V& sq, V* buf, V* grad_avg, const RMSpropCoeffs<T>& c) {
+  if (c.weight_decay != T(0)) {
+    if (c.decoupled) {
+      p = p * V(c.decay_mul);
+    } else {
+      g = g + V(c.weight_decay) * p;
+    }
+  }
+  sq = sq + (g * g - sq) * V(c.one_minus_alpha);
+  V avg;
+  if (c.centered) {
+    *grad_avg = *grad_avg + (g - *grad_avg) * V(c.one_minus_alpha);
+    avg = vsqrt(sq - *grad_avg * *grad_avg + V(c.eps));
+  } else {
+    avg = vsqrt(sq + V(c.eps));
+  }
+  if (c.has_momentum && c.lr_in_momentum) {
+    *buf = *buf * V(c.momentum) + V(-c.neg_lr) * (g / avg);
+    p = p - *buf;
+  } else if (c.has_momentum) {
+    *buf = *buf * V(c.momentum) + g / avg;
+    p = p + V(c.neg_lr) * *buf;
+  } else {
+    p = p + V(c.neg_lr) * (g / avg);
+  }
+}
+
 template <typename V, typename T>
 FT_HD void rmsprop_update(V& p, V g, V& sq, V* buf, V* grad_avg, const RMSpropCoeffs<T>& c) {
+  if (c.tf_style) return rmsprop_tf_update(p, g, sq, buf, grad_avg, c);
   if (c.weight_decay != T(0)) g = g + V(c.weight_decay) * p;
   sq = sq * V(c.alpha) + V(c.one_minus_alpha) * g * g;
   V avg;

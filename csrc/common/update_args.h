@@ -100,7 +100,7 @@ void fused_rmsprop_impl(UpdateKernel kernel, at::TensorList params, at::TensorLi
                         at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double alpha,
                         double eps, double weight_decay, double momentum, bool centered, bool maximize,
                         const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
-                        const OptT& ema_decay);
+                        const OptT& ema_decay, bool tf_style, bool lr_in_momentum, bool decoupled_weight_decay);
 void fused_adadelta_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
                          at::TensorList acc_deltas, at::TensorList state_steps, at::TensorList master_params,
                          at::TensorList ema_params, const at::Tensor& lr, double rho, double eps, double weight_decay,

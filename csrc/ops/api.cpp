@@ -56,11 +56,11 @@ void fused_rmsprop_(at::TensorList params, at::TensorList grads, at::TensorList 
                     at::TensorList momentum_buffers, at::TensorList grad_avgs, at::TensorList state_steps,
                     at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double alpha,
                     double eps, double weight_decay, double momentum, bool centered, bool maximize,
-                    const FusedTail& tail) {
+                    const FusedTail& tail, const RMSpropTFForm& tf) {
   static auto op = op_handle<&detail::fused_rmsprop_impl>("fusetrain::fused_rmsprop_");
   op.call(params, grads, square_avgs, momentum_buffers, grad_avgs, state_steps, master_params, ema_params, lr, alpha,
           eps, weight_decay, momentum, centered, maximize, tail.inv_scale, tail.found_inf, tail.grad_norm,
-          tail.max_grad_norm, tail.ema_decay);
+          tail.max_grad_norm, tail.ema_decay, tf.enabled, tf.lr_in_momentum, tf.decoupled_weight_decay);
 }
 
 void fused_adadelta_(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,

@@ -31,7 +31,7 @@ namespace {
 //   adam:   beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, bias_correction
 //   sgd:    momentum, dampening, weight_decay, nesterov
 //   lion:   beta1, beta2, weight_decay
-//   rmsprop: alpha, eps, weight_decay, momentum, centered
+//   rmsprop: alpha, eps, weight_decay, momentum, centered, tf_style, lr_in_momentum, decoupled_weight_decay
 //   adadelta: rho, eps, weight_decay
 //   radam:  beta1, beta2, eps, weight_decay, decoupled_weight_decay
 // The state lists hold entries only for the groups that use them (adam's state3
@@ -51,7 +51,7 @@ KindInfo kind_info(const std::string& name) {
   if (name == "adam") return {Kind::Adam, kCommon + 7};
   if (name == "sgd") return {Kind::SGD, kCommon + 4};
   if (name == "lion") return {Kind::Lion, kCommon + 3};
-  if (name == "rmsprop") return {Kind::RMSprop, kCommon + 5};
+  if (name == "rmsprop") return {Kind::RMSprop, kCommon + 8};
   if (name == "adadelta") return {Kind::Adadelta, kCommon + 3};
   if (name == "radam") return {Kind::RAdam, kCommon + 5};
   TORCH_CHECK_VALUE(false, "fused_step_: optimizer must be one of 'adam', 'sgd', 'lion', 'rmsprop', 'adadelta', "
@@ -98,7 +98,7 @@ void call_update(Kind kind, const Lists& l, const at::Tensor& lr, const double* 
       break;
     case Kind::RMSprop:
       fused_rmsprop_(l.params, l.grads, l.s[0], l.s[1], l.s[2], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2],
-                     k[3], k[4] != 0.0, maximize, tail);
+                     k[3], k[4] != 0.0, maximize, tail, RMSpropTFForm{k[5] != 0.0, k[6] != 0.0, k[7] != 0.0});
       break;
     case Kind::Adadelta:
       fused_adadelta_(l.params, l.grads, l.s[0], l.s[1], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], maximize,

@@ -95,12 +95,15 @@ def fused_lion_(params, grads, exp_avgs, state_steps, master_params, ema_params,
 
 def fused_rmsprop_(params, grads, square_avgs, momentum_buffers, grad_avgs, state_steps, master_params, ema_params,
                    *, lr, alpha, eps, weight_decay, momentum, centered, maximize, inv_scale=None, found_inf=None,
-                   grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
-    """In-place RMSprop step over lists of tensors (see ``fusetrain::fused_rmsprop_``)."""
+                   grad_norm=None, max_grad_norm=0.0, ema_decay=None, tf_style=False, lr_in_momentum=False,
+                   decoupled_weight_decay=False) -> None:
+    """In-place RMSprop step over lists of tensors (see ``fusetrain::fused_rmsprop_``; ``tf_style``: timm's
+    RMSpropTF form)."""
     _ops.fused_rmsprop_(params, grads, square_avgs, momentum_buffers, grad_avgs, state_steps, master_params,
                         ema_params, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
                         centered=centered, maximize=maximize, inv_scale=inv_scale, found_inf=found_inf,
-                        grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
+                        grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay, tf_style=tf_style,
+                        lr_in_momentum=lr_in_momentum, decoupled_weight_decay=decoupled_weight_decay)
 
 
 def fused_adadelta_(params, grads, square_avgs, acc_deltas, state_steps, master_params, ema_params, *, lr, rho, eps,

@@ -83,6 +83,11 @@ std::unique_ptr<fusetrain::FusedOptimizer> make_optimizer(const Case& c, std::ve
     return make<fusetrain::RMSprop>(c, params, fusetrain::RMSpropOptions(lr).alpha(0.9).weight_decay(0.01)
                                                    .momentum(0.5).centered(true).max_grad_norm(clip)
                                                    .master_weights(master));
+  if (name == "rmsprop_tf")
+    return make<fusetrain::RMSprop>(c, params, fusetrain::RMSpropOptions(lr).alpha(0.9).eps(1e-3).weight_decay(0.01)
+                                                   .momentum(0.9).tf_style(true).lr_in_momentum(true)
+                                                   .decoupled_weight_decay(true).max_grad_norm(clip)
+                                                   .master_weights(master));
   if (name == "adadelta")
     return make<fusetrain::Adadelta>(c, params, fusetrain::AdadeltaOptions(lr).rho(0.8).weight_decay(0.01)
                                                     .max_grad_norm(clip).master_weights(master));

@@ -103,6 +103,72 @@ TEST(CppApiOptim, RMSpropMatchesTorch) {
   }
 }
 
+// timm's RMSpropTF (NOTE [rmsprop tf] in csrc/common/rms_math.h) in plain ops, one tensor at a time.
+struct RMSpropTFReference {
+  std::vector<torch::Tensor>& params;
+  double lr, alpha, eps, wd, momentum;
+  bool centered, lr_in_momentum, decoupled;
+  std::vector<torch::Tensor> sq, buf, ga;
+  void step() {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto& p = params[i];
+      if (sq.size() <= i) {
+        sq.push_back(torch::ones_like(p));
+        buf.push_back(torch::zeros_like(p));
+        ga.push_back(torch::zeros_like(p));
+      }
+      auto g = p.grad();
+      if (wd != 0) {
+        if (decoupled) {
+          p.mul_(1.0 - lr * wd);
+        } else {
+          g = g.add(p, wd);
+        }
+      }
+      sq[i].add_(g.pow(2) - sq[i], 1.0 - alpha);
+      torch::Tensor avg;
+      if (centered) {
+        ga[i].add_(g - ga[i], 1.0 - alpha);
+        avg = sq[i].addcmul(ga[i], ga[i], -1).add(eps).sqrt_();
+      } else {
+        avg = sq[i].add(eps).sqrt_();
+      }
+      if (momentum > 0 && lr_in_momentum) {
+        buf[i].mul_(momentum).addcdiv_(g, avg, lr);
+        p.sub_(buf[i]);
+      } else if (momentum > 0) {
+        buf[i].mul_(momentum).addcdiv_(g, avg);
+        p.add_(buf[i], -lr);
+      } else {
+        p.addcdiv_(g, avg, -lr);
+      }
+    }
+  }
+};
+
+TEST(CppApiOptim, RMSpropTFStyleMatchesAReference) {
+  struct Case {
+    double momentum, wd;
+    bool centered, lr_in_momentum, decoupled;
+  };
+  for (auto c : {Case{0, 0, false, true, false}, Case{0.9, 0.01, false, true, false},
+                 Case{0.9, 0.05, true, false, true}, Case{0.5, 0.1, true, true, true}}) {
+    auto init = make_params(6);
+    auto a = clone_params(init), b = clone_params(init);
+    const double lr = 1.0 / 256;
+    fusetrain::RMSprop ours(a, fusetrain::RMSpropOptions(lr).alpha(0.9).eps(1e-3).momentum(c.momentum)
+                                   .weight_decay(c.wd).centered(c.centered).tf_style(true)
+                                   .lr_in_momentum(c.lr_in_momentum).decoupled_weight_decay(c.decoupled));
+    RMSpropTFReference ref{b, lr, 0.9, 1e-3, c.wd, c.momentum, c.centered, c.lr_in_momentum, c.decoupled};
+    compare(ours, ref, a, b);
+    const auto& st = static_cast<const fusetrain::FusedParamState&>(*ours.state().at(a[0].unsafeGetTensorImpl()));
+    EXPECT_TRUE(torch::allclose(st.square_avg(), ref.sq[0]));
+  }
+  auto p = make_params(7);
+  EXPECT_THROW(fusetrain::RMSprop(p, fusetrain::RMSpropOptions(0.1).lr_in_momentum(true)), c10::ValueError);
+}
+
 TEST(CppApiOptim, Float64ParamsKeepFloat64StateAndMatchTorch) {
   // NOTE [float64 params]: updated in double precision, state in float64, no
   // master copy even with master_weights. lr = 2^-7 is exact in the float32

@@ -50,8 +50,8 @@ EXPECTED_DEFAULTS = {
 }
 
 BOOL = "a bool (true or false)"
-OPTIMIZER_ALLOWED = ("one of 'AdamW', 'Adam', 'SGD', 'Lion', 'RMSprop', 'Adadelta', 'RAdam' (case-insensitive) "
-                     "or a torch.optim.Optimizer subclass (the class, not an instance)")
+OPTIMIZER_ALLOWED = ("one of 'AdamW', 'Adam', 'SGD', 'Lion', 'RMSprop', 'Adadelta', 'RAdam', 'RMSpropTF' "
+                     "(case-insensitive) or a torch.optim.Optimizer subclass (the class, not an instance)")
 LOSS_ALLOWED = ("a loss name (a torch.nn loss class name such as 'CrossEntropyLoss', one of 'cross_entropy', 'mse', "
                 "'l1', 'smooth_l1', 'bce_with_logits', 'nll', a name registered with fusetrain.register_loss, a class "
                 "path, or 'model') or a callable (outputs, targets) -> loss (an nn.Module instance or a function)")

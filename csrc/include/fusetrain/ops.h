@@ -48,13 +48,22 @@ void fused_lion_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double beta1,
                  double beta2, double weight_decay, bool maximize, const FusedTail& tail = {});
 
-// RMSprop (torch.optim.RMSprop); momentum_buffers used when momentum > 0,
-// grad_avgs when centered.
+// The TensorFlow form of RMSprop (timm's RMSpropTF): eps inside the square
+// root, decoupled decay and the lr in the momentum buffer as options.
+struct RMSpropTFForm {
+  bool enabled = false;
+  bool lr_in_momentum = false;
+  bool decoupled_weight_decay = false;
+};
+
+// RMSprop (torch.optim.RMSprop, or timm's RMSpropTF with tf.enabled: its
+// square_avgs start at 1); momentum_buffers used when momentum > 0, grad_avgs
+// when centered.
 void fused_rmsprop_(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
                     at::TensorList momentum_buffers, at::TensorList grad_avgs, at::TensorList state_steps,
                     at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double alpha,
                     double eps, double weight_decay, double momentum, bool centered, bool maximize,
-                    const FusedTail& tail = {});
+                    const FusedTail& tail = {}, const RMSpropTFForm& tf = {});
 
 // Adadelta (torch.optim.Adadelta).
 void fused_adadelta_(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,

@@ -139,6 +139,12 @@ struct RMSpropOptions : public torch::optim::OptimizerCloneableOptions<RMSpropOp
   TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(double, momentum) = 0.0;
   TORCH_ARG(bool, centered) = false;
+  // timm's RMSpropTF (TensorFlow's form, NOTE [rmsprop tf] in csrc/common/rms_math.h): square_avg starts at 1;
+  // lr_in_momentum and decoupled_weight_decay need it. Its usual settings: alpha 0.9, eps 1e-10 (or 1e-3),
+  // lr_in_momentum true.
+  TORCH_ARG(bool, tf_style) = false;
+  TORCH_ARG(bool, lr_in_momentum) = false;
+  TORCH_ARG(bool, decoupled_weight_decay) = false;
   TORCH_ARG(bool, maximize) = false;
   TORCH_ARG(double, max_grad_norm) = 0.0;
   TORCH_ARG(bool, master_weights) = false;

@@ -5,7 +5,7 @@ from ._base import FusedOptimizer
 from .adam import Adam, AdamW
 from .lion import Lion
 from .radam import RAdam
-from .rmsprop import Adadelta, RMSprop
+from .rmsprop import Adadelta, RMSprop, RMSpropTF
 from .sgd import SGD
 
-__all__ = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adadelta", "RAdam", "FusedOptimizer"]
+__all__ = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adadelta", "RAdam", "RMSpropTF", "FusedOptimizer"]

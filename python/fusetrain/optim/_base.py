@@ -256,6 +256,10 @@ class FusedOptimizer(Optimizer):
     def _new_step_value(self, state: Dict[str, Any]) -> float:
         return 0.0
 
+    def _initial_state_value(self, name: str) -> float:
+        """The value a new state tensor ``name`` starts at (0 unless the optimizer says otherwise)."""
+        return 0.0
+
     def _state_ready(self, group, p: Tensor) -> bool:
         """Whether ``p`` has every state tensor a step needs, on its device."""
         state = self.state.get(p)
@@ -278,7 +282,8 @@ class FusedOptimizer(Optimizer):
             state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
         for name in self._state_names(group):
             if name is not None and name not in state:
-                state[name] = torch.zeros_like(p, dtype=_state_dtype(p), memory_format=torch.preserve_format)
+                state[name] = torch.full_like(p, self._initial_state_value(name), dtype=_state_dtype(p),
+                                              memory_format=torch.preserve_format)
         if group["master_weights"] and p.dtype in _LOW and "master_param" not in state:
             state["master_param"] = p.detach().to(dtype=torch.float32, memory_format=torch.preserve_format)
 

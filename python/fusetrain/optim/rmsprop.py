@@ -1,4 +1,4 @@
-"""Fused RMSprop and Adadelta (the squared-average optimizers)."""
+"""Fused RMSprop, RMSpropTF and Adadelta (the squared-average optimizers)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,41 @@ class RMSprop(FusedOptimizer):
 
     def _kind_fields(self, group):
         return [float(group["alpha"]), float(group["eps"]), float(group["weight_decay"]), float(group["momentum"]),
-                1.0 if group["centered"] else 0.0]
+                1.0 if group["centered"] else 0.0, 0.0, 0.0, 0.0]
+
+
+class RMSpropTF(RMSprop):
+    """RMSprop in TensorFlow's form, with the arguments, defaults, semantics
+    and state (``step``, ``square_avg`` starting at 1, ``momentum_buffer``
+    with momentum > 0, ``grad_avg`` when centered) of timm's ``RMSpropTF``:
+    eps inside the square root; ``decoupled_decay`` multiplies the weights by
+    ``1 - lr * weight_decay`` instead of adding L2 decay to the gradient;
+    ``lr_in_momentum`` puts the lr into the momentum buffer (so an lr change
+    acts gradually, as in TensorFlow). One fused pass per group, with
+    ``max_grad_norm``, ``master_weights`` and an attached EMA as in
+    :class:`fusetrain.optim.Adam`."""
+
+    _opt_name = "RMSpropTF"
+
+    def __init__(self, params, lr=1e-2, alpha=0.9, eps=1e-10, weight_decay=0.0, momentum=0.0, centered=False,
+                 decoupled_decay: bool = False, lr_in_momentum: bool = True, *, maximize: bool = False,
+                 max_grad_norm: Optional[float] = None, master_weights: bool = False):
+        for name, value in (("lr", lr), ("alpha", alpha), ("eps", eps), ("weight_decay", weight_decay),
+                            ("momentum", momentum)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0.0:
+                raise ValueError(f"RMSpropTF: invalid {name} value: {value!r}; allowed: a number >= 0")
+        defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                        centered=bool(centered), decoupled_decay=bool(decoupled_decay),
+                        lr_in_momentum=bool(lr_in_momentum), maximize=bool(maximize))
+        super(RMSprop, self).__init__(params, defaults, max_grad_norm, master_weights)
+
+    def _initial_state_value(self, name):
+        return 1.0 if name == "square_avg" else 0.0
+
+    def _kind_fields(self, group):
+        return [float(group["alpha"]), float(group["eps"]), float(group["weight_decay"]), float(group["momentum"]),
+                1.0 if group["centered"] else 0.0, 1.0, 1.0 if group["lr_in_momentum"] else 0.0,
+                1.0 if group["decoupled_decay"] else 0.0]
 
 
 class Adadelta(FusedOptimizer):

@@ -1,0 +1,228 @@
+"""RMSpropTF (the TensorFlow form of RMSprop, with the semantics of timm's
+RMSpropTF) against a plain PyTorch reference written from those semantics,
+and against timm's own class when timm is installed: many steps on random
+problems in float32 (tight) and float64 (to rounding), bf16 params with
+master weights, state dicts, an LR scheduler with clipping and a skipped
+non-finite step, argument checks, opcheck, and the Trainer's name."""
+
+import copy
+
+import pytest
+import torch
+
+import fusetrain  # noqa: F401  (registers the ops)
+from fusetrain.optim import RMSpropTF
+
+from _test_helpers import DEVICES
+
+LR = 2.0**-8  # exact in the float32 device lr
+CONFIGS = [
+    {}, dict(momentum=0.9), dict(momentum=0.9, lr_in_momentum=False), dict(centered=True),
+    dict(centered=True, momentum=0.5, weight_decay=0.01, alpha=0.8), dict(weight_decay=0.1, decoupled_decay=True),
+    dict(momentum=0.9, weight_decay=0.05, decoupled_decay=True, eps=1e-3), dict(maximize=True, momentum=0.9),
+]
+IDS = [str(kw) for kw in CONFIGS]
+
+
+class Reference(torch.optim.Optimizer):
+    """timm's RMSpropTF semantics in plain PyTorch ops, one tensor at a time."""
+
+    def __init__(self, params, lr=1e-2, alpha=0.9, eps=1e-10, weight_decay=0.0, momentum=0.0, centered=False,
+                 decoupled_decay=False, lr_in_momentum=True, maximize=False):
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                                      centered=centered, decoupled_decay=decoupled_decay,
+                                      lr_in_momentum=lr_in_momentum, maximize=maximize))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, alpha, wd, mom = group["lr"], group["alpha"], group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = -p.grad if group["maximize"] else p.grad
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["square_avg"] = torch.ones_like(p)
+                    if mom > 0:
+                        st["momentum_buffer"] = torch.zeros_like(p)
+                    if group["centered"]:
+                        st["grad_avg"] = torch.zeros_like(p)
+                st["step"] += 1
+                if wd != 0:
+                    if group["decoupled_decay"]:
+                        p.mul_(1.0 - lr * wd)
+                    else:
+                        g = g.add(p, alpha=wd)
+                sq = st["square_avg"]
+                sq.add_(g.pow(2) - sq, alpha=1.0 - alpha)
+                if group["centered"]:
+                    ga = st["grad_avg"]
+                    ga.add_(g - ga, alpha=1.0 - alpha)
+                    avg = sq.addcmul(ga, ga, value=-1).add(group["eps"]).sqrt_()
+                else:
+                    avg = sq.add(group["eps"]).sqrt_()
+                if mom > 0:
+                    buf = st["momentum_buffer"]
+                    if group["lr_in_momentum"]:
+                        buf.mul_(mom).addcdiv_(g, avg, value=lr)
+                        p.add_(-buf)
+                    else:
+                        buf.mul_(mom).addcdiv_(g, avg)
+                        p.add_(buf, alpha=-lr)
+                else:
+                    p.addcdiv_(g, avg, value=-lr)
+
+
+def shapes():
+    return [(5, 3), (7,), (1,), (130, 9)]
+
+
+def twins(dtype=torch.float32, device="cpu"):
+    torch.manual_seed(3)
+    base = [torch.randn(s, dtype=dtype) for s in shapes()]
+    return ([b.clone().requires_grad_() for b in base], [b.clone().to(device).requires_grad_() for b in base])
+
+
+def run(pairs, n, start=0):
+    for i in range(n):
+        g = torch.Generator().manual_seed(700 + start + i)
+        grads = None
+        for opt, params in pairs:
+            if grads is None:
+                grads = [torch.randn(p.shape, dtype=torch.float64, generator=g) for p in params]
+            for p, gr in zip(params, grads):
+                p.grad = gr.to(p.dtype).to(p.device)
+            opt.step()
+
+
+def assert_close_all(ours, ref, a, b, **tol):
+    for p, q in zip(a, b):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), **tol)
+        for k, v in ref.state[p].items():
+            torch.testing.assert_close(ours.state[q][k].cpu().to(v.dtype), v, **tol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", CONFIGS, ids=IDS)
+def test_float32_matches_the_reference_over_many_steps(kw, device):
+    a, b = twins(device=device)
+    ref, ours = Reference(a, lr=LR, **kw), RMSpropTF(b, lr=LR, **kw)
+    run([(ref, a), (ours, b)], 30)
+    assert_close_all(ours, ref, a, b, rtol=2e-5, atol=2e-6)
+    assert set(ours.state[b[0]]) == set(ref.state[a[0]])
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=IDS)
+def test_float64_matches_the_reference_to_rounding(kw):
+    a, b = twins(torch.float64)
+    ref, ours = Reference(a, lr=LR, **kw), RMSpropTF(b, lr=LR, **kw)
+    run([(ref, a), (ours, b)], 25)
+    assert_close_all(ours, ref, a, b, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("kw", [CONFIGS[4], CONFIGS[6]], ids=[IDS[4], IDS[6]])
+def test_matches_timms_class(kw):
+    timm_optim = pytest.importorskip("timm.optim")
+    a, b = twins()
+    theirs, ours = timm_optim.RMSpropTF(a, lr=LR, **kw), RMSpropTF(b, lr=LR, **kw)
+    run([(theirs, a), (ours, b)], 20)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(q, p, rtol=2e-5, atol=2e-6)
+
+
+def test_bf16_params_with_master_weights_follow_float32():
+    kw = CONFIGS[4]
+    base = [torch.randn(s) for s in shapes()]
+    ref_p = [b.to(torch.bfloat16).float().requires_grad_() for b in base]
+    ours_p = [b.to(torch.bfloat16).requires_grad_() for b in base]
+    ref, ours = Reference(ref_p, lr=LR, **kw), RMSpropTF(ours_p, lr=LR, master_weights=True, **kw)
+    for i in range(12):
+        g = torch.Generator().manual_seed(900 + i)
+        for p, q in zip(ref_p, ours_p):
+            gr = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            p.grad, q.grad = gr.float(), gr
+        ref.step()
+        ours.step()
+    for p, q in zip(ref_p, ours_p):
+        torch.testing.assert_close(ours.state[q]["master_param"], p.detach(), rtol=2e-5, atol=2e-6)
+        assert torch.equal(q, ours.state[q]["master_param"].to(torch.bfloat16))
+
+
+def test_state_dict_round_trip_continues_alike():
+    kw = CONFIGS[4]
+    a, b = twins()
+    ref, ours = Reference(a, lr=LR, **kw), RMSpropTF(b, lr=LR, **kw)
+    run([(ref, a), (ours, b)], 4)
+    sd = ours.state_dict()
+    assert set(sd["state"][0]) == {"step", "square_avg", "momentum_buffer", "grad_avg"}
+    assert {"alpha", "eps", "decoupled_decay", "lr_in_momentum", "centered"} <= sd["param_groups"][0].keys()
+    b2 = [q.detach().clone().requires_grad_() for q in b]
+    ours2 = RMSpropTF(b2, lr=LR, **kw)
+    ours2.load_state_dict(copy.deepcopy(sd))
+    run([(ref, a), (ours2, b2)], 6, start=40)
+    assert_close_all(ours2, ref, a, b2, rtol=2e-5, atol=2e-6)
+
+
+def test_lr_scheduler_clipping_and_a_skipped_step():
+    kw = CONFIGS[6]
+    a, b = twins()
+    ref, ours = Reference(a, lr=LR, **kw), RMSpropTF(b, lr=LR, max_grad_norm=0.5, **kw)
+    sched = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ref, ours)]
+    for i in range(6):
+        g = torch.Generator().manual_seed(70 + i)
+        grads = [torch.randn(p.shape, generator=g) * 4 for p in a]
+        for p, q, gr in zip(a, b, grads):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        if i == 3:  # ours skips the whole step on the device; the reference is not stepped
+            b[1].grad[0] = float("nan")
+            before = [q.detach().clone() for q in b], {k: v.clone() for k, v in ours.state[b[0]].items()}
+            ours.step()
+            assert ours.last_found_inf.item() == 1.0
+            assert all(torch.equal(q, c) for q, c in zip(b, before[0]))
+            assert all(torch.equal(ours.state[b[0]][k], v) for k, v in before[1].items())
+        else:
+            torch.nn.utils.clip_grad_norm_(a, 0.5)
+            ref.step()
+            ours.step()
+        for s in sched:
+            s.step()
+    assert_close_all(ours, ref, a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(lr=-1.0), "lr"), (dict(alpha=-0.5), "alpha"), (dict(eps=-1.0), "eps"),
+                                      (dict(momentum=-0.1), "momentum"), (dict(weight_decay=-1.0), "weight_decay")])
+def test_argument_checks_name_the_argument(kw, match):
+    with pytest.raises(ValueError, match=f"RMSpropTF: invalid {match} value"):
+        RMSpropTF([torch.zeros(2, requires_grad=True)], **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_tf_style(device):
+    def lists():
+        return [torch.randn(s, device=device).abs() + 0.1 for s in ((3, 4), (5,))]
+
+    params, grads, s1, s2, s3 = lists(), lists(), lists(), lists(), lists()
+    steps = [torch.zeros((), device=device) for _ in params]
+    torch.library.opcheck(torch.ops.fusetrain.fused_rmsprop_.default, (params, grads, s1, s2, s3, steps, [], []),
+                          dict(lr=torch.tensor(0.01, device=device), alpha=0.9, eps=1e-10, weight_decay=0.01,
+                               momentum=0.9, centered=True, maximize=False, tf_style=True, lr_in_momentum=True,
+                               decoupled_weight_decay=True, max_grad_norm=1.0,
+                               grad_norm=torch.tensor(2.0, device=device)))
+
+
+def test_the_tf_flags_need_tf_style():
+    p, g, sq = [torch.randn(3)], [torch.randn(3)], [torch.ones(3)]
+    with pytest.raises(RuntimeError, match="need tf_style=True"):
+        torch.ops.fusetrain.fused_rmsprop_(p, g, sq, [], [], [torch.zeros(())], [], [], lr=torch.tensor(0.1),
+                                           alpha=0.9, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
+                                           maximize=False, lr_in_momentum=True)
+
+
+def test_selectable_by_name_in_training_params():
+    from fusetrain.training import resolve_training_params
+    from fusetrain.training.params import optimizer_class
+
+    p = resolve_training_params({"optimizer": "rmsproptf", "optimizer_params": {"momentum": 0.9, "eps": 1e-3}})
+    assert optimizer_class(p.optimizer) is RMSpropTF
