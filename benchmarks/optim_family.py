@@ -2,11 +2,13 @@
 counterpart?
 
 For every optimizer of the family (Adam, AdamW, SGD with momentum, RMSprop
-centered with momentum, Adadelta, RAdam, RMSpropTF with momentum) on one
-parameter layout (ResNet-50's 161 tensors by default): fusetrain's plain step
-against torch.optim's fastest implementation on the device (``fused=True``
-where torch has it, else ``foreach=True``; for RMSpropTF timm's class, which
-has one implementation, a loop over the tensors), and fusetrain's full tail (clip + step + EMA in one call)
+centered with momentum, Adadelta, RAdam, RMSpropTF with momentum, Muon) on
+one parameter layout (ResNet-50's 161 tensors by default): fusetrain's plain
+step against torch.optim's fastest implementation on the device
+(``fused=True`` where torch has it, else ``foreach=True``; for RMSpropTF
+timm's class, which has one implementation, a loop over the tensors; for
+Muon ``torch.optim.Muon`` on the matrices and filters, each as its 2-D view,
+plus ``torch.optim.AdamW(foreach=True)`` on the rest), and fusetrain's full tail (clip + step + EMA in one call)
 against torch's sequence (``clip_grad_norm_(foreach=True)``, the step,
 ``_foreach_lerp_`` for the EMA). Variants are interleaved: each repeat runs
 every variant's ``--steps`` steps in a rotated order. Ratio = torch / fusetrain
@@ -39,6 +41,25 @@ def _timm_rmsprop_tf():
     return RMSpropTF
 
 
+class _TorchMuonAdamW:
+    """torch.optim.Muon on the params of 2+ dims (a filter through a 2-D leaf
+    view of its storage: torch's Muon takes matrices only) and
+    torch.optim.AdamW(foreach=True) on the others, as fusetrain's Muon splits them."""
+
+    def __init__(self, params, lr, **_):
+        mats = [p for p in params if p.dim() >= 2]
+        self.views = [(p, p.detach().view(p.shape[0], -1).requires_grad_()) for p in mats]
+        self.muon = torch.optim.Muon([v for _, v in self.views], lr=lr)
+        rest = [p for p in params if p.dim() < 2]
+        self.adamw = torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+
+    def step(self):
+        for p, v in self.views:
+            v.grad = p.grad.view(v.shape)
+        self.muon.step()
+        self.adamw.step()
+
+
 # name -> (fusetrain class, reference class (or a function returning it), kwargs, whether the reference has
 # fused=True; None: it has neither fused nor foreach)
 FAMILY = {
@@ -49,7 +70,9 @@ FAMILY = {
     "Adadelta": (fo.Adadelta, torch.optim.Adadelta, {}, False),
     "RAdam": (fo.RAdam, torch.optim.RAdam, {}, False),
     "RMSpropTF": (fo.RMSpropTF, _timm_rmsprop_tf, {"momentum": 0.9}, None),
+    "Muon": (fo.Muon, lambda: _TorchMuonAdamW, {}, None),
 }
+REFERENCE_NAMES = {"RMSpropTF": "timm", "Muon": "Muon+AdamW"}  # references with neither fused nor foreach
 
 
 def make_variants(name: str, base_p, base_g, device) -> Dict[str, Callable[[], None]]:
@@ -84,7 +107,7 @@ def make_variants(name: str, base_p, base_g, device) -> Dict[str, Callable[[], N
         torch._foreach_lerp_(ema_t, src, 1.0 - EMA_DECAY)
 
     return {"fusetrain": ours.step, "torch": theirs.step, "fusetrain_full": ours_full.step,
-            "torch_full": torch_full, "impl": next(iter(impl), "timm")}
+            "torch_full": torch_full, "impl": next(iter(impl), REFERENCE_NAMES.get(name))}
 
 
 def run_one(name: str, shapes, device, args, timer: Timer) -> Dict:

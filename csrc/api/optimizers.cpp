@@ -135,6 +135,31 @@ void RAdamOptions::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, decoupled_weight_decay);
 }
+MuonOptions::MuonOptions(double lr) : lr_(lr) {}
+void MuonOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  FT_COMMON_SERIALIZE();
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(nesterov);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(ns_coefficients);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(ns_steps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(adjust_lr_fn);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(use_muon);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(adamw_betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(adamw_eps);
+}
+void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
+  FT_COMMON_DESERIALIZE();
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, momentum);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, nesterov);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(coefficients_t, ns_coefficients);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, ns_steps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(std::string, adjust_lr_fn);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, use_muon);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, adamw_betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, adamw_eps);
+}
 
 // ---- concrete optimizers -------------------------------------------------------
 #define FT_SERIALIZE_METHODS(Name, Kind)                                              \
@@ -162,6 +187,7 @@ FT_SERIALIZE_METHODS(Lion, "lion")
 FT_SERIALIZE_METHODS(RMSprop, "rmsprop")
 FT_SERIALIZE_METHODS(Adadelta, "adadelta")
 FT_SERIALIZE_METHODS(RAdam, "radam")
+FT_SERIALIZE_METHODS(Muon, "muon")
 
 template <typename O>
 static void check_adam_like(const char* name, const O& d) {
@@ -327,5 +353,55 @@ void RAdam::init_state(FusedParamState& s, const at::Tensor& p, const torch::opt
 void RAdam::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions&) const {
   l.state1.push_back(s.exp_avg());
   l.state2.push_back(s.exp_avg_sq());
+}
+
+Muon::Muon(const std::vector<torch::optim::OptimizerParamGroup>& groups, MuonOptions d)
+    : FusedOptimizer(groups, std::make_unique<MuonOptions>(d)) {
+  const char* n = "fusetrain::Muon";
+  check_nonneg(n, "learning rate", d.lr());
+  check_nonneg(n, "weight_decay", d.weight_decay());
+  check_range(n, "momentum", d.momentum(), 0.0, 1.0, true);
+  check_nonneg(n, "epsilon", d.eps());
+  check_nonneg(n, "adamw_eps", d.adamw_eps());
+  check_betas(n, d.adamw_betas());
+  check_nonneg(n, "max_grad_norm", d.max_grad_norm());
+  TORCH_CHECK_VALUE(d.ns_steps() >= 0 && d.ns_steps() < 100, n, ": ns_steps must be in [0, 100), got ",
+                    d.ns_steps());
+  TORCH_CHECK_VALUE(d.adjust_lr_fn() == "original" || d.adjust_lr_fn() == "match_rms_adamw", n,
+                    ": adjust_lr_fn must be 'original' or 'match_rms_adamw', got '", d.adjust_lr_fn(), "'");
+  for (size_t g = 0; g < param_groups().size(); ++g) {
+    const auto& o = static_cast<const MuonOptions&>(param_groups()[g].options());
+    TORCH_CHECK_VALUE(!o.maximize(), n, ": maximize is not supported");
+    if (!o.use_muon()) continue;
+    for (const auto& p : param_groups()[g].params())
+      TORCH_CHECK_VALUE(p.dim() >= 2, n, ": group ", g, " (use_muon) has a param of shape ", p.sizes(),
+                        "; Muon updates matrices and convolution filters: put params of fewer than 2 dims in a "
+                        "group with MuonOptions().use_muon(false) (AdamW)");
+  }
+}
+// NOTE [muon groups] in csrc/ops/fused_step.cpp.
+void Muon::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
+  const auto& o = static_cast<const MuonOptions&>(oo);
+  const auto& c = o.ns_coefficients();
+  h.insert(h.end(), {o.use_muon() ? 1.0 : 0.0, o.momentum(), o.nesterov() ? 1.0 : 0.0, o.weight_decay(),
+                     std::get<0>(c), std::get<1>(c), std::get<2>(c), o.eps(), static_cast<double>(o.ns_steps()),
+                     o.adjust_lr_fn() == "match_rms_adamw" ? 1.0 : 0.0, std::get<0>(o.adamw_betas()),
+                     std::get<1>(o.adamw_betas()), o.adamw_eps()});
+}
+void Muon::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& oo) const {
+  if (static_cast<const MuonOptions&>(oo).use_muon()) {
+    if (!s.momentum_buffer().defined()) s.momentum_buffer(state_zeros_like(p));
+  } else {
+    if (!s.exp_avg().defined()) s.exp_avg(state_zeros_like(p));
+    if (!s.exp_avg_sq().defined()) s.exp_avg_sq(state_zeros_like(p));
+  }
+}
+void Muon::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& oo) const {
+  if (static_cast<const MuonOptions&>(oo).use_muon()) {
+    l.state1.push_back(s.momentum_buffer());
+  } else {
+    l.state1.push_back(s.exp_avg());
+    l.state2.push_back(s.exp_avg_sq());
+  }
 }
 }  // namespace fusetrain

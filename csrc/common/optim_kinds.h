@@ -21,6 +21,7 @@ FT_HD auto make_coeffs(const OptimHyper& h, float lr, float step) {
   if constexpr (K == OptimKind::RMSprop) return make_rmsprop_coeffs<T>(h.rmsprop, lr, step);
   if constexpr (K == OptimKind::Adadelta) return make_adadelta_coeffs<T>(h.adadelta, lr, step);
   if constexpr (K == OptimKind::RAdam) return make_radam_coeffs<T>(h.radam, lr, step);
+  if constexpr (K == OptimKind::Muon) return make_muon_coeffs<T>(h.muon, lr, step);
 }
 
 template <OptimKind K, typename V, typename Co>
@@ -31,6 +32,7 @@ FT_HD void apply_update(V& p, V g, V* r1, V* r2, V* r3, const Co& c) {
   if constexpr (K == OptimKind::RMSprop) rmsprop_update(p, g, *r1, r2, r3, c);
   if constexpr (K == OptimKind::Adadelta) adadelta_update(p, g, *r1, *r2, c);
   if constexpr (K == OptimKind::RAdam) radam_update(p, g, *r1, *r2, c);
+  if constexpr (K == OptimKind::Muon) muon_apply_update(p, g, c);
 }
 
 // Calls f(std::integral_constant<OptimKind, k>{}) for the run-time kind k.
@@ -44,6 +46,7 @@ void dispatch_kind(OptimKind kind, F&& f) {
     case K::RMSprop: return f(std::integral_constant<K, K::RMSprop>{});
     case K::Adadelta: return f(std::integral_constant<K, K::Adadelta>{});
     case K::RAdam: return f(std::integral_constant<K, K::RAdam>{});
+    case K::Muon: return f(std::integral_constant<K, K::Muon>{});
   }
   TORCH_INTERNAL_ASSERT(false, "unknown optimizer kind ", static_cast<int>(kind));
 }

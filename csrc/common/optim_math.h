@@ -133,6 +133,22 @@ FT_HD void sgd_update(V& p, V g, V* buf, const SGDCoeffs<T>& c) {
   p = p + V(c.neg_lr) * g;
 }
 
+// Muon's apply pass: g is the orthogonalised momentum (NOTE [muon apply] in
+// csrc/ops/fused_muon.cpp); decoupled weight decay with the group's lr, then
+// the step with the shape-adjusted lr, in torch.optim.Muon's order.
+template <typename T>
+struct MuonCoeffs {
+  T decay_mul;  // 1 - lr * weight_decay
+  T neg_lr;     // -lr * lr_ratio
+  bool has_decay;
+};
+
+template <typename V, typename T>
+FT_HD void muon_apply_update(V& p, V g, const MuonCoeffs<T>& c) {
+  if (c.has_decay) p = p * V(c.decay_mul);
+  p = p + V(c.neg_lr) * g;
+}
+
 template <typename V, typename T>
 FT_HD void lion_update(V& p, V g, V& m, const LionCoeffs<T>& c) {
   V u = m * V(c.beta1) + g * V(c.one_minus_beta1);
@@ -158,6 +174,10 @@ struct LionHyper {
 struct RAdamHyper {
   double beta1, beta2, eps, weight_decay;
   bool decoupled;
+};
+struct MuonHyper {
+  double weight_decay;
+  double lr_ratio;  // the shape adjustment of the lr (adjust_lr_fn), per launch
 };
 
 template <typename T>
@@ -227,6 +247,16 @@ FT_HD RAdamCoeffs<T> make_radam_coeffs(const RAdamHyper& h, float lr, float step
                                               ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)))
                       : T(1);
   c.decoupled = h.decoupled;
+  return c;
+}
+
+template <typename T>
+FT_HD MuonCoeffs<T> make_muon_coeffs(const MuonHyper& h, float lr, float /*step*/) {
+  MuonCoeffs<T> c;
+  const double lr_d = static_cast<double>(lr);
+  c.decay_mul = static_cast<T>(1.0 - lr_d * h.weight_decay);
+  c.neg_lr = static_cast<T>(-(lr_d * h.lr_ratio));
+  c.has_decay = h.weight_decay != 0.0;
   return c;
 }
 

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <c10/util/string_view.h>
 
 #include <optional>
 #include <tuple>
@@ -15,7 +16,7 @@
 namespace fusetrain {
 namespace detail {
 
-enum class OptimKind : int { Adam = 0, SGD = 1, Lion = 2, RMSprop = 3, Adadelta = 4, RAdam = 5 };
+enum class OptimKind : int { Adam = 0, SGD = 1, Lion = 2, RMSprop = 3, Adadelta = 4, RAdam = 5, Muon = 6 };
 
 struct OptimHyper {
   OptimKind kind = OptimKind::Adam;
@@ -25,6 +26,7 @@ struct OptimHyper {
   RMSpropHyper rmsprop{};
   AdadeltaHyper adadelta{};
   RAdamHyper radam{};
+  MuonHyper muon{};
   bool maximize = false;
   double max_grad_norm = 0.0;  // <= 0: no clipping
 };
@@ -38,6 +40,7 @@ struct OptimHyper {
 //   RMSprop: state1 = square_avg, state2 = momentum_buffer, state3 = grad_avg
 //   Adadelta: state1 = square_avg, state2 = acc_delta
 //   RAdam: state1 = exp_avg, state2 = exp_avg_sq
+//   Muon (apply pass, NOTE [muon apply] in csrc/ops/fused_muon.cpp): no state; grads = the orthogonalised update
 struct UpdateLists {
   std::vector<at::Tensor> params, grads, state1, state2, state3, master, ema, steps;
   // Argument names of state1..3, for error messages.
@@ -111,6 +114,13 @@ void fused_radam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList
                       at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
                       double weight_decay, bool decoupled_weight_decay, bool maximize, const OptT& inv_scale,
                       const OptT& found_inf, const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay);
+void fused_muon_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads,
+                     at::TensorList momentum_buffers, at::TensorList state_steps, at::TensorList master_params,
+                     at::TensorList ema_params,
+                     const at::Tensor& lr, double momentum, bool nesterov, double weight_decay,
+                     at::ArrayRef<double> ns_coefficients, double eps, int64_t ns_steps,
+                     c10::string_view adjust_lr_fn, const OptT& inv_scale, const OptT& found_inf,
+                     const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay);
 std::tuple<at::Tensor, at::Tensor> grad_stats_impl(GradStatsKernel kernel, at::TensorList grads,
                                                    const OptT& inv_scale);
 void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList src, const at::Tensor& decay,

@@ -197,4 +197,5 @@ TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
   m.impl("fused_rmsprop_", bind_kernel<&fused_rmsprop_impl, &fused_update_cuda>());
   m.impl("fused_adadelta_", bind_kernel<&fused_adadelta_impl, &fused_update_cuda>());
   m.impl("fused_radam_", bind_kernel<&fused_radam_impl, &fused_update_cuda>());
+  m.impl("fused_muon_", bind_kernel<&fused_muon_impl, &fused_update_cuda>());
 }

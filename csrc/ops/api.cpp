@@ -83,6 +83,17 @@ void fused_radam_(at::TensorList params, at::TensorList grads, at::TensorList ex
           tail.max_grad_norm, tail.ema_decay);
 }
 
+void fused_muon_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                 at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
+                 const at::Tensor& lr, double momentum, bool nesterov, double weight_decay,
+                 at::ArrayRef<double> ns_coefficients, double eps, int64_t ns_steps, c10::string_view adjust_lr_fn,
+                 const FusedTail& tail) {
+  static auto op = op_handle<&detail::fused_muon_impl>("fusetrain::fused_muon_");
+  op.call(params, grads, momentum_buffers, state_steps, master_params, ema_params, lr, momentum, nesterov,
+          weight_decay, ns_coefficients, eps, ns_steps, adjust_lr_fn, tail.inv_scale, tail.found_inf, tail.grad_norm,
+          tail.max_grad_norm, tail.ema_decay);
+}
+
 void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay,
                  const std::optional<at::Tensor>& found_inf) {
   static auto op = op_handle<&detail::ema_update_impl>("fusetrain::ema_update_");

@@ -34,13 +34,21 @@ namespace {
 //   rmsprop: alpha, eps, weight_decay, momentum, centered, tf_style, lr_in_momentum, decoupled_weight_decay
 //   adadelta: rho, eps, weight_decay
 //   radam:  beta1, beta2, eps, weight_decay, decoupled_weight_decay
+//   muon:   use_muon, momentum, nesterov, weight_decay, ns_a, ns_b, ns_c, ns_eps, ns_steps, match_rms_adamw,
+//           beta1, beta2, eps (NOTE [muon groups])
 // The state lists hold entries only for the groups that use them (adam's state3
 // = max_exp_avg_sq for amsgrad groups, sgd's state1 = momentum_buffer for groups
 // with momentum != 0; rmsprop's state2 = momentum_buffer for momentum > 0 and
 // state3 = grad_avg for centered groups); master_params one per float16/bfloat16 param of a
 // master_weights group; ema_params one per param of a has_ema group.
+//
+// NOTE [muon groups]: a Muon optimizer holds two kinds of groups: use_muon
+// groups (matrices and convolution filters: fused_muon_, state1 =
+// momentum_buffer) and the others (AdamW with the group's lr and
+// weight_decay, beta1, beta2 and eps: state1 = exp_avg, state2 = exp_avg_sq).
+// Both take the one global norm and non-finite flag of the stats pass.
 constexpr int kCommon = 4;
-enum class Kind { Adam, SGD, Lion, RMSprop, Adadelta, RAdam };
+enum class Kind { Adam, SGD, Lion, RMSprop, Adadelta, RAdam, Muon };
 
 struct KindInfo {
   Kind kind;
@@ -54,8 +62,9 @@ KindInfo kind_info(const std::string& name) {
   if (name == "rmsprop") return {Kind::RMSprop, kCommon + 8};
   if (name == "adadelta") return {Kind::Adadelta, kCommon + 3};
   if (name == "radam") return {Kind::RAdam, kCommon + 5};
+  if (name == "muon") return {Kind::Muon, kCommon + 13};
   TORCH_CHECK_VALUE(false, "fused_step_: optimizer must be one of 'adam', 'sgd', 'lion', 'rmsprop', 'adadelta', "
-                    "'radam', got '", name, "'");
+                    "'radam', 'muon', got '", name, "'");
 }
 
 // Whether a group of this kind keeps state list k (0..2).
@@ -72,6 +81,8 @@ bool uses_state(Kind kind, const double* f, int k) {
     case Kind::Adadelta:
     case Kind::RAdam:
       return k < 2;
+    case Kind::Muon:
+      return f[kCommon] != 0.0 ? k == 0 : k < 2;
   }
   return false;
 }
@@ -107,6 +118,16 @@ void call_update(Kind kind, const Lists& l, const at::Tensor& lr, const double* 
     case Kind::RAdam:
       fused_radam_(l.params, l.grads, l.s[0], l.s[1], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3],
                    k[4] != 0.0, maximize, tail);
+      break;
+    case Kind::Muon:  // NOTE [muon groups]
+      if (k[0] != 0.0) {
+        fused_muon_(l.params, l.grads, l.s[0], l.steps, l.masters, l.emas, lr, k[1], k[2] != 0.0, k[3],
+                    {k[4], k[5], k[6]}, k[7], static_cast<int64_t>(k[8]), k[9] != 0.0 ? "match_rms_adamw" : "original",
+                    tail);
+      } else {
+        fused_adam_(l.params, l.grads, l.s[0], l.s[1], {}, l.steps, l.masters, l.emas, lr, k[10], k[11], k[3],
+                    k[12], /*amsgrad=*/false, maximize, /*decoupled_weight_decay=*/true, tail);
+      }
       break;
   }
 }

@@ -50,7 +50,7 @@ def _update_fake(*args, **kwargs):
 
 
 for _name in ("fused_adam_", "fused_sgd_", "fused_lion_", "fused_rmsprop_", "fused_adadelta_", "fused_radam_",
-              "ema_update_", "update_scale_", "fused_step_", "ema_decay_", "ema_step_"):
+              "fused_muon_", "ema_update_", "update_scale_", "fused_step_", "ema_decay_", "ema_step_"):
     torch.library.register_fake(f"fusetrain::{_name}")(_update_fake)
 
 
@@ -125,11 +125,22 @@ def fused_radam_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_param
                       found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
 
 
+def fused_muon_(params, grads, momentum_buffers, state_steps, master_params, ema_params, *, lr, momentum, nesterov,
+                weight_decay, ns_coefficients, eps, ns_steps, adjust_lr_fn="original", inv_scale=None,
+                found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
+    """In-place Muon step over lists of matrices and convolution filters (see ``fusetrain::fused_muon_``)."""
+    _ops.fused_muon_(params, grads, momentum_buffers, state_steps, master_params, ema_params, lr=lr,
+                     momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                     ns_coefficients=list(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                     inv_scale=inv_scale, found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm,
+                     ema_decay=ema_decay)
+
+
 def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
                 group_sizes, lrs, hyper, *, inv_scale=None, found_inf=None, ema_decay=None, grad_norm_out=None,
                 found_inf_out=None) -> None:
     """The whole optimizer tail for every group of one optimizer ("adam",
-    "sgd", "lion", "rmsprop", "adadelta" or "radam"): the stats pass when a group clips or the gradients are
+    "sgd", "lion", "rmsprop", "adadelta", "radam" or "muon"): the stats pass when a group clips or the gradients are
     loss-scaled without a flag, then one update pass per group. Lists are
     flattened over groups; ``group_sizes``, ``lrs`` and ``hyper`` describe the
     groups (NOTE [group records] in csrc/ops/fused_step.cpp). ``grad_norm_out``

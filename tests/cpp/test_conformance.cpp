@@ -88,6 +88,16 @@ std::unique_ptr<fusetrain::FusedOptimizer> make_optimizer(const Case& c, std::ve
                                                    .momentum(0.9).tf_style(true).lr_in_momentum(true)
                                                    .decoupled_weight_decay(true).max_grad_norm(clip)
                                                    .master_weights(master));
+  if (name == "muon") {  // the matrices in a Muon group, the vector in an AdamW group (as Python's Muon splits)
+    const auto o = fusetrain::MuonOptions(lr).weight_decay(0.05).adjust_lr_fn("match_rms_adamw").max_grad_norm(clip)
+                       .master_weights(master);
+    std::vector<torch::Tensor> mats, rest;
+    for (const auto& p : params) (p.dim() >= 2 ? mats : rest).push_back(p);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(mats, std::make_unique<fusetrain::MuonOptions>(o));
+    groups.emplace_back(rest, std::make_unique<fusetrain::MuonOptions>(fusetrain::MuonOptions(o).use_muon(false)));
+    return std::make_unique<fusetrain::Muon>(groups, o);
+  }
   if (name == "adadelta")
     return make<fusetrain::Adadelta>(c, params, fusetrain::AdadeltaOptions(lr).rho(0.8).weight_decay(0.01)
                                                     .max_grad_norm(clip).master_weights(master));

@@ -169,6 +169,30 @@ TEST(CppApiOptim, RMSpropTFStyleMatchesAReference) {
   EXPECT_THROW(fusetrain::RMSprop(p, fusetrain::RMSpropOptions(0.1).lr_in_momentum(true)), c10::ValueError);
 }
 
+TEST(CppApiOptim, MuonGroupsAndChecks) {
+  auto p = make_params(8);  // {7}, {33, 5}, {1}, {1031}
+  // A vector in a use_muon group is refused with the way out in the message.
+  EXPECT_THROW(fusetrain::Muon(p, fusetrain::MuonOptions(0.02)), c10::ValueError);
+  EXPECT_THROW(fusetrain::Muon({p[1]}, fusetrain::MuonOptions(0.02).adjust_lr_fn("rms")), c10::ValueError);
+  EXPECT_THROW(fusetrain::Muon({p[1]}, fusetrain::MuonOptions(0.02).momentum(1.0)), c10::Error);
+  auto a = clone_params(p);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{a[1]}, std::make_unique<fusetrain::MuonOptions>(0.02));
+  groups.emplace_back(std::vector<torch::Tensor>{a[0], a[2], a[3]},
+                      std::make_unique<fusetrain::MuonOptions>(fusetrain::MuonOptions(0.02).use_muon(false)));
+  fusetrain::Muon opt(groups, fusetrain::MuonOptions(0.02));
+  auto before = a[1].detach().clone();
+  for (auto& t : a) t.mutable_grad() = torch::randn_like(t);
+  opt.step();
+  const auto& mat = static_cast<const fusetrain::FusedParamState&>(*opt.state().at(a[1].unsafeGetTensorImpl()));
+  const auto& vec = static_cast<const fusetrain::FusedParamState&>(*opt.state().at(a[0].unsafeGetTensorImpl()));
+  EXPECT_TRUE(mat.momentum_buffer().defined() && !mat.exp_avg().defined());
+  EXPECT_TRUE(vec.exp_avg().defined() && vec.exp_avg_sq().defined() && !vec.momentum_buffer().defined());
+  // The first step from a zero buffer: the update is lr * sqrt(max(1, 33/5)) * NS(0.05 * g) after the decay.
+  EXPECT_FALSE(torch::equal(before, a[1]));
+  EXPECT_TRUE(torch::allclose(mat.momentum_buffer(), 0.05 * a[1].grad(), 1e-6, 1e-7));
+}
+
 TEST(CppApiOptim, Float64ParamsKeepFloat64StateAndMatchTorch) {
   // NOTE [float64 params]: updated in double precision, state in float64, no
   // master copy even with master_weights. lr = 2^-7 is exact in the float32

@@ -26,3 +26,24 @@ def outcome(fn):
     except Exception as e:  # noqa: BLE001 - the comparison is the point
         return type(e), str(e)
     return None
+
+
+def bf16_master_twins(base):
+    """float32 reference params holding the bf16 values of ``base``, and bf16 params for master weights."""
+    return ([b.to(torch.bfloat16).float().requires_grad_() for b in base],
+            [b.to(torch.bfloat16).requires_grad_() for b in base])
+
+
+def check_bf16_master_follows_float32(ref_opt, ours_opt, ref_params, ours_params, steps, **tol):
+    """Steps a float32 reference and a master-weights optimizer of bf16 params on the same bf16 gradients;
+    the masters must follow the reference and the params be the masters rounded."""
+    for i in range(steps):
+        g = torch.Generator().manual_seed(900 + i)
+        for p, q in zip(ref_params, ours_params):
+            gr = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            p.grad, q.grad = gr.float(), gr
+        ref_opt.step()
+        ours_opt.step()
+    for p, q in zip(ref_params, ours_params):
+        torch.testing.assert_close(ours_opt.state[q]["master_param"], p.detach(), **tol)
+        assert torch.equal(q, ours_opt.state[q]["master_param"].to(torch.bfloat16))

@@ -14,7 +14,7 @@ from torch import nn
 
 import fusetrain
 from _test_helpers import REPO
-from fusetrain.optim import SGD, Adadelta, Adam, AdamW, Lion, RAdam, RMSprop, RMSpropTF
+from fusetrain.optim import SGD, Adadelta, Adam, AdamW, Lion, Muon, RAdam, RMSprop, RMSpropTF
 
 SHAPES = [(7,), (13, 5), (3, 4, 2)]
 DEFAULTS = {"optimizer": "adamw", "dtype": "fp32", "master": "0", "clip": "0", "amsgrad": "0", "bias_correction": "1",
@@ -68,6 +68,9 @@ def make_optimizer(c, params):
     if c["optimizer"] == "rmsprop_tf":
         return RMSpropTF(params, alpha=0.9, eps=1e-3, weight_decay=0.01, momentum=0.9, decoupled_decay=True,
                          **common)
+    if c["optimizer"] == "muon":  # one group given: Muon splits it into the matrices' group and the vector's
+        assert c["groups"] == "1", "the muon cases take groups=1"
+        return Muon(params, weight_decay=0.05, adjust_lr_fn="match_rms_adamw", **common)
     if c["optimizer"] == "adadelta":
         return Adadelta(params, rho=0.8, weight_decay=0.01, **common)
     if c["optimizer"] == "radam":

@@ -12,7 +12,7 @@ import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain import _ops
 from fusetrain.optim import Adadelta, RAdam, RMSprop
 
-from _test_helpers import DEVICES, outcome
+from _test_helpers import DEVICES, bf16_master_twins, check_bf16_master_follows_float32, outcome
 
 SEED = 31
 OURS = {"RMSprop": RMSprop, "Adadelta": Adadelta, "RAdam": RAdam}
@@ -82,20 +82,10 @@ def test_float64_matches_torch_to_rounding(name, kw):
 @pytest.mark.parametrize("name,kw", [CONFIGS[3], CONFIGS[6], CONFIGS[10]], ids=[IDS[3], IDS[6], IDS[10]])
 def test_bf16_params_with_master_weights_follow_float32_torch(name, kw):
     base = [torch.randn(s) for s in shapes()]
-    ref = [b.to(torch.bfloat16).float().requires_grad_() for b in base]
-    ours_p = [b.to(torch.bfloat16).requires_grad_() for b in base]
+    ref, ours_p = bf16_master_twins(base)
     theirs = TORCH[name](ref, lr=LR[name], foreach=False, **kw)
     ours = OURS[name](ours_p, lr=LR[name], master_weights=True, **kw)
-    for i in range(12):
-        g = torch.Generator().manual_seed(900 + i)
-        for p, q in zip(ref, ours_p):
-            gr = torch.randn(p.shape, generator=g).to(torch.bfloat16)
-            p.grad, q.grad = gr.float(), gr
-        theirs.step()
-        ours.step()
-    for p, q in zip(ref, ours_p):
-        torch.testing.assert_close(ours.state[q]["master_param"], p.detach(), rtol=2e-5, atol=2e-6)
-        assert torch.equal(q, ours.state[q]["master_param"].to(torch.bfloat16))
+    check_bf16_master_follows_float32(theirs, ours, ref, ours_p, 12, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("name,kw", CONFIGS, ids=IDS)

@@ -16,7 +16,8 @@ import fusetrain.train_from_recipe as tfr  # noqa: E402
 from fusetrain.training.data import validate_dataset_params  # noqa: E402
 from fusetrain.models import MODEL_NAMES, build_model, check_arch_params  # noqa: E402
 
-SHIPPED = ["cifar_resnet", "default", "digits_detection", "digits_segmentation", "seed_mnist_amp", "seed_mnist_fp32"]
+SHIPPED = ["cifar_resnet", "default", "digits_detection", "digits_muon", "digits_segmentation", "seed_mnist_amp",
+           "seed_mnist_fp32"]
 # Values a recipe leaves missing (???) on purpose.
 REQUIRED_OVERRIDES = {"cifar_resnet": ["dataset_params.root=/data/cifar10"]}
 INPUT_SHAPES = {"digits": (2, 1, 28, 28), "mnist": (2, 1, 28, 28), "image_folder": (2, 3, 32, 32),
@@ -50,8 +51,8 @@ def test_recipes_are_package_data():
     d = tfr.recipes_dir()
     assert d == os.path.join(os.path.dirname(os.path.abspath(fusetrain.__file__)), "recipes")
     assert tfr.list_recipes() == SHIPPED
-    for group, options in {"training_params": {"digits", "seed_mnist", "cifar_resnet", "digits_detection",
-                                               "digits_segmentation"},
+    for group, options in {"training_params": {"digits", "digits_muon", "seed_mnist", "cifar_resnet",
+                                               "digits_detection", "digits_segmentation"},
                            "dataset_params": {"digits", "mnist", "image_folder", "digits_detection",
                                               "digits_segmentation", "coco_detection", "mask_folders"},
                            "arch_params": {"digits_cnn", "seed_mnist", "cifar_resnet", "yolo_csp_digits",
@@ -174,7 +175,7 @@ def test_cli_broken_override_exits_2(tmp_path, override, needs_params, expected)
     (["--config-name=seed_mnist_fp32", "dataset_params.root=MISSING_DIR"],
      ["MNIST directory not found", "MISSING_DIR"]),
     (["--config-name=nope"], ["Cannot find primary config 'nope'",
-                              "recipes there: cifar_resnet, default, digits_detection, digits_segmentation, seed_mnist_amp, seed_mnist_fp32"]),
+                              "recipes there: " + ", ".join(SHIPPED)]),
     (["+batch=3"], ["unknown top-level key(s) 'batch'"]),
     (["+dataset_params.bs=3"], ["dataset_params: unknown key 'bs' for dataset 'digits'"]),
     (["arch_params.name=vgg"],
@@ -228,6 +229,22 @@ def test_cli_trains_default_recipe(tmp_path):
     assert (ckpt / "digits_cnn").is_dir() and os.listdir(ckpt / "digits_cnn")
     assert os.listdir(cwd) == []  # Hydra's compose API writes nothing in the working directory
     assert "recipe 'default': experiment 'digits_cnn', model digits_cnn" in proc.stdout
+
+
+def test_muon_recipe_is_the_default_with_muon_and_trains(tmp_path):
+    default = OmegaConf.to_container(tfr.compose_recipe("default"))
+    muon = OmegaConf.to_container(tfr.compose_recipe("digits_muon"))
+    assert muon["training_params"].pop("optimizer") == "Muon" and default["training_params"].pop("optimizer") == "AdamW"
+    assert muon["training_params"].pop("optimizer_params") == {"weight_decay": 0.01, "adjust_lr_fn": "match_rms_adamw"}
+    assert (muon["training_params"].pop("initial_lr"), default["training_params"].pop("initial_lr")) == (5e-3, 3e-3)
+    default["training_params"].pop("optimizer_params")
+    assert muon.pop("experiment_name") == "digits_cnn_muon" and default.pop("experiment_name") == "digits_cnn"
+    assert muon == default
+    # Two epochs through the Trainer: the loss falls well below ln(10).
+    recipe = tfr.load_recipe("digits_muon", ["training_params.max_epochs=2", "training_params.progress_bar=false",
+                                             f"ckpt_root_dir={tmp_path}"])
+    result = tfr.run_recipe(recipe)
+    assert result["final"]["epoch"] == 2 and result["final"]["train_loss"] < 2.0
 
 
 @pytest.mark.parametrize("name, watched", [("digits_detection", "map_50"), ("digits_segmentation", "mean_iou")])

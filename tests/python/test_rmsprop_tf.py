@@ -13,7 +13,7 @@ import torch
 import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain.optim import RMSpropTF
 
-from _test_helpers import DEVICES
+from _test_helpers import DEVICES, bf16_master_twins, check_bf16_master_follows_float32
 
 LR = 2.0**-8  # exact in the float32 device lr
 CONFIGS = [
@@ -135,19 +135,9 @@ def test_matches_timms_class(kw):
 def test_bf16_params_with_master_weights_follow_float32():
     kw = CONFIGS[4]
     base = [torch.randn(s) for s in shapes()]
-    ref_p = [b.to(torch.bfloat16).float().requires_grad_() for b in base]
-    ours_p = [b.to(torch.bfloat16).requires_grad_() for b in base]
+    ref_p, ours_p = bf16_master_twins(base)
     ref, ours = Reference(ref_p, lr=LR, **kw), RMSpropTF(ours_p, lr=LR, master_weights=True, **kw)
-    for i in range(12):
-        g = torch.Generator().manual_seed(900 + i)
-        for p, q in zip(ref_p, ours_p):
-            gr = torch.randn(p.shape, generator=g).to(torch.bfloat16)
-            p.grad, q.grad = gr.float(), gr
-        ref.step()
-        ours.step()
-    for p, q in zip(ref_p, ours_p):
-        torch.testing.assert_close(ours.state[q]["master_param"], p.detach(), rtol=2e-5, atol=2e-6)
-        assert torch.equal(q, ours.state[q]["master_param"].to(torch.bfloat16))
+    check_bf16_master_follows_float32(ref, ours, ref_p, ours_p, 12, rtol=2e-5, atol=2e-6)
 
 
 def test_state_dict_round_trip_continues_alike():
@@ -194,7 +184,7 @@ def test_lr_scheduler_clipping_and_a_skipped_step():
 @pytest.mark.parametrize("kw,match", [(dict(lr=-1.0), "lr"), (dict(alpha=-0.5), "alpha"), (dict(eps=-1.0), "eps"),
                                       (dict(momentum=-0.1), "momentum"), (dict(weight_decay=-1.0), "weight_decay")])
 def test_argument_checks_name_the_argument(kw, match):
-    with pytest.raises(ValueError, match=f"RMSpropTF: invalid {match} value"):
+    with pytest.raises(ValueError, match=f"RMSpropTF: {match} must be >= 0"):
         RMSpropTF([torch.zeros(2, requires_grad=True)], **kw)
 
 

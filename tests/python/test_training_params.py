@@ -50,7 +50,7 @@ EXPECTED_DEFAULTS = {
 }
 
 BOOL = "a bool (true or false)"
-OPTIMIZER_ALLOWED = ("one of 'AdamW', 'Adam', 'SGD', 'Lion', 'RMSprop', 'Adadelta', 'RAdam', 'RMSpropTF' "
+OPTIMIZER_ALLOWED = ("one of 'AdamW', 'Adam', 'SGD', 'Lion', 'RMSprop', 'Adadelta', 'RAdam', 'RMSpropTF', 'Muon' "
                      "(case-insensitive) or a torch.optim.Optimizer subclass (the class, not an instance)")
 LOSS_ALLOWED = ("a loss name (a torch.nn loss class name such as 'CrossEntropyLoss', one of 'cross_entropy', 'mse', "
                 "'l1', 'smooth_l1', 'bce_with_logits', 'nll', a name registered with fusetrain.register_loss, a class "

@@ -77,6 +77,16 @@ void fused_radam_(at::TensorList params, at::TensorList grads, at::TensorList ex
                   const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay,
                   bool decoupled_weight_decay, bool maximize, const FusedTail& tail = {});
 
+// Muon (torch.optim.Muon's update; NOTE [muon apply] in csrc/ops/fused_muon.cpp)
+// for params of 2 or more dims (a convolution filter as out_channels x the
+// rest), batched across params whose matrices share a shape. adjust_lr_fn:
+// "original" or "match_rms_adamw".
+void fused_muon_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                 at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
+                 const at::Tensor& lr, double momentum, bool nesterov, double weight_decay,
+                 at::ArrayRef<double> ns_coefficients, double eps, int64_t ns_steps, c10::string_view adjust_lr_fn,
+                 const FusedTail& tail = {});
+
 // ema += (1 - decay) * (src - ema) for every pair (same dtype and shape), in
 // one multi-tensor pass; nothing changes when found_inf is non-zero.
 void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay,

@@ -1,6 +1,6 @@
 // fusetrain's fused optimizers for LibTorch programs.
 //
-// fusetrain::Adam, AdamW, SGD, Lion, RMSprop, Adadelta and RAdam derive from
+// fusetrain::Adam, AdamW, SGD, Lion, RMSprop, Adadelta, RAdam and Muon derive from
 // torch::optim::Optimizer, so
 // they plug into LibTorch loops, LR schedulers (which go through
 // options().get_lr()/set_lr()) and torch::save/torch::load of optimizer state.
@@ -52,6 +52,7 @@ using LionParamState = FusedParamState;
 using RMSpropParamState = FusedParamState;
 using AdadeltaParamState = FusedParamState;
 using RAdamParamState = FusedParamState;
+using MuonParamState = FusedParamState;
 
 // Options. Common to all: lr, weight_decay, maximize, max_grad_norm (global L2
 // norm clipping over all groups; 0 = off) and master_weights (keep an fp32
@@ -192,6 +193,38 @@ struct RAdamOptions : public torch::optim::OptimizerCloneableOptions<RAdamOption
   void set_lr(const double lr) override { this->lr(lr); }
 };
 
+// Muon (torch.optim.Muon's update, NOTE [muon apply] in csrc/ops/fused_muon.cpp)
+// for the params of use_muon groups (2 or more dims each; a convolution filter
+// is the matrix out_channels x the rest), AdamW with adamw_betas, adamw_eps and
+// the group's lr and weight_decay for the params of the others: give biases,
+// norms and embeddings a group with use_muon(false). adjust_lr_fn: "original"
+// or "match_rms_adamw" (then one lr suits both kinds).
+struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions> {
+  MuonOptions(double lr = 1e-3);
+  typedef std::tuple<double, double> betas_t;
+  typedef std::tuple<double, double, double> coefficients_t;
+  TORCH_ARG(double, lr) = 1e-3;
+  TORCH_ARG(double, weight_decay) = 0.1;
+  TORCH_ARG(double, momentum) = 0.95;
+  TORCH_ARG(bool, nesterov) = true;
+  TORCH_ARG(coefficients_t, ns_coefficients) = std::make_tuple(3.4445, -4.775, 2.0315);
+  TORCH_ARG(double, eps) = 1e-7;
+  TORCH_ARG(int64_t, ns_steps) = 5;
+  TORCH_ARG(std::string, adjust_lr_fn) = "original";
+  TORCH_ARG(bool, use_muon) = true;
+  TORCH_ARG(betas_t, adamw_betas) = std::make_tuple(0.9, 0.95);
+  TORCH_ARG(double, adamw_eps) = 1e-8;
+  TORCH_ARG(bool, maximize) = false;  // not supported (an error when true); kept for the common interface
+  TORCH_ARG(double, max_grad_norm) = 0.0;
+  TORCH_ARG(bool, master_weights) = false;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
 // The state tensors of one step, flattened over groups in the layout of
 // fusetrain::fused_step_ (NOTE [group records] in csrc/ops/fused_step.cpp).
 struct FusedLists {
@@ -292,6 +325,7 @@ FUSETRAIN_DECLARE_OPTIMIZER(Lion)
 FUSETRAIN_DECLARE_OPTIMIZER(RMSprop)
 FUSETRAIN_DECLARE_OPTIMIZER(Adadelta)
 FUSETRAIN_DECLARE_OPTIMIZER(RAdam)
+FUSETRAIN_DECLARE_OPTIMIZER(Muon)
 #undef FUSETRAIN_DECLARE_OPTIMIZER
 
 }  // namespace fusetrain

@@ -4,8 +4,9 @@
 from ._base import FusedOptimizer
 from .adam import Adam, AdamW
 from .lion import Lion
+from .muon import Muon
 from .radam import RAdam
 from .rmsprop import Adadelta, RMSprop, RMSpropTF
 from .sgd import SGD
 
-__all__ = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adadelta", "RAdam", "RMSpropTF", "FusedOptimizer"]
+__all__ = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adadelta", "RAdam", "RMSpropTF", "Muon", "FusedOptimizer"]

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ._base import FusedOptimizer, _no_differentiable, _torch_checks
+from ._base import FusedOptimizer, _check_range, _no_differentiable, _torch_checks
 
 
 class RMSprop(FusedOptimizer):
@@ -61,8 +61,7 @@ class RMSpropTF(RMSprop):
                  max_grad_norm: Optional[float] = None, master_weights: bool = False):
         for name, value in (("lr", lr), ("alpha", alpha), ("eps", eps), ("weight_decay", weight_decay),
                             ("momentum", momentum)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0.0:
-                raise ValueError(f"RMSpropTF: invalid {name} value: {value!r}; allowed: a number >= 0")
+            _check_range(self._opt_name, name, value, 0.0)
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
                         centered=bool(centered), decoupled_decay=bool(decoupled_decay),
                         lr_in_momentum=bool(lr_in_momentum), maximize=bool(maximize))

@@ -1,0 +1,91 @@
+"""Fused Muon: orthogonalised momentum for matrices and convolution filters,
+AdamW for the other parameters, in one optimizer."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from ._base import FusedOptimizer, _check_range
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+class Muon(FusedOptimizer):
+    """Muon with the arguments, defaults, update and state (``momentum_buffer``)
+    of :class:`torch.optim.Muon` for parameters of 2 or more dimensions (a
+    convolution filter is the matrix ``out_channels x the rest``), and AdamW
+    (``adamw_betas``, ``adamw_eps``, the group's ``lr`` and ``weight_decay``;
+    state ``exp_avg``, ``exp_avg_sq``) for the others, so one object trains a
+    whole model. The Newton-Schulz iterations run batched over the parameters
+    whose matrices share a shape (NOTE [muon apply] in
+    csrc/ops/fused_muon.cpp); the global-norm clipping, the non-finite skip,
+    loss-scale unscaling, fp32 master weights and the attached EMA cover both
+    kinds of parameters in the same step, without a host sync.
+
+    Each group given is split into a Muon group and an AdamW group (the
+    ``use_muon`` key, which a group may also set itself to choose). With
+    ``adjust_lr_fn="match_rms_adamw"`` Muon's update has AdamW's RMS, so the
+    one ``lr`` and ``weight_decay`` suit both kinds (the ``original``
+    adjustment wants a larger lr, about 0.02, than AdamW's)."""
+
+    _opt_name = "Muon"
+    _kind = "muon"
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients: Sequence[float] = (3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
+                 adjust_lr_fn: Optional[str] = None, *, adamw_betas: Sequence[float] = (0.9, 0.95),
+                 adamw_eps: float = 1e-8, max_grad_norm: Optional[float] = None, master_weights: bool = False):
+        name = self._opt_name
+        for arg, value in (("lr", lr), ("weight_decay", weight_decay), ("eps", eps), ("adamw_eps", adamw_eps)):
+            _check_range(name, arg, value, 0.0)
+        _check_range(name, "momentum", momentum, 0.0, 1.0)
+        if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or not 0 <= ns_steps < 100:
+            raise ValueError(f"{name}: ns_steps must be an int in [0, 100), got {ns_steps!r}")
+        if not isinstance(ns_coefficients, (tuple, list)) or len(ns_coefficients) != 3:
+            raise ValueError(f"{name}: ns_coefficients must be 3 numbers (a, b, c), got {ns_coefficients!r}")
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"{name}: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got "
+                             f"{adjust_lr_fn!r}")
+        if not isinstance(adamw_betas, (tuple, list)) or len(adamw_betas) != 2:
+            raise ValueError(f"{name}: adamw_betas must be a pair (beta1, beta2), got {adamw_betas!r}")
+        for k, beta in enumerate(adamw_betas):
+            _check_range(name, f"adamw_betas[{k}]", beta, 0.0, 1.0)
+        betas = tuple(float(b) for b in adamw_betas)
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=bool(nesterov),
+                        ns_coefficients=tuple(float(c) for c in ns_coefficients), eps=eps, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn, adamw_betas=betas, adamw_eps=adamw_eps, maximize=False)
+        super().__init__(params, defaults, max_grad_norm, master_weights)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Adds the group as given when it sets ``use_muon``; otherwise as two
+        groups: its params of 2 or more dimensions (Muon) and the others (AdamW)."""
+        if "use_muon" in param_group:
+            super().add_param_group(param_group)
+            return
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        parts = [[p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]]
+        added = False
+        for use, ps in zip((True, False), parts):
+            if ps or (not added and use is False):
+                super().add_param_group({**param_group, "params": ps, "use_muon": use})
+                added = True
+
+    @staticmethod
+    def _uses_muon(group) -> bool:
+        # A group loaded from torch.optim.Muon's state dict has no use_muon key: its params are matrices.
+        use = group.get("use_muon")
+        return all(p.dim() >= 2 for p in group["params"]) if use is None else bool(use)
+
+    def _state_names(self, group):
+        return ("momentum_buffer",) if self._uses_muon(group) else ("exp_avg", "exp_avg_sq")
+
+    def _kind_fields(self, group):
+        a, b, c = group["ns_coefficients"]
+        beta1, beta2 = group["adamw_betas"]
+        return [1.0 if self._uses_muon(group) else 0.0, float(group["momentum"]), 1.0 if group["nesterov"] else 0.0,
+                float(group["weight_decay"]), float(a), float(b), float(c), float(group["eps"]),
+                float(group["ns_steps"]), 1.0 if group["adjust_lr_fn"] == "match_rms_adamw" else 0.0, float(beta1),
+                float(beta2), float(group["adamw_eps"])]
