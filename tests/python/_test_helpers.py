@@ -47,3 +47,14 @@ def check_bf16_master_follows_float32(ref_opt, ours_opt, ref_params, ours_params
     for p, q in zip(ref_params, ours_params):
         torch.testing.assert_close(ours_opt.state[q]["master_param"], p.detach(), **tol)
         assert torch.equal(q, ours_opt.state[q]["master_param"].to(torch.bfloat16))
+
+
+def check_skipped_step(opt, params, bad: float = float("inf")):
+    """Puts a non-finite value into the second param's gradient and steps: nothing of the params or of the
+    first param's state may change, and the step reports the flag."""
+    params[1].grad[0] = bad
+    before = [p.detach().clone() for p in params], {k: v.clone() for k, v in opt.state[params[0]].items()}
+    opt.step()
+    assert opt.last_found_inf.item() == 1.0
+    assert all(torch.equal(p, c) for p, c in zip(params, before[0]))
+    assert all(torch.equal(opt.state[params[0]][k], v) for k, v in before[1].items())
