@@ -216,10 +216,15 @@ def validate_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, 
 
 
 def _build(recipe: Dict[str, Any], where: str):
-    """Data loaders and model of a validated recipe; errors become RecipeError."""
+    """Data loaders and model of a validated recipe; errors become RecipeError.
+    The random states are seeded with ``training_params.seed`` first, so the
+    model's initial weights (and any random split of the data) are the same in
+    every run of the recipe."""
     from .training.data import build_dataloaders
+    from .training.distributed import seed_everything
     from .models import build_model
 
+    seed_everything(_training_params(recipe, where).seed)
     try:
         train_loader, valid_loader = build_dataloaders(recipe["dataset_params"])
         arch = dict(recipe["arch_params"])

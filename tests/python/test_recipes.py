@@ -231,6 +231,20 @@ def test_cli_trains_default_recipe(tmp_path):
     assert "recipe 'default': experiment 'digits_cnn', model digits_cnn" in proc.stdout
 
 
+def test_a_recipe_builds_the_same_model_every_time():
+    # training_params.seed seeds the model's initialisation, whatever the random states were before.
+    recipe = tfr.load_recipe("default", [])
+    weights = []
+    for _ in range(2):
+        torch.rand(3)
+        _, _, model = tfr._build(recipe, "recipe")
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
+    other = tfr.load_recipe("default", ["training_params.seed=7"])
+    _, _, model = tfr._build(other, "recipe")
+    assert not torch.equal(next(model.parameters()), weights[0][0])
+
+
 def test_muon_recipe_is_the_default_with_muon_and_trains(tmp_path):
     default = OmegaConf.to_container(tfr.compose_recipe("default"))
     muon = OmegaConf.to_container(tfr.compose_recipe("digits_muon"))
