@@ -518,7 +518,9 @@ _SPECS = [
         metrics, TensorBoard events) fails unless this is true; true deletes those files first. Two runs never
         share a folder: a run holds a lock on it, and a second run fails with an error naming the holder."""),
     _p("seed", int_range(min=0), 42, """
-        Seed of torch (CPU and CUDA), Python's `random` and NumPy, set at the start of training."""),
+        Seed of torch (CPU and CUDA), Python's `random` and NumPy, set at the start of training; a recipe
+        (`train_from_recipe`) also sets it before it builds the data and the model, so the initial weights are
+        reproducible. A model built by the caller keeps the weights it was built with."""),
     _p("cudnn_benchmark", boolean(), True, """
         Set `torch.backends.cudnn.benchmark`: cuDNN times the candidate convolution algorithms for each new input
         shape and keeps the fastest (faster with fixed shapes, but not bit-reproducible across runs)."""),
