@@ -2,11 +2,13 @@
 counterpart?
 
 For every optimizer of the family (Adam, AdamW, SGD with momentum, RMSprop
-centered with momentum, Adadelta, RAdam, RMSpropTF with momentum, Muon) on
+centered with momentum, Adadelta, RAdam, NAdam, RMSpropTF with momentum,
+Lamb, AdamP, Muon) on
 one parameter layout (ResNet-50's 161 tensors by default): fusetrain's plain
 step against torch.optim's fastest implementation on the device
-(``fused=True`` where torch has it, else ``foreach=True``; for RMSpropTF
-timm's class, which has one implementation, a loop over the tensors; for
+(``fused=True`` where torch has it, else ``foreach=True``; for RMSpropTF,
+Lamb and AdamP timm's classes, which have one implementation, a loop over
+the tensors (Lamb's built-in clipping off in the plain step); for
 Muon ``torch.optim.Muon`` on the matrices and filters, each as its 2-D view,
 plus ``torch.optim.AdamW(foreach=True)`` on the rest), and fusetrain's full tail (clip + step + EMA in one call)
 against torch's sequence (``clip_grad_norm_(foreach=True)``, the step,
@@ -18,6 +20,7 @@ counterpart; full >= 1.3x for every optimizer.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -35,10 +38,13 @@ EMA_DECAY = 0.999
 MAX_GRAD_NORM = 1.0
 
 
-def _timm_rmsprop_tf():
-    from timm.optim import RMSpropTF  # the reference implementation of RMSpropTF
+def _timm(name: str, **kw):
+    """timm's class ``name`` (the reference implementation of RMSpropTF, Lamb and AdamP), imported when used."""
+    def get():
+        import timm.optim
 
-    return RMSpropTF
+        return functools.partial(getattr(timm.optim, name), **kw)
+    return get
 
 
 class _TorchMuonAdamW:
@@ -69,10 +75,15 @@ FAMILY = {
     "RMSprop": (fo.RMSprop, torch.optim.RMSprop, {"momentum": 0.9, "centered": True}, False),
     "Adadelta": (fo.Adadelta, torch.optim.Adadelta, {}, False),
     "RAdam": (fo.RAdam, torch.optim.RAdam, {}, False),
-    "RMSpropTF": (fo.RMSpropTF, _timm_rmsprop_tf, {"momentum": 0.9}, None),
+    "NAdam": (fo.NAdam, torch.optim.NAdam, {}, False),
+    "RMSpropTF": (fo.RMSpropTF, _timm("RMSpropTF"), {"momentum": 0.9}, None),
+    # Both without clipping in the plain step (the full tail passes max_grad_norm to ours, clips timm's separately).
+    "Lamb": (functools.partial(fo.Lamb, max_grad_norm=None), _timm("Lamb", max_grad_norm=None), {}, None),
+    "AdamP": (fo.AdamP, _timm("AdamP"), {"weight_decay": 0.01}, None),
     "Muon": (fo.Muon, lambda: _TorchMuonAdamW, {}, None),
 }
-REFERENCE_NAMES = {"RMSpropTF": "timm", "Muon": "Muon+AdamW"}  # references with neither fused nor foreach
+REFERENCE_NAMES = {"RMSpropTF": "timm", "Lamb": "timm", "AdamP": "timm",
+                   "Muon": "Muon+AdamW"}  # references with neither fused nor foreach
 
 
 def make_variants(name: str, base_p, base_g, device) -> Dict[str, Callable[[], None]]:

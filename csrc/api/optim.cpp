@@ -47,6 +47,7 @@ void FusedParamState::serialize(torch::serialize::OutputArchive& archive) const 
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(square_avg);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(grad_avg);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(acc_delta);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(mu_product);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master);
 }
 void FusedParamState::serialize(torch::serialize::InputArchive& archive) {
@@ -58,6 +59,7 @@ void FusedParamState::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, square_avg);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, grad_avg);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, acc_delta);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, mu_product);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, master);
 }
 
@@ -169,12 +171,13 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
       init_state(probe, p, opts);  // defines what is missing; nothing is missing when ready
       for (const auto* t : {&probe.step(), &probe.exp_avg(), &probe.exp_avg_sq(), &probe.max_exp_avg_sq(),
                             &probe.momentum_buffer(), &probe.square_avg(), &probe.grad_avg(), &probe.acc_delta(),
-                            &probe.master()})
+                            &probe.mu_product(), &probe.master()})
         ready = ready && (!t->defined() || t->device() == p.device());
       ready = ready && probe.exp_avg().is_same(s->exp_avg()) && probe.exp_avg_sq().is_same(s->exp_avg_sq()) &&
               probe.max_exp_avg_sq().is_same(s->max_exp_avg_sq()) &&
               probe.momentum_buffer().is_same(s->momentum_buffer()) && probe.square_avg().is_same(s->square_avg()) &&
-              probe.grad_avg().is_same(s->grad_avg()) && probe.acc_delta().is_same(s->acc_delta());
+              probe.grad_avg().is_same(s->grad_avg()) && probe.acc_delta().is_same(s->acc_delta()) &&
+              probe.mu_product().is_same(s->mu_product());
     }
     if (!ready) fail_capturing(p.device(), "optimizer state would be created (a param's first step)");
     return *s;
@@ -195,6 +198,7 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
   s->square_avg(to_dev(s->square_avg()));
   s->grad_avg(to_dev(s->grad_avg()));
   s->acc_delta(to_dev(s->acc_delta()));
+  if (s->mu_product().defined()) s->mu_product(to_dev(s->mu_product()).to(at::kFloat));
   s->master(to_dev(s->master()));
   init_state(*s, p, opts);  // fills whatever is still missing
   if (has_master && !s->master().defined()) s->master(p.detach().to(at::kFloat).clone());

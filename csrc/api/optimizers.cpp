@@ -3,6 +3,7 @@
 // (NOTE [group records] in csrc/ops/fused_step.cpp).
 #include <fusetrain/optim.h>
 
+#include <ATen/ops/ones.h>
 #include <torch/serialize/archive.h>
 
 #include <tuple>
@@ -135,6 +136,63 @@ void RAdamOptions::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, decoupled_weight_decay);
 }
+NAdamOptions::NAdamOptions(double lr) : lr_(lr) {}
+void NAdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  FT_COMMON_SERIALIZE();
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(decoupled_weight_decay);
+}
+void NAdamOptions::serialize(torch::serialize::InputArchive& archive) {
+  FT_COMMON_DESERIALIZE();
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, momentum_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, decoupled_weight_decay);
+}
+LambOptions::LambOptions(double lr) : lr_(lr) {}
+void LambOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  FT_COMMON_SERIALIZE();
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(bias_correction);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(grad_averaging);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(trust_clip);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(always_adapt);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(caution);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(decoupled_weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(corrected_weight_decay);
+}
+void LambOptions::serialize(torch::serialize::InputArchive& archive) {
+  FT_COMMON_DESERIALIZE();
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, bias_correction);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, grad_averaging);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, trust_clip);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, always_adapt);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, caution);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, decoupled_weight_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, corrected_weight_decay);
+}
+AdamPOptions::AdamPOptions(double lr) : lr_(lr) {}
+void AdamPOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  FT_COMMON_SERIALIZE();
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(delta);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(wd_ratio);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(nesterov);
+}
+void AdamPOptions::serialize(torch::serialize::InputArchive& archive) {
+  FT_COMMON_DESERIALIZE();
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, delta);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, wd_ratio);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, nesterov);
+}
 MuonOptions::MuonOptions(double lr) : lr_(lr) {}
 void MuonOptions::serialize(torch::serialize::OutputArchive& archive) const {
   FT_COMMON_SERIALIZE();
@@ -187,6 +245,9 @@ FT_SERIALIZE_METHODS(Lion, "lion")
 FT_SERIALIZE_METHODS(RMSprop, "rmsprop")
 FT_SERIALIZE_METHODS(Adadelta, "adadelta")
 FT_SERIALIZE_METHODS(RAdam, "radam")
+FT_SERIALIZE_METHODS(NAdam, "nadam")
+FT_SERIALIZE_METHODS(Lamb, "lamb")
+FT_SERIALIZE_METHODS(AdamP, "adamp")
 FT_SERIALIZE_METHODS(Muon, "muon")
 
 template <typename O>
@@ -351,6 +412,68 @@ void RAdam::init_state(FusedParamState& s, const at::Tensor& p, const torch::opt
   if (!s.exp_avg_sq().defined()) s.exp_avg_sq(state_zeros_like(p));
 }
 void RAdam::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions&) const {
+  l.state1.push_back(s.exp_avg());
+  l.state2.push_back(s.exp_avg_sq());
+}
+
+NAdam::NAdam(const std::vector<torch::optim::OptimizerParamGroup>& groups, NAdamOptions d)
+    : FusedOptimizer(groups, std::make_unique<NAdamOptions>(d)) {
+  check_adam_like("fusetrain::NAdam", d);
+  check_nonneg("fusetrain::NAdam", "momentum_decay", d.momentum_decay());
+}
+void NAdam::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
+  const auto& o = static_cast<const NAdamOptions&>(oo);
+  h.insert(h.end(), {std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), o.momentum_decay(),
+                     o.decoupled_weight_decay() ? 1.0 : 0.0});
+}
+void NAdam::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions&) const {
+  if (!s.exp_avg().defined()) s.exp_avg(state_zeros_like(p));
+  if (!s.exp_avg_sq().defined()) s.exp_avg_sq(state_zeros_like(p));
+  if (!s.mu_product().defined()) s.mu_product(at::ones({}, p.options().dtype(at::kFloat)));
+}
+void NAdam::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions&) const {
+  l.state1.push_back(s.exp_avg());
+  l.state2.push_back(s.exp_avg_sq());
+  l.state3.push_back(s.mu_product());
+}
+
+Lamb::Lamb(const std::vector<torch::optim::OptimizerParamGroup>& groups, LambOptions d)
+    : FusedOptimizer(groups, std::make_unique<LambOptions>(d)) {
+  check_adam_like("fusetrain::Lamb", d);
+}
+void Lamb::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
+  const auto& o = static_cast<const LambOptions&>(oo);
+  const bool corrected = o.decoupled_weight_decay() && o.corrected_weight_decay();
+  h.insert(h.end(), {std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                     o.bias_correction() ? 1.0 : 0.0, o.grad_averaging() ? 1.0 : 0.0, o.trust_clip() ? 1.0 : 0.0,
+                     o.always_adapt() ? 1.0 : 0.0, o.caution() ? 1.0 : 0.0, o.decoupled_weight_decay() ? 1.0 : 0.0,
+                     corrected ? defaults().get_lr() : 0.0});
+}
+void Lamb::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions&) const {
+  if (!s.exp_avg().defined()) s.exp_avg(state_zeros_like(p));
+  if (!s.exp_avg_sq().defined()) s.exp_avg_sq(state_zeros_like(p));
+}
+void Lamb::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions&) const {
+  l.state1.push_back(s.exp_avg());
+  l.state2.push_back(s.exp_avg_sq());
+}
+
+AdamP::AdamP(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamPOptions d)
+    : FusedOptimizer(groups, std::make_unique<AdamPOptions>(d)) {
+  check_adam_like("fusetrain::AdamP", d);
+  check_nonneg("fusetrain::AdamP", "delta", d.delta());
+  check_nonneg("fusetrain::AdamP", "wd_ratio", d.wd_ratio());
+}
+void AdamP::kind_fields(const torch::optim::OptimizerOptions& oo, std::vector<double>& h) const {
+  const auto& o = static_cast<const AdamPOptions&>(oo);
+  h.insert(h.end(), {std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), o.delta(),
+                     o.wd_ratio(), o.nesterov() ? 1.0 : 0.0});
+}
+void AdamP::init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions&) const {
+  if (!s.exp_avg().defined()) s.exp_avg(state_zeros_like(p));
+  if (!s.exp_avg_sq().defined()) s.exp_avg_sq(state_zeros_like(p));
+}
+void AdamP::collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions&) const {
   l.state1.push_back(s.exp_avg());
   l.state2.push_back(s.exp_avg_sq());
 }

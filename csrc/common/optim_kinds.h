@@ -13,15 +13,19 @@
 namespace fusetrain {
 namespace detail {
 
+// `aux`: the tensor's scalar of NOTE [tensor scalars] (update_args.h), 1 when
+// the launch has none.
 template <OptimKind K, typename T>
-FT_HD auto make_coeffs(const OptimHyper& h, float lr, float step) {
+FT_HD auto make_coeffs(const OptimHyper& h, float lr, float step, float aux) {
   if constexpr (K == OptimKind::Adam) return make_adam_coeffs<T>(h.adam, lr, step);
   if constexpr (K == OptimKind::SGD) return make_sgd_coeffs<T>(h.sgd, lr, step);
   if constexpr (K == OptimKind::Lion) return make_lion_coeffs<T>(h.lion, lr, step);
   if constexpr (K == OptimKind::RMSprop) return make_rmsprop_coeffs<T>(h.rmsprop, lr, step);
   if constexpr (K == OptimKind::Adadelta) return make_adadelta_coeffs<T>(h.adadelta, lr, step);
   if constexpr (K == OptimKind::RAdam) return make_radam_coeffs<T>(h.radam, lr, step);
-  if constexpr (K == OptimKind::Muon) return make_muon_coeffs<T>(h.muon, lr, step);
+  if constexpr (K == OptimKind::NAdam) return make_nadam_coeffs<T>(h.nadam, lr, step, aux);
+  if constexpr (K == OptimKind::Direction) return make_direction_coeffs<T>(h.direction, lr, step, aux);
+  if constexpr (K == OptimKind::Apply) return make_apply_coeffs<T>(h.apply, lr, step, aux);
 }
 
 template <OptimKind K, typename V, typename Co>
@@ -32,8 +36,20 @@ FT_HD void apply_update(V& p, V g, V* r1, V* r2, V* r3, const Co& c) {
   if constexpr (K == OptimKind::RMSprop) rmsprop_update(p, g, *r1, r2, r3, c);
   if constexpr (K == OptimKind::Adadelta) adadelta_update(p, g, *r1, *r2, c);
   if constexpr (K == OptimKind::RAdam) radam_update(p, g, *r1, *r2, c);
-  if constexpr (K == OptimKind::Muon) muon_apply_update(p, g, c);
+  if constexpr (K == OptimKind::NAdam) nadam_update(p, g, *r1, *r2, c);
+  if constexpr (K == OptimKind::Direction) direction_update(p, g, *r1, *r2, r3, c);
+  if constexpr (K == OptimKind::Apply) apply_pass_update(p, g, c);
 }
+
+// The tensor scalar after a step's increment of `step` (NOTE [tensor scalars]):
+// NAdam's mu_product advances; for the other kinds it is read-only.
+template <OptimKind K>
+FT_HD float next_tensor_scalar(const OptimHyper& h, float step, float aux) {
+  if constexpr (K == OptimKind::NAdam) return nadam_next_mu_product(h.nadam, step, aux);
+  return aux;
+}
+template <OptimKind K>
+constexpr bool advances_tensor_scalar() { return K == OptimKind::NAdam; }
 
 // Calls f(std::integral_constant<OptimKind, k>{}) for the run-time kind k.
 template <class F>
@@ -46,7 +62,9 @@ void dispatch_kind(OptimKind kind, F&& f) {
     case K::RMSprop: return f(std::integral_constant<K, K::RMSprop>{});
     case K::Adadelta: return f(std::integral_constant<K, K::Adadelta>{});
     case K::RAdam: return f(std::integral_constant<K, K::RAdam>{});
-    case K::Muon: return f(std::integral_constant<K, K::Muon>{});
+    case K::NAdam: return f(std::integral_constant<K, K::NAdam>{});
+    case K::Direction: return f(std::integral_constant<K, K::Direction>{});
+    case K::Apply: return f(std::integral_constant<K, K::Apply>{});
   }
   TORCH_INTERNAL_ASSERT(false, "unknown optimizer kind ", static_cast<int>(kind));
 }

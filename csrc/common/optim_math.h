@@ -133,20 +133,26 @@ FT_HD void sgd_update(V& p, V g, V* buf, const SGDCoeffs<T>& c) {
   p = p + V(c.neg_lr) * g;
 }
 
-// Muon's apply pass: g is the orthogonalised momentum (NOTE [muon apply] in
-// csrc/ops/fused_muon.cpp); decoupled weight decay with the group's lr, then
-// the step with the shape-adjusted lr, in torch.optim.Muon's order.
+// NAdam (torch.optim.NAdam): the momentum schedule mu_t and the running
+// product of the mu's (kept per tensor, NOTE [tensor scalars] in update_args.h).
 template <typename T>
-struct MuonCoeffs {
-  T decay_mul;  // 1 - lr * weight_decay
-  T neg_lr;     // -lr * lr_ratio
-  bool has_decay;
+struct NAdamCoeffs {
+  T one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
+  T decay_mul;   // 1 - lr * weight_decay (decoupled only)
+  T bc2;         // 1 - beta2^step
+  T grad_coef;   // -lr * (1 - mu_t) / (1 - mu_product_t)
+  T avg_coef;    // -lr * mu_{t+1} / (1 - mu_product_t * mu_{t+1})
+  bool decoupled;
 };
 
 template <typename V, typename T>
-FT_HD void muon_apply_update(V& p, V g, const MuonCoeffs<T>& c) {
-  if (c.has_decay) p = p * V(c.decay_mul);
-  p = p + V(c.neg_lr) * g;
+FT_HD void nadam_update(V& p, V g, V& m, V& v, const NAdamCoeffs<T>& c) {
+  adam_weight_decay(p, g, c);
+  m = lerp_weight(m, g, c.one_minus_beta1);
+  v = v * V(c.beta2) + V(c.one_minus_beta2) * g * g;
+  const V denom = vsqrt(v / V(c.bc2)) + V(c.eps);
+  p = p + V(c.grad_coef) * g / denom;
+  p = p + V(c.avg_coef) * m / denom;
 }
 
 template <typename V, typename T>
@@ -175,9 +181,9 @@ struct RAdamHyper {
   double beta1, beta2, eps, weight_decay;
   bool decoupled;
 };
-struct MuonHyper {
-  double weight_decay;
-  double lr_ratio;  // the shape adjustment of the lr (adjust_lr_fn), per launch
+struct NAdamHyper {
+  double beta1, beta2, eps, weight_decay, momentum_decay;
+  bool decoupled;
 };
 
 template <typename T>
@@ -250,13 +256,35 @@ FT_HD RAdamCoeffs<T> make_radam_coeffs(const RAdamHyper& h, float lr, float step
   return c;
 }
 
+// mu_t = beta1 * (1 - 0.5 * 0.96^(t * momentum_decay)), in double as torch's
+// Python floats.
+FT_HD double nadam_mu(const NAdamHyper& h, double t) {
+  return h.beta1 * (1.0 - 0.5 * ::pow(0.96, t * h.momentum_decay));
+}
+
+// The new mu_product of a step (step already incremented): a float32 product,
+// as torch's in-place multiply of its float32 state by a Python float.
+FT_HD float nadam_next_mu_product(const NAdamHyper& h, float step, float mu_product) {
+  return mu_product * static_cast<float>(nadam_mu(h, static_cast<double>(step)));
+}
+
+// `aux` is the tensor's mu_product after this step's update.
 template <typename T>
-FT_HD MuonCoeffs<T> make_muon_coeffs(const MuonHyper& h, float lr, float /*step*/) {
-  MuonCoeffs<T> c;
-  const double lr_d = static_cast<double>(lr);
+FT_HD NAdamCoeffs<T> make_nadam_coeffs(const NAdamHyper& h, float lr, float step, float aux) {
+  NAdamCoeffs<T> c;
+  c.one_minus_beta1 = static_cast<T>(1.0 - h.beta1);
+  c.beta2 = static_cast<T>(h.beta2);
+  c.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
+  c.eps = static_cast<T>(h.eps);
+  c.weight_decay = static_cast<T>(h.weight_decay);
+  const double lr_d = static_cast<double>(lr), t = static_cast<double>(step);
   c.decay_mul = static_cast<T>(1.0 - lr_d * h.weight_decay);
-  c.neg_lr = static_cast<T>(-(lr_d * h.lr_ratio));
-  c.has_decay = h.weight_decay != 0.0;
+  c.bc2 = static_cast<T>(1.0 - ::pow(h.beta2, t));
+  const double mu = nadam_mu(h, t), mu_next = nadam_mu(h, t + 1.0);
+  const double mu_product = static_cast<double>(aux);
+  c.grad_coef = static_cast<T>(-lr_d * (1.0 - mu) / (1.0 - mu_product));
+  c.avg_coef = static_cast<T>((-lr_d * mu_next) / (1.0 - mu_product * mu_next));
+  c.decoupled = h.decoupled;
   return c;
 }
 
@@ -304,4 +332,5 @@ FT_HD void update_scale_math(float* scale, int* growth_tracker, float found_inf,
 }  // namespace detail
 }  // namespace fusetrain
 
-#include "rms_math.h"  // RMSprop, Adadelta
+#include "rms_math.h"     // RMSprop, Adadelta
+#include "staged_math.h"  // the direction and apply passes of Lamb, AdamP, Muon

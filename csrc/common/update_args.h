@@ -16,7 +16,7 @@
 namespace fusetrain {
 namespace detail {
 
-enum class OptimKind : int { Adam = 0, SGD = 1, Lion = 2, RMSprop = 3, Adadelta = 4, RAdam = 5, Muon = 6 };
+enum class OptimKind : int { Adam = 0, SGD = 1, Lion = 2, RMSprop = 3, Adadelta = 4, RAdam = 5, NAdam = 6, Direction = 7, Apply = 8 };
 
 struct OptimHyper {
   OptimKind kind = OptimKind::Adam;
@@ -26,7 +26,10 @@ struct OptimHyper {
   RMSpropHyper rmsprop{};
   AdadeltaHyper adadelta{};
   RAdamHyper radam{};
-  MuonHyper muon{};
+  NAdamHyper nadam{};
+  DirectionHyper direction{};
+  ApplyHyper apply{};
+  bool count_step = true;  // false: the pass leaves the step counters (and tensor scalars) alone
   bool maximize = false;
   double max_grad_norm = 0.0;  // <= 0: no clipping
 };
@@ -40,11 +43,23 @@ struct OptimHyper {
 //   RMSprop: state1 = square_avg, state2 = momentum_buffer, state3 = grad_avg
 //   Adadelta: state1 = square_avg, state2 = acc_delta
 //   RAdam: state1 = exp_avg, state2 = exp_avg_sq
-//   Muon (apply pass, NOTE [muon apply] in csrc/ops/fused_muon.cpp): no state; grads = the orthogonalised update
+//   NAdam: state1 = exp_avg, state2 = exp_avg_sq; aux = mu_product
+//   Direction (NOTE [apply pass] in csrc/ops/aten_stage.h): params = scratch
+//     tensors that receive the direction; state1 = exp_avg, state2 = exp_avg_sq,
+//     state3 = the weights (read) when the direction has an L2 term
+//   Apply (NOTE [apply pass]): no state; grads = the update direction; aux =
+//     a per-tensor step or decay factor (or empty; ApplyHyper)
+//
+// NOTE [tensor scalars]: `aux` holds one 0-d float32 tensor per param (or is
+// empty), a per-tensor scalar beside the step counter that the coefficients
+// read: NAdam's mu_product (state: advanced with the step, before the update
+// reads it, and only when the step is not skipped) or a read-only per-tensor
+// factor computed on the device by an ATen stage.
 struct UpdateLists {
-  std::vector<at::Tensor> params, grads, state1, state2, state3, master, ema, steps;
+  std::vector<at::Tensor> params, grads, state1, state2, state3, master, ema, steps, aux;
   // Argument names of state1..3, for error messages.
   const char* state_names[3] = {"state1", "state2", "state3"};
+  const char* aux_name = "aux";
 };
 
 // Device scalars (0-d float32 on the params' device); undefined when absent.
@@ -114,6 +129,25 @@ void fused_radam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList
                       at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
                       double weight_decay, bool decoupled_weight_decay, bool maximize, const OptT& inv_scale,
                       const OptT& found_inf, const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay);
+void fused_nadam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList mu_products, at::TensorList state_steps,
+                      at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double beta1,
+                      double beta2, double eps, double weight_decay, double momentum_decay,
+                      bool decoupled_weight_decay, bool maximize, const OptT& inv_scale, const OptT& found_inf,
+                      const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay);
+void fused_lamb_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
+                     at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
+                     double weight_decay, bool bias_correction, bool grad_averaging, bool trust_clip,
+                     bool always_adapt, bool caution, bool decoupled_weight_decay, double decay_max_lr,
+                     bool maximize, const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm,
+                     double max_grad_norm, const OptT& ema_decay);
+void fused_adamp_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
+                      at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
+                      double weight_decay, double delta, double wd_ratio, bool nesterov, bool maximize,
+                      const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
+                      const OptT& ema_decay);
 void fused_muon_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads,
                      at::TensorList momentum_buffers, at::TensorList state_steps, at::TensorList master_params,
                      at::TensorList ema_params,
@@ -153,6 +187,8 @@ void run_fused_update(const char* op_name, const UpdateLists& lists, const Optim
 struct OpStates {
   at::TensorList s1, s2, s3;
   const char* names[3];
+  at::TensorList aux = {};  // NOTE [tensor scalars]
+  const char* aux_name = "aux";
 };
 
 // What every update op does after its own checks: the lists and the tail into

@@ -89,8 +89,9 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
   float* master = l.master.empty() ? nullptr : l.master[t].data_ptr<float>() + it.begin;
   P* ema = has_ema ? l.ema[t].data_ptr<P>() + it.begin : nullptr;
   const float step = *l.steps[t].const_data_ptr<float>();
+  const float aux = l.aux.empty() ? 1.f : *l.aux[t].const_data_ptr<float>();
 
-  const auto co = make_coeffs<K, C>(h, lr, step);
+  const auto co = make_coeffs<K, C>(h, lr, step, aux);
 
   alignas(64) float pb[kBlock];
   alignas(64) C gb[kBlock];
@@ -193,13 +194,30 @@ void update_dispatch_kind(const UpdateLists& l, const OptimHyper& h, float lr, f
   });
 }
 
+// Steps first (the update reads the incremented step, as torch.optim does),
+// then the tensor scalars that advance with them (NOTE [tensor scalars]).
+void advance_steps(const UpdateLists& l, const OptimHyper& h) {
+  if (!h.count_step) return;
+  for (const at::Tensor& st : l.steps) *st.data_ptr<float>() += 1.f;
+  if (l.aux.empty()) return;
+  dispatch_kind(h.kind, [&](auto kind) {
+    constexpr OptimKind K = decltype(kind)::value;
+    if constexpr (advances_tensor_scalar<K>()) {
+      for (size_t i = 0; i < l.aux.size(); ++i) {
+        float* a = l.aux[i].data_ptr<float>();
+        *a = next_tensor_scalar<K>(h, *l.steps[i].const_data_ptr<float>(), *a);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void fused_update_cpu(const UpdateLists& l, const OptimHyper& h, const UpdateScalars& s) {
   if (l.params.empty()) return;
   // A step with non-finite gradients leaves everything untouched (NOTE [skip]).
   if (s.found_inf.defined() && *s.found_inf.const_data_ptr<float>() != 0.f) return;
-  for (const at::Tensor& st : l.steps) *st.data_ptr<float>() += 1.f;
+  advance_steps(l, h);
   const float lr = *s.lr.const_data_ptr<float>();
   const float gmul = grad_multiplier(scalar_ptr(s.inv_scale), scalar_ptr(s.grad_norm),
                                      static_cast<float>(h.max_grad_norm));
@@ -232,5 +250,8 @@ TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
   m.impl("fused_rmsprop_", bind_kernel<&fused_rmsprop_impl, &fused_update_cpu>());
   m.impl("fused_adadelta_", bind_kernel<&fused_adadelta_impl, &fused_update_cpu>());
   m.impl("fused_radam_", bind_kernel<&fused_radam_impl, &fused_update_cpu>());
+  m.impl("fused_nadam_", bind_kernel<&fused_nadam_impl, &fused_update_cpu>());
+  m.impl("fused_lamb_", bind_kernel<&fused_lamb_impl, &fused_update_cpu>());
+  m.impl("fused_adamp_", bind_kernel<&fused_adamp_impl, &fused_update_cpu>());
   m.impl("fused_muon_", bind_kernel<&fused_muon_impl, &fused_update_cpu>());
 }

@@ -69,7 +69,7 @@ void ema_update_cuda(const std::vector<at::Tensor>& ema, const std::vector<at::T
     if (eb.empty()) continue;
     const std::vector<const std::vector<at::Tensor>*> lists = {&eb, &sb};
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "ema_update_cuda", [&] {
-      cuda::multi_tensor_apply<EmaMeta>(lists, {}, [&](const EmaMeta& meta, int blocks) {
+      cuda::multi_tensor_apply<EmaMeta>(lists, {}, {}, [&](const EmaMeta& meta, int blocks) {
         ema_update_kernel<scalar_t><<<blocks, kBlockThreads, 0, stream>>>(meta, decay.const_data_ptr<float>(), fi);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

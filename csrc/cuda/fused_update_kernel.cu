@@ -31,6 +31,7 @@ constexpr int kMaxStepPtrs = 1024;
 
 struct StepPtrs {
   float* p[kMaxStepPtrs];
+  float* aux[kMaxStepPtrs];  // NOTE [tensor scalars]; null entries when absent
 };
 
 struct KernelArgs {
@@ -43,12 +44,20 @@ struct KernelArgs {
 };
 
 static_assert(cuda::fits_kernel_params<UpdateMeta, KernelArgs>(), "fused_update_kernel arguments too large");
-static_assert(cuda::fits_kernel_params<StepPtrs, int, const float*>(), "increment_steps_kernel arguments too large");
+static_assert(cuda::fits_kernel_params<StepPtrs, int, const float*, OptimHyper>(),
+              "advance_steps_kernel arguments too large");
 
-__global__ void increment_steps_kernel(StepPtrs steps, int n, const float* found_inf) {
+// Steps, then the tensor scalars that advance with them.
+template <OptimKind K>
+__global__ void advance_steps_kernel(StepPtrs steps, int n, const float* found_inf, OptimHyper hyper) {
   if (found_inf != nullptr && *found_inf != 0.f) return;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) *steps.p[i] += 1.f;
+  if (i >= n) return;
+  const float step = *steps.p[i] + 1.f;
+  *steps.p[i] = step;
+  if constexpr (advances_tensor_scalar<K>()) {
+    if (steps.aux[i] != nullptr) *steps.aux[i] = next_tensor_scalar<K>(hyper, step, *steps.aux[i]);
+  }
 }
 
 // The precision of the update: double for float64 params, else float.
@@ -66,7 +75,8 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
   const int64_t len = rem < kChunkSize ? rem : kChunkSize;
   const float lr = *a.lr;
   const float step = *meta.step[t];
-  const auto co = make_coeffs<K, C>(a.hyper, lr, step);
+  const float aux = meta.aux[t] != nullptr ? *meta.aux[t] : 1.f;
+  const auto co = make_coeffs<K, C>(a.hyper, lr, step, aux);
   const C gmul =
       static_cast<C>(grad_multiplier(a.inv_scale, a.grad_norm, static_cast<float>(a.hyper.max_grad_norm)));
   const C ema_w = a.ema_decay != nullptr ? static_cast<C>(1.f - *a.ema_decay) : C(0);
@@ -156,12 +166,17 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
 
   // Steps first (the update reads the incremented step, as torch.optim does).
   cuda::check_driver_supports_large_params();
-  for (size_t b = 0; b < l.steps.size(); b += kMaxStepPtrs) {
+  for (size_t b = 0; h.count_step && b < l.steps.size(); b += kMaxStepPtrs) {
     StepPtrs sp;
     const int n = static_cast<int>(std::min<size_t>(kMaxStepPtrs, l.steps.size() - b));
-    for (int i = 0; i < n; ++i) sp.p[i] = l.steps[b + i].data_ptr<float>();
-    increment_steps_kernel<<<(n + 255) / 256, 256, 0, stream>>>(sp, n, a.found_inf);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    for (int i = 0; i < n; ++i) {
+      sp.p[i] = l.steps[b + i].data_ptr<float>();
+      sp.aux[i] = l.aux.empty() ? nullptr : l.aux[b + i].data_ptr<float>();
+    }
+    dispatch_kind(h.kind, [&](auto kind) {
+      advance_steps_kernel<decltype(kind)::value><<<(n + 255) / 256, 256, 0, stream>>>(sp, n, a.found_inf, h);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   }
 
   const std::vector<const std::vector<at::Tensor>*> lists = {&l.params, &l.grads,  &l.state1, &l.state2,
@@ -175,7 +190,7 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
       } else {
         dispatch_kind(h.kind, [&](auto kind) {
           constexpr OptimKind K = decltype(kind)::value;
-          cuda::multi_tensor_apply<UpdateMeta>(lists, l.steps, [&](const UpdateMeta& meta, int blocks) {
+          cuda::multi_tensor_apply<UpdateMeta>(lists, l.steps, l.aux, [&](const UpdateMeta& meta, int blocks) {
             fused_update_kernel<K, P, G><<<blocks, kBlockThreads, 0, stream>>>(meta, a);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           });
@@ -197,5 +212,8 @@ TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
   m.impl("fused_rmsprop_", bind_kernel<&fused_rmsprop_impl, &fused_update_cuda>());
   m.impl("fused_adadelta_", bind_kernel<&fused_adadelta_impl, &fused_update_cuda>());
   m.impl("fused_radam_", bind_kernel<&fused_radam_impl, &fused_update_cuda>());
+  m.impl("fused_nadam_", bind_kernel<&fused_nadam_impl, &fused_update_cuda>());
+  m.impl("fused_lamb_", bind_kernel<&fused_lamb_impl, &fused_update_cuda>());
+  m.impl("fused_adamp_", bind_kernel<&fused_adamp_impl, &fused_update_cuda>());
   m.impl("fused_muon_", bind_kernel<&fused_muon_impl, &fused_update_cuda>());
 }

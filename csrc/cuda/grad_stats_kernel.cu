@@ -134,7 +134,7 @@ void grad_stats_cuda(const std::vector<at::Tensor>& grads, const at::Tensor& inv
     int* pn = partial_nf.data_ptr<int>() + base;
     const std::vector<const std::vector<at::Tensor>*> lists = {&bucket};
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "grad_stats_cuda", [&] {
-      cuda::multi_tensor_apply<StatsMeta>(lists, {}, [&](const StatsMeta& meta, int blocks) {
+      cuda::multi_tensor_apply<StatsMeta>(lists, {}, {}, [&](const StatsMeta& meta, int blocks) {
         partial_stats_kernel<scalar_t><<<blocks, kBlockThreads, 0, stream>>>(meta, ps, pn);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

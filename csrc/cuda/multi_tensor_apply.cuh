@@ -55,16 +55,18 @@ struct TensorListMeta {
   void* addrs[Depth][MaxTensors];
   int64_t numel[MaxTensors];
   float* step[MaxTensors];
+  float* aux[MaxTensors];  // NOTE [tensor scalars] in csrc/common/update_args.h
   uint16_t block_to_tensor[MaxBlocks];
   int32_t block_to_chunk[MaxBlocks];
   int64_t block_offset;  // index of this launch's first block among all launches
 };
 
 // lists: Depth lists; an empty list means "absent" (its addresses are null).
-// steps: one float32 scalar per tensor, or empty. launch(meta, num_blocks).
+// steps, aux: one float32 scalar per tensor, or empty. launch(meta, num_blocks).
 template <class Meta, class Launch>
 int64_t multi_tensor_apply(const std::vector<const std::vector<at::Tensor>*>& lists,
-                           const std::vector<at::Tensor>& steps, Launch&& launch) {
+                           const std::vector<at::Tensor>& steps, const std::vector<at::Tensor>& aux,
+                           Launch&& launch) {
   static_assert(fits_kernel_params<Meta>(), "multi-tensor metadata above the kernel-argument limit");
   TORCH_INTERNAL_ASSERT(static_cast<int>(lists.size()) == Meta::kDepth);
   check_driver_supports_large_params();
@@ -85,6 +87,7 @@ int64_t multi_tensor_apply(const std::vector<const std::vector<at::Tensor>*>& li
     }
     meta.numel[tensors] = first[i].numel();
     meta.step[tensors] = steps.empty() ? nullptr : steps[i].data_ptr<float>();
+    meta.aux[tensors] = aux.empty() ? nullptr : aux[i].data_ptr<float>();
     ++tensors;
     const int64_t chunks = (first[i].numel() + kChunkSize - 1) / kChunkSize;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -107,6 +110,7 @@ int64_t multi_tensor_apply(const std::vector<const std::vector<at::Tensor>*>& li
           for (int d = 0; d < Meta::kDepth; ++d) meta.addrs[d][0] = meta.addrs[d][tensors - 1];
           meta.numel[0] = meta.numel[tensors - 1];
           meta.step[0] = meta.step[tensors - 1];
+          meta.aux[0] = meta.aux[tensors - 1];
           tensors = 1;
         }
       }

@@ -83,6 +83,38 @@ void fused_radam_(at::TensorList params, at::TensorList grads, at::TensorList ex
           tail.max_grad_norm, tail.ema_decay);
 }
 
+void fused_nadam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList mu_products, at::TensorList state_steps, at::TensorList master_params,
+                  at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
+                  double weight_decay, double momentum_decay, bool decoupled_weight_decay, bool maximize,
+                  const FusedTail& tail) {
+  static auto op = op_handle<&detail::fused_nadam_impl>("fusetrain::fused_nadam_");
+  op.call(params, grads, exp_avgs, exp_avg_sqs, mu_products, state_steps, master_params, ema_params, lr, beta1, beta2,
+          eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize, tail.inv_scale, tail.found_inf,
+          tail.grad_norm, tail.max_grad_norm, tail.ema_decay);
+}
+
+void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                 at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
+                 const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
+                 const FusedTail& tail, const LambForm& form) {
+  static auto op = op_handle<&detail::fused_lamb_impl>("fusetrain::fused_lamb_");
+  op.call(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, lr, beta1, beta2, eps,
+          weight_decay, form.bias_correction, form.grad_averaging, form.trust_clip, form.always_adapt, form.caution,
+          form.decoupled_weight_decay, form.decay_max_lr, maximize, tail.inv_scale, tail.found_inf, tail.grad_norm,
+          tail.max_grad_norm, tail.ema_decay);
+}
+
+void fused_adamp_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
+                  const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay, double delta,
+                  double wd_ratio, bool nesterov, bool maximize, const FusedTail& tail) {
+  static auto op = op_handle<&detail::fused_adamp_impl>("fusetrain::fused_adamp_");
+  op.call(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, lr, beta1, beta2, eps,
+          weight_decay, delta, wd_ratio, nesterov, maximize, tail.inv_scale, tail.found_inf, tail.grad_norm,
+          tail.max_grad_norm, tail.ema_decay);
+}
+
 void fused_muon_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                  at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
                  const at::Tensor& lr, double momentum, bool nesterov, double weight_decay,

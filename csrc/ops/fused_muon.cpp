@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "../common/update_args.h"
+#include "aten_stage.h"
 
 namespace fusetrain {
 namespace detail {
@@ -28,24 +28,9 @@ namespace {
 //      CUDA the batch's u are stacked and orthogonalised together (batched
 //      matmuls: one launch per iteration for the batch); on the CPU, where a
 //      bfloat16 batched matmul is slower than the plain one, one at a time.
-//   3. apply (the fused update kernel, kind Muon): p = p * (1 - lr * wd)
+//   3. the apply pass (NOTE [apply pass] in aten_stage.h): p = p * (1 - lr * wd)
 //      - lr * ratio * O with the skip, master weights and EMA in one pass.
 //      Its step counter counts the steps taken (the update does not read it).
-// Gradient unscaling and clipping act in stage 1 (before the momentum, as
-// torch's GradScaler.unscale_ and clip_grad_norm_ would); stage 3 gets only
-// the skip flag.
-
-// The multiplier of every gradient element as a 0-d device tensor (undefined
-// for 1): grad_multiplier of optim_math.h, in float32.
-at::Tensor grad_multiplier_tensor(const OptT& inv_scale, const OptT& grad_norm, double max_grad_norm) {
-  at::Tensor m;
-  if (inv_scale.has_value()) m = *inv_scale;
-  if (grad_norm.has_value() && max_grad_norm > 0.0) {
-    at::Tensor coef = at::full({}, max_grad_norm, grad_norm->options()).div_(*grad_norm + 1e-6).clamp_max_(1.0);
-    m = m.defined() ? m * coef : coef;
-  }
-  return m;
-}
 
 // Newton-Schulz iterations on a matrix [r, c] or a stack of them [B, r, c],
 // as torch.optim.Muon's _zeropower_via_newtonschulz on each: bfloat16, the
@@ -76,13 +61,6 @@ double lr_ratio(const std::string& fn, int64_t r, int64_t c) {
   return std::sqrt(std::max(1.0, rd / cd));
 }
 
-void check_device_scalar(const char* op, const char* name, const OptT& t, const at::Device& dev) {
-  if (!t.has_value()) return;
-  TORCH_CHECK(t->defined() && t->numel() == 1 && t->scalar_type() == at::kFloat, op, ": ", name,
-              " must be a float32 tensor with one element");
-  TORCH_CHECK(t->device() == dev, op, ": ", name, " is on ", t->device(), " but params are on ", dev);
-}
-
 }  // namespace
 
 void fused_muon_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads,
@@ -101,43 +79,19 @@ void fused_muon_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
   TORCH_CHECK(ns_steps >= 0 && ns_steps < 100, op, ": ns_steps must be in [0, 100), got ", ns_steps);
   TORCH_CHECK(adjust == "original" || adjust == "match_rms_adamw", op,
               ": adjust_lr_fn must be 'original' or 'match_rms_adamw', got '", adjust, "'");
+  check_stage_lists(op, params, grads, {{"momentum_buffers", momentum_buffers}}, state_steps, master_params,
+                    ema_params, lr, inv_scale, found_inf, grad_norm);
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && momentum_buffers.size() == n && state_steps.size() == n, op, ": got ", n,
-              " params, ", grads.size(), " grads, ", momentum_buffers.size(), " momentum_buffers and ",
-              state_steps.size(), " state_steps");
-  TORCH_CHECK(master_params.empty() || master_params.size() == n, op,
-              ": master_params must be empty or have one tensor per param (", n, "), got ", master_params.size());
-  TORCH_CHECK(ema_params.empty() || ema_params.size() == n, op,
-              ": ema_params must be empty or have one tensor per param (", n, "), got ", ema_params.size());
-  TORCH_CHECK(lr.defined(), op, ": lr is required");
   if (n == 0) return;
-
   const at::Device dev = params[0].device();
-  check_device_scalar(op, "inv_scale", inv_scale, dev);
-  check_device_scalar(op, "grad_norm", grad_norm, dev);
-  check_device_scalar(op, "found_inf", found_inf, dev);
+
   // Batches: params whose matrices share (rows, cols) and whose state shares a dtype.
   std::map<std::tuple<int64_t, int64_t, int>, std::vector<size_t>> batches;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    TORCH_CHECK(p.defined(), op, ": params[", i, "] is undefined");
     TORCH_CHECK(p.dim() >= 2, op, ": params[", i, "] has shape ", p.sizes(),
                 "; Muon updates matrices and convolution filters (2 or more dims): give 1-D params to AdamW");
-    TORCH_CHECK(!p.is_complex(), op, ": params[", i, "] is complex; Muon does not support complex params");
-    TORCH_CHECK(p.device() == dev, op, ": params[", i, "] is on ", p.device(), " but params[0] is on ", dev);
-    const at::Tensor& g = grads[i];
-    TORCH_CHECK(g.defined() && g.layout() == at::kStrided, op, ": grads[", i, "] must be a dense tensor");
-    TORCH_CHECK(g.is_floating_point(), op, ": grads[", i, "] has dtype ", g.scalar_type(),
-                "; supported: float32, float16, bfloat16, float64");
-    TORCH_CHECK(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(), " but params[", i,
-                "] has shape ", p.sizes());
-    TORCH_CHECK(g.device() == dev, op, ": params[", i, "] is on ", dev, " but grads[", i, "] is on ", g.device());
     const at::ScalarType sd = p.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    const at::Tensor& b = momentum_buffers[i];
-    TORCH_CHECK(b.defined(), op, ": momentum_buffers[", i, "] is undefined");
-    TORCH_CHECK(b.sizes() == p.sizes() && b.scalar_type() == sd && b.device() == dev, op, ": momentum_buffers[",
-                i, "] must be a ", sd, " tensor of shape ", p.sizes(), " on ", dev, ", got ", b.scalar_type(),
-                " of shape ", b.sizes(), " on ", b.device());
     // A convolution filter is the matrix out_channels x (in_channels * kernel size).
     const int64_t rows = p.size(0);
     const int64_t cols = c10::multiply_integers(p.sizes().slice(1));
@@ -146,11 +100,8 @@ void fused_muon_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
 
   const at::Tensor mult = grad_multiplier_tensor(inv_scale, grad_norm, max_grad_norm);
   // The momentum's lerp weight: 1 - momentum, or 0 on a skipped step (NOTE [muon apply]).
-  at::Tensor keep;
-  if (found_inf.has_value()) keep = at::rsub(*found_inf, 1.0);
+  const at::Tensor keep = keep_tensor(found_inf);
   std::map<int, at::Tensor> weights;
-  const at::Tensor ema_dec = opt_or_undef(ema_decay);
-  const at::Tensor flag = opt_or_undef(found_inf);
 
   for (const auto& [key, idx] : batches) {
     const auto [rows, cols, sdi] = key;
@@ -165,9 +116,7 @@ void fused_muon_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
     std::vector<at::Tensor> updates;
     updates.reserve(idx.size());
     for (size_t i : idx) {
-      at::Tensor g = grads[i].to(sd);
-      if (mult.defined()) g = g * mult;
-      if (keep.defined()) g = at::nan_to_num(g, 0.0, 0.0, 0.0);
+      const at::Tensor g = stage_grad(grads[i], sd, mult, keep, /*maximize=*/false);
       at::Tensor buf = momentum_buffers[i];
       if (weight.defined()) {
         buf.lerp_(g, weight);
@@ -188,19 +137,9 @@ void fused_muon_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
     if (sd == at::kDouble)  // float64 params take float64 grads (exact)
       for (at::Tensor& o : ortho) o = o.to(at::kDouble);
     // 3. apply
-    UpdateLists l;
-    for (size_t k = 0; k < idx.size(); ++k) {
-      const size_t i = idx[k];
-      l.params.push_back(params[i]);
-      l.grads.push_back(ortho[k].view(params[i].sizes()));
-      l.steps.push_back(state_steps[i]);
-      if (!master_params.empty()) l.master.push_back(master_params[i]);
-      if (!ema_params.empty()) l.ema.push_back(ema_params[i]);
-    }
-    OptimHyper h;
-    h.kind = OptimKind::Muon;
-    h.muon = MuonHyper{weight_decay, lr_ratio(adjust, rows, cols)};
-    run_fused_update(op, l, h, UpdateScalars{lr, at::Tensor(), flag, at::Tensor(), ema_dec}, kernel);
+    for (size_t k = 0; k < idx.size(); ++k) ortho[k] = ortho[k].view(params[idx[k]].sizes());
+    run_apply_pass(op, kernel, idx, ortho, {}, params, state_steps, master_params, ema_params, lr,
+                   ApplyHyper{weight_decay, lr_ratio(adjust, rows, cols)}, found_inf, ema_decay);
   }
 }
 

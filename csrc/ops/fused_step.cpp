@@ -34,6 +34,10 @@ namespace {
 //   rmsprop: alpha, eps, weight_decay, momentum, centered, tf_style, lr_in_momentum, decoupled_weight_decay
 //   adadelta: rho, eps, weight_decay
 //   radam:  beta1, beta2, eps, weight_decay, decoupled_weight_decay
+//   nadam:  beta1, beta2, eps, weight_decay, momentum_decay, decoupled_weight_decay (state3 = mu_product, 0-d)
+//   lamb:   beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, trust_clip, always_adapt, caution,
+//           decoupled_weight_decay, decay_max_lr
+//   adamp:  beta1, beta2, eps, weight_decay, delta, wd_ratio, nesterov
 //   muon:   use_muon, momentum, nesterov, weight_decay, ns_a, ns_b, ns_c, ns_eps, ns_steps, match_rms_adamw,
 //           beta1, beta2, eps (NOTE [muon groups])
 // The state lists hold entries only for the groups that use them (adam's state3
@@ -48,7 +52,7 @@ namespace {
 // weight_decay, beta1, beta2 and eps: state1 = exp_avg, state2 = exp_avg_sq).
 // Both take the one global norm and non-finite flag of the stats pass.
 constexpr int kCommon = 4;
-enum class Kind { Adam, SGD, Lion, RMSprop, Adadelta, RAdam, Muon };
+enum class Kind { Adam, SGD, Lion, RMSprop, Adadelta, RAdam, NAdam, Lamb, AdamP, Muon };
 
 struct KindInfo {
   Kind kind;
@@ -62,9 +66,12 @@ KindInfo kind_info(const std::string& name) {
   if (name == "rmsprop") return {Kind::RMSprop, kCommon + 8};
   if (name == "adadelta") return {Kind::Adadelta, kCommon + 3};
   if (name == "radam") return {Kind::RAdam, kCommon + 5};
+  if (name == "nadam") return {Kind::NAdam, kCommon + 6};
+  if (name == "lamb") return {Kind::Lamb, kCommon + 11};
+  if (name == "adamp") return {Kind::AdamP, kCommon + 7};
   if (name == "muon") return {Kind::Muon, kCommon + 13};
   TORCH_CHECK_VALUE(false, "fused_step_: optimizer must be one of 'adam', 'sgd', 'lion', 'rmsprop', 'adadelta', "
-                    "'radam', 'muon', got '", name, "'");
+                    "'radam', 'nadam', 'lamb', 'adamp', 'muon', got '", name, "'");
 }
 
 // Whether a group of this kind keeps state list k (0..2).
@@ -80,7 +87,11 @@ bool uses_state(Kind kind, const double* f, int k) {
       return k == 0 || (k == 1 && f[kCommon + 3] > 0.0) || (k == 2 && f[kCommon + 4] != 0.0);
     case Kind::Adadelta:
     case Kind::RAdam:
+    case Kind::Lamb:
+    case Kind::AdamP:
       return k < 2;
+    case Kind::NAdam:
+      return true;
     case Kind::Muon:
       return f[kCommon] != 0.0 ? k == 0 : k < 2;
   }
@@ -118,6 +129,19 @@ void call_update(Kind kind, const Lists& l, const at::Tensor& lr, const double* 
     case Kind::RAdam:
       fused_radam_(l.params, l.grads, l.s[0], l.s[1], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3],
                    k[4] != 0.0, maximize, tail);
+      break;
+    case Kind::NAdam:
+      fused_nadam_(l.params, l.grads, l.s[0], l.s[1], l.s[2], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3],
+                   k[4], k[5] != 0.0, maximize, tail);
+      break;
+    case Kind::Lamb:
+      fused_lamb_(l.params, l.grads, l.s[0], l.s[1], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3],
+                  maximize, tail, LambForm{k[4] != 0.0, k[5] != 0.0, k[6] != 0.0, k[7] != 0.0, k[8] != 0.0,
+                                           k[9] != 0.0, k[10]});
+      break;
+    case Kind::AdamP:
+      fused_adamp_(l.params, l.grads, l.s[0], l.s[1], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3], k[4],
+                   k[5], k[6] != 0.0, maximize, tail);
       break;
     case Kind::Muon:  // NOTE [muon groups]
       if (k[0] != 0.0) {

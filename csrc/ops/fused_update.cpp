@@ -81,6 +81,7 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
   check_list_size(op, lists.state_names[1], lists.state2, n);
   check_list_size(op, lists.state_names[2], lists.state3, n);
   check_list_size(op, "master_params", lists.master, n);
+  check_list_size(op, lists.aux_name, lists.aux, n);
   check_list_size(op, "ema_params", lists.ema, n);
   TORCH_CHECK(scalars.lr.defined(), op, ": lr is required");
   if (n == 0) return;
@@ -139,6 +140,11 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     TORCH_CHECK(s.device() == dev, op, ": params[", i, "] is on ", dev, " but state_steps[", i, "] is on ",
                 s.device());
 
+    if (!lists.aux.empty()) {
+      const at::Tensor& a = lists.aux[i];
+      TORCH_CHECK(a.defined() && a.numel() == 1 && a.scalar_type() == at::kFloat && a.device() == dev, op, ": ",
+                  lists.aux_name, "[", i, "] must be a float32 tensor with one element on ", dev);
+    }
     if (!lists.state1.empty()) check_companion(op, lists.state_names[0], i, lists.state1[i], p, Dtype::State);
     if (!lists.state2.empty()) check_companion(op, lists.state_names[1], i, lists.state2[i], p, Dtype::State);
     if (!lists.state3.empty()) check_companion(op, lists.state_names[2], i, lists.state3[i], p, Dtype::State);
@@ -153,6 +159,7 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     b.params.push_back(p);
     b.grads.push_back(g);
     b.steps.push_back(s);
+    if (!lists.aux.empty()) b.aux.push_back(lists.aux[i]);
     if (!lists.state1.empty()) b.state1.push_back(lists.state1[i]);
     if (!lists.state2.empty()) b.state2.push_back(lists.state2[i]);
     if (!lists.state3.empty()) b.state3.push_back(lists.state3[i]);
@@ -178,6 +185,8 @@ void run_update_op(const char* op, UpdateKernel kernel, OptimHyper h, const OpSt
   l.state2 = states.s2.vec();
   l.state3 = states.s3.vec();
   l.steps = state_steps.vec();
+  l.aux = states.aux.vec();
+  l.aux_name = states.aux_name;
   l.master = master_params.vec();
   l.ema = ema_params.vec();
   h.maximize = maximize;

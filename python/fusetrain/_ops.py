@@ -50,7 +50,7 @@ def _update_fake(*args, **kwargs):
 
 
 for _name in ("fused_adam_", "fused_sgd_", "fused_lion_", "fused_rmsprop_", "fused_adadelta_", "fused_radam_",
-              "fused_muon_", "ema_update_", "update_scale_", "fused_step_", "ema_decay_", "ema_step_"):
+              "fused_nadam_", "fused_lamb_", "fused_adamp_", "fused_muon_", "ema_update_", "update_scale_", "fused_step_", "ema_decay_", "ema_step_"):
     torch.library.register_fake(f"fusetrain::{_name}")(_update_fake)
 
 
@@ -125,6 +125,41 @@ def fused_radam_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_param
                       found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
 
 
+def fused_nadam_(params, grads, exp_avgs, exp_avg_sqs, mu_products, state_steps, master_params, ema_params, *, lr,
+                 beta1, beta2, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize, inv_scale=None,
+                 found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
+    """In-place NAdam step over lists of tensors (see ``fusetrain::fused_nadam_``); ``mu_products`` are
+    0-d float32 tensors, one per param."""
+    _ops.fused_nadam_(params, grads, exp_avgs, exp_avg_sqs, mu_products, state_steps, master_params, ema_params,
+                      lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                      momentum_decay=momentum_decay, decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
+                      inv_scale=inv_scale, found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm,
+                      ema_decay=ema_decay)
+
+
+def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, *, lr, beta1, beta2,
+                eps, weight_decay, bias_correction=True, grad_averaging=True, trust_clip=False, always_adapt=False,
+                caution=False, decoupled_weight_decay=False, decay_max_lr=0.0, maximize=False, inv_scale=None,
+                found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
+    """In-place Lamb step (timm's Lamb) over lists of tensors (see ``fusetrain::fused_lamb_``)."""
+    _ops.fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, lr=lr,
+                     beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                     grad_averaging=grad_averaging, trust_clip=trust_clip, always_adapt=always_adapt, caution=caution,
+                     decoupled_weight_decay=decoupled_weight_decay, decay_max_lr=decay_max_lr, maximize=maximize,
+                     inv_scale=inv_scale, found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm,
+                     ema_decay=ema_decay)
+
+
+def fused_adamp_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, *, lr, beta1, beta2,
+                 eps, weight_decay, delta=0.1, wd_ratio=0.1, nesterov=False, maximize=False, inv_scale=None,
+                 found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
+    """In-place AdamP step (timm's AdamP) over lists of tensors (see ``fusetrain::fused_adamp_``)."""
+    _ops.fused_adamp_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, lr=lr,
+                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, delta=delta, wd_ratio=wd_ratio,
+                      nesterov=nesterov, maximize=maximize, inv_scale=inv_scale, found_inf=found_inf,
+                      grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
+
+
 def fused_muon_(params, grads, momentum_buffers, state_steps, master_params, ema_params, *, lr, momentum, nesterov,
                 weight_decay, ns_coefficients, eps, ns_steps, adjust_lr_fn="original", inv_scale=None,
                 found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
@@ -140,7 +175,7 @@ def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, stat
                 group_sizes, lrs, hyper, *, inv_scale=None, found_inf=None, ema_decay=None, grad_norm_out=None,
                 found_inf_out=None) -> None:
     """The whole optimizer tail for every group of one optimizer ("adam",
-    "sgd", "lion", "rmsprop", "adadelta", "radam" or "muon"): the stats pass when a group clips or the gradients are
+    "sgd", "lion", "rmsprop", "adadelta", "radam", "nadam", "lamb", "adamp" or "muon"): the stats pass when a group clips or the gradients are
     loss-scaled without a flag, then one update pass per group. Lists are
     flattened over groups; ``group_sizes``, ``lrs`` and ``hyper`` describe the
     groups (NOTE [group records] in csrc/ops/fused_step.cpp). ``grad_norm_out``

@@ -105,6 +105,16 @@ std::unique_ptr<fusetrain::FusedOptimizer> make_optimizer(const Case& c, std::ve
     return make<fusetrain::RAdam>(c, params, fusetrain::RAdamOptions(lr).betas({0.9, 0.99}).weight_decay(0.05)
                                                  .decoupled_weight_decay(true).max_grad_norm(clip)
                                                  .master_weights(master));
+  if (name == "nadam")
+    return make<fusetrain::NAdam>(c, params, fusetrain::NAdamOptions(lr).betas({0.9, 0.99}).weight_decay(0.05)
+                                                 .momentum_decay(0.01).decoupled_weight_decay(true)
+                                                 .max_grad_norm(clip).master_weights(master));
+  if (name == "lamb")
+    return make<fusetrain::Lamb>(c, params, fusetrain::LambOptions(lr).weight_decay(0.05).trust_clip(true)
+                                                .max_grad_norm(clip).master_weights(master));
+  if (name == "adamp")
+    return make<fusetrain::AdamP>(c, params, fusetrain::AdamPOptions(lr).weight_decay(0.05).delta(1.0).nesterov(true)
+                                                 .max_grad_norm(clip).master_weights(master));
   EXPECT_EQ(name, "lion");
   return make<fusetrain::Lion>(c, params, fusetrain::LionOptions(lr).betas({0.9, 0.99}).weight_decay(0.1)
                                               .max_grad_norm(clip).master_weights(master));
@@ -171,7 +181,7 @@ void run_case(const Case& c, c10::Dict<std::string, at::Tensor>& out) {
     const std::pair<const char*, at::Tensor> fields[] = {
         {"step", st.step()}, {"exp_avg", st.exp_avg()}, {"exp_avg_sq", st.exp_avg_sq()},
         {"max_exp_avg_sq", st.max_exp_avg_sq()}, {"momentum_buffer", st.momentum_buffer()},
-        {"master_param", st.master()}};
+        {"mu_product", st.mu_product()}, {"master_param", st.master()}};
     for (const auto& [field, t] : fields)
       if (t.defined()) out.insert(name + "/state/" + std::to_string(i) + "/" + field, t.clone());
   }

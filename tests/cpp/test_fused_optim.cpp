@@ -834,6 +834,12 @@ TEST_P(FusedCommon, EmptyListsForEveryOp) {
   EXPECT_NO_THROW(fusetrain::fused_lion_(none, none, none, none, none, none, lr, 0.9, 0.99, 0.0, false, tail));
   EXPECT_NO_THROW(fusetrain::fused_adam_(none, none, none, none, none, none, none, none, lr, 0.9, 0.999, 0.0, 1e-8,
                                          false, false, false, tail));
+  EXPECT_NO_THROW(fusetrain::fused_nadam_(none, none, none, none, none, none, none, none, lr, 0.9, 0.999, 1e-8, 0.0,
+                                          4e-3, false, false, tail));
+  EXPECT_NO_THROW(fusetrain::fused_lamb_(none, none, none, none, none, none, none, lr, 0.9, 0.999, 1e-6, 0.01, false,
+                                         tail));
+  EXPECT_NO_THROW(fusetrain::fused_adamp_(none, none, none, none, none, none, none, lr, 0.9, 0.999, 1e-8, 0.0, 0.1,
+                                          0.1, false, false, tail));
   auto [norm, found_inf] = fusetrain::grad_stats(none, tail.inv_scale);
   EXPECT_EQ(norm.item<float>(), 0.f);
   EXPECT_EQ(found_inf.item<float>(), 0.f);

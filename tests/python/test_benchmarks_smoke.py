@@ -66,13 +66,14 @@ def test_optim_step_quick_run_writes_report(tmp_path, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_optim_family_quick_run_has_a_row_per_optimizer(tmp_path, device):
     _, report = quick_run("optim_family", tmp_path, device)
-    assert set(report["results"]) == {"Adam", "AdamW", "SGD", "RMSprop", "Adadelta", "RAdam", "RMSpropTF", "Muon"}
+    assert set(report["results"]) == {"Adam", "AdamW", "SGD", "RMSprop", "Adadelta", "RAdam", "NAdam", "RMSpropTF",
+                                      "Lamb", "AdamP", "Muon"}
     for name, r in report["results"].items():
-        impl = {"RMSpropTF": "timm", "Muon": "Muon+AdamW"}.get(
+        impl = {"RMSpropTF": "timm", "Lamb": "timm", "AdamP": "timm", "Muon": "Muon+AdamW"}.get(
             name, "fused" if name in ("Adam", "AdamW", "SGD") else "foreach")
         assert r["torch_impl"] == impl
         for variant in ("fusetrain", "torch", "fusetrain_full", "torch_full"):
             assert r[variant]["median_ms"] > 0, (name, variant)
         assert r["plain_ratio"] > 0 and r["full_ratio"] > 0
     # A plain and a full target per optimizer, no plain one against timm's class.
-    assert len(report["targets"]) == 15 and report["loadavg_start"] is not None
+    assert len(report["targets"]) == 19 and report["loadavg_start"] is not None

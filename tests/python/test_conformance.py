@@ -14,7 +14,7 @@ from torch import nn
 
 import fusetrain
 from _test_helpers import REPO
-from fusetrain.optim import SGD, Adadelta, Adam, AdamW, Lion, Muon, RAdam, RMSprop, RMSpropTF
+from fusetrain.optim import SGD, Adadelta, Adam, AdamP, AdamW, Lamb, Lion, Muon, NAdam, RAdam, RMSprop, RMSpropTF
 
 SHAPES = [(7,), (13, 5), (3, 4, 2)]
 DEFAULTS = {"optimizer": "adamw", "dtype": "fp32", "master": "0", "clip": "0", "amsgrad": "0", "bias_correction": "1",
@@ -22,7 +22,7 @@ DEFAULTS = {"optimizer": "adamw", "dtype": "fp32", "master": "0", "clip": "0", "
             "ema": "0", "accumulate": "1", "steps": "4", "inf_step": "-1", "lr": "0.01", "lr_decay": "1",
             "seed": "0", "groups": "1"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "master_param")
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "mu_product", "master_param")
 
 
 def read_cases():
@@ -75,6 +75,13 @@ def make_optimizer(c, params):
         return Adadelta(params, rho=0.8, weight_decay=0.01, **common)
     if c["optimizer"] == "radam":
         return RAdam(params, betas=(0.9, 0.99), weight_decay=0.05, decoupled_weight_decay=True, **common)
+    if c["optimizer"] == "nadam":
+        return NAdam(params, betas=(0.9, 0.99), weight_decay=0.05, momentum_decay=0.01, decoupled_weight_decay=True,
+                     **common)
+    if c["optimizer"] == "lamb":
+        return Lamb(params, weight_decay=0.05, trust_clip=True, **common)
+    if c["optimizer"] == "adamp":
+        return AdamP(params, weight_decay=0.05, delta=1.0, nesterov=True, **common)
     assert c["optimizer"] == "lion", c["optimizer"]
     return Lion(params, betas=(0.9, 0.99), weight_decay=0.1, **common)
 

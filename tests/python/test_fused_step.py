@@ -138,7 +138,7 @@ def test_no_measurement_leaves_nan_norm_and_zero_flag(device):
 def test_bad_records_name_the_argument():
     g = adam_group("cpu", [(5,)], [torch.float32])
     lists = ([t for t in g["params"]], g["grads"], g["steps"], g["s"][0], g["s"][1], [], [], [])
-    with pytest.raises(ValueError, match="optimizer must be one of 'adam', 'sgd', 'lion', 'rmsprop', 'adadelta', 'radam', 'muon', got 'adamw'"):
+    with pytest.raises(ValueError, match="optimizer must be one of 'adam', 'sgd', 'lion', 'rmsprop', 'adadelta', 'radam', 'nadam', 'lamb', 'adamp', 'muon', got 'adamw'"):
         _ops.fused_step_("adamw", *lists, [1], [g["lr"]], g["hyper"])
     with pytest.raises(ValueError, match="takes 11 hyper values per group"):
         _ops.fused_step_("adam", *lists, [1], [g["lr"]], g["hyper"][:-1])

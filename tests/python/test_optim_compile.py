@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fusetrain
-from fusetrain.optim import SGD, AdamW, Lion
+from fusetrain.optim import SGD, AdamP, AdamW, Lamb, Lion, NAdam
 
 SHAPES = [(7,), (3, 5), (1,), (1031,)]
 FUSETRAIN_DIR = os.path.dirname(fusetrain.__file__)
@@ -56,6 +56,10 @@ CASES = {
     "Lion": (lambda ps: Lion(ps, lr=0.01, weight_decay=0.1), torch.float32, "lion"),
     "AdamW-max_grad_norm": (lambda ps: AdamW(ps, lr=0.01, max_grad_norm=0.5), torch.float32, "adam"),
     "AdamW-master-bf16": (lambda ps: AdamW(ps, lr=0.01, master_weights=True), torch.bfloat16, "adam"),
+    "NAdam": (lambda ps: NAdam(ps, lr=0.01, weight_decay=0.05), torch.float32, "nadam"),
+    "Lamb": (lambda ps: Lamb(ps, lr=0.01, caution=True), torch.float32, "lamb"),
+    "AdamP-master-bf16": (lambda ps: AdamP(ps, lr=0.01, weight_decay=0.05, delta=1.0, master_weights=True),
+                          torch.bfloat16, "adamp"),
 }
 
 

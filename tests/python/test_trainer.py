@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusetrain.optim import SGD, Adadelta, Adam, AdamW, Lion, RAdam, RMSprop
+from fusetrain.optim import SGD, Adadelta, Adam, AdamP, AdamW, Lamb, Lion, NAdam, RAdam, RMSprop
 from fusetrain.training import TrainingParamsError, resolve_training_params
 from fusetrain.training import checkpoints as ckpt_module
 from fusetrain.training import trainer as trainer_module
@@ -174,6 +174,9 @@ OPTIMIZER_CASES = [
      {"step", "square_avg", "momentum_buffer", "grad_avg"}),
     ("Adadelta", Adadelta, 1.0, {}, {"step", "square_avg", "acc_delta"}),
     ("RAdam", RAdam, 3e-3, {"decoupled_weight_decay": True}, {"step", "exp_avg", "exp_avg_sq"}),
+    ("NAdam", NAdam, 3e-3, {}, {"step", "mu_product", "exp_avg", "exp_avg_sq"}),
+    ("lamb", Lamb, 3e-3, {"trust_clip": True}, {"step", "exp_avg", "exp_avg_sq"}),
+    ("AdamP", AdamP, 3e-3, {"weight_decay": 0.01}, {"step", "exp_avg", "exp_avg_sq"}),
     (torch.optim.SGD, torch.optim.SGD, 0.05, {"momentum": 0.9}, {"momentum_buffer"}),
     (torch.optim.AdamW, torch.optim.AdamW, 3e-3, {}, {"step", "exp_avg", "exp_avg_sq"}),
 ]

@@ -50,7 +50,8 @@ EXPECTED_DEFAULTS = {
 }
 
 BOOL = "a bool (true or false)"
-OPTIMIZER_ALLOWED = ("one of 'AdamW', 'Adam', 'SGD', 'Lion', 'RMSprop', 'Adadelta', 'RAdam', 'RMSpropTF', 'Muon' "
+OPTIMIZER_ALLOWED = ("one of 'AdamW', 'Adam', 'SGD', 'Lion', 'RMSprop', 'Adadelta', 'RAdam', 'NAdam', 'RMSpropTF', "
+                     "'Lamb', 'AdamP', 'Muon' "
                      "(case-insensitive) or a torch.optim.Optimizer subclass (the class, not an instance)")
 LOSS_ALLOWED = ("a loss name (a torch.nn loss class name such as 'CrossEntropyLoss', one of 'cross_entropy', 'mse', "
                 "'l1', 'smooth_l1', 'bce_with_logits', 'nll', a name registered with fusetrain.register_loss, a class "

@@ -77,6 +77,39 @@ void fused_radam_(at::TensorList params, at::TensorList grads, at::TensorList ex
                   const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay,
                   bool decoupled_weight_decay, bool maximize, const FusedTail& tail = {});
 
+// NAdam (torch.optim.NAdam), L2 or decoupled weight decay; mu_products are
+// each param's 0-d float32 running product of momentum coefficients (start at 1).
+void fused_nadam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList mu_products, at::TensorList state_steps, at::TensorList master_params,
+                  at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
+                  double weight_decay, double momentum_decay, bool decoupled_weight_decay, bool maximize,
+                  const FusedTail& tail = {});
+
+// Lamb's options (timm's Lamb): decay_max_lr > 0 turns on its corrected
+// decoupled weight decay (the decay scaled by lr / decay_max_lr).
+struct LambForm {
+  bool bias_correction = true;
+  bool grad_averaging = true;
+  bool trust_clip = false;
+  bool always_adapt = false;
+  bool caution = false;
+  bool decoupled_weight_decay = false;
+  double decay_max_lr = 0.0;
+};
+
+// Lamb (timm's Lamb; NOTE [apply pass] in csrc/ops/aten_stage.h). Its own
+// global-norm clipping is the tail's max_grad_norm.
+void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                 at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
+                 const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
+                 const FusedTail& tail = {}, const LambForm& form = {});
+
+// AdamP (timm's AdamP; NOTE [adamp projection] in csrc/ops/fused_adamp.cpp).
+void fused_adamp_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
+                  const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay, double delta,
+                  double wd_ratio, bool nesterov, bool maximize, const FusedTail& tail = {});
+
 // Muon (torch.optim.Muon's update; NOTE [muon apply] in csrc/ops/fused_muon.cpp)
 // for params of 2 or more dims (a convolution filter as out_channels x the
 // rest), batched across params whose matrices share a shape. adjust_lr_fn:

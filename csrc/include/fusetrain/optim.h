@@ -1,6 +1,7 @@
 // fusetrain's fused optimizers for LibTorch programs.
 //
-// fusetrain::Adam, AdamW, SGD, Lion, RMSprop, Adadelta, RAdam and Muon derive from
+// fusetrain::Adam, AdamW, SGD, Lion, RMSprop, Adadelta, RAdam, NAdam, Lamb, AdamP and
+// Muon derive from
 // torch::optim::Optimizer, so
 // they plug into LibTorch loops, LR schedulers (which go through
 // options().get_lr()/set_lr()) and torch::save/torch::load of optimizer state.
@@ -39,6 +40,7 @@ struct FusedParamState : public torch::optim::OptimizerCloneableParamState<Fused
   TORCH_ARG(torch::Tensor, square_avg);  // RMSprop, Adadelta
   TORCH_ARG(torch::Tensor, grad_avg);    // centered RMSprop
   TORCH_ARG(torch::Tensor, acc_delta);   // Adadelta
+  TORCH_ARG(torch::Tensor, mu_product);  // NAdam: 0-d float32, like step
   TORCH_ARG(torch::Tensor, master);  // fp32 master copy of an fp16/bf16 param
 
  public:
@@ -52,6 +54,9 @@ using LionParamState = FusedParamState;
 using RMSpropParamState = FusedParamState;
 using AdadeltaParamState = FusedParamState;
 using RAdamParamState = FusedParamState;
+using NAdamParamState = FusedParamState;
+using LambParamState = FusedParamState;
+using AdamPParamState = FusedParamState;
 using MuonParamState = FusedParamState;
 
 // Options. Common to all: lr, weight_decay, maximize, max_grad_norm (global L2
@@ -182,6 +187,77 @@ struct RAdamOptions : public torch::optim::OptimizerCloneableOptions<RAdamOption
   TORCH_ARG(double, eps) = 1e-8;
   TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(bool, decoupled_weight_decay) = false;
+  TORCH_ARG(bool, maximize) = false;
+  TORCH_ARG(double, max_grad_norm) = 0.0;
+  TORCH_ARG(bool, master_weights) = false;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+struct NAdamOptions : public torch::optim::OptimizerCloneableOptions<NAdamOptions> {
+  NAdamOptions(double lr = 2e-3);
+  typedef std::tuple<double, double> betas_t;
+  TORCH_ARG(double, lr) = 2e-3;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(double, momentum_decay) = 4e-3;
+  TORCH_ARG(bool, decoupled_weight_decay) = false;
+  TORCH_ARG(bool, maximize) = false;
+  TORCH_ARG(double, max_grad_norm) = 0.0;
+  TORCH_ARG(bool, master_weights) = false;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+// Lamb with timm's semantics and defaults (NOTE [apply pass] in
+// csrc/ops/aten_stage.h); its built-in clipping is max_grad_norm (default 1).
+// corrected_weight_decay scales the decoupled decay by lr / defaults().lr().
+struct LambOptions : public torch::optim::OptimizerCloneableOptions<LambOptions> {
+  LambOptions(double lr = 1e-3);
+  typedef std::tuple<double, double> betas_t;
+  TORCH_ARG(double, lr) = 1e-3;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  TORCH_ARG(double, eps) = 1e-6;
+  TORCH_ARG(double, weight_decay) = 0.01;
+  TORCH_ARG(bool, bias_correction) = true;
+  TORCH_ARG(bool, grad_averaging) = true;
+  TORCH_ARG(bool, trust_clip) = false;
+  TORCH_ARG(bool, always_adapt) = false;
+  TORCH_ARG(bool, caution) = false;
+  TORCH_ARG(bool, decoupled_weight_decay) = false;
+  TORCH_ARG(bool, corrected_weight_decay) = false;
+  TORCH_ARG(bool, maximize) = false;
+  TORCH_ARG(double, max_grad_norm) = 1.0;
+  TORCH_ARG(bool, master_weights) = false;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+// AdamP with timm's semantics and defaults (NOTE [adamp projection] in
+// csrc/ops/fused_adamp.cpp).
+struct AdamPOptions : public torch::optim::OptimizerCloneableOptions<AdamPOptions> {
+  AdamPOptions(double lr = 1e-3);
+  typedef std::tuple<double, double> betas_t;
+  TORCH_ARG(double, lr) = 1e-3;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(double, delta) = 0.1;
+  TORCH_ARG(double, wd_ratio) = 0.1;
+  TORCH_ARG(bool, nesterov) = false;
   TORCH_ARG(bool, maximize) = false;
   TORCH_ARG(double, max_grad_norm) = 0.0;
   TORCH_ARG(bool, master_weights) = false;
@@ -325,6 +401,9 @@ FUSETRAIN_DECLARE_OPTIMIZER(Lion)
 FUSETRAIN_DECLARE_OPTIMIZER(RMSprop)
 FUSETRAIN_DECLARE_OPTIMIZER(Adadelta)
 FUSETRAIN_DECLARE_OPTIMIZER(RAdam)
+FUSETRAIN_DECLARE_OPTIMIZER(NAdam)
+FUSETRAIN_DECLARE_OPTIMIZER(Lamb)
+FUSETRAIN_DECLARE_OPTIMIZER(AdamP)
 FUSETRAIN_DECLARE_OPTIMIZER(Muon)
 #undef FUSETRAIN_DECLARE_OPTIMIZER
 

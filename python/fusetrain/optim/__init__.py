@@ -3,10 +3,12 @@
 
 from ._base import FusedOptimizer
 from .adam import Adam, AdamW
+from .lamb import AdamP, Lamb
 from .lion import Lion
 from .muon import Muon
+from .nadam import NAdam
 from .radam import RAdam
 from .rmsprop import Adadelta, RMSprop, RMSpropTF
 from .sgd import SGD
 
-__all__ = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adadelta", "RAdam", "RMSpropTF", "Muon", "FusedOptimizer"]
+__all__ = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adadelta", "RAdam", "NAdam", "RMSpropTF", "Lamb", "AdamP", "Muon", "FusedOptimizer"]

@@ -39,6 +39,10 @@ def _state_dtype(p: Tensor, complex_state: bool = True) -> torch.dtype:
     return torch.float64 if wide else torch.float32
 
 
+def _is_device_scalar(v: Any, device: torch.device) -> bool:
+    return isinstance(v, Tensor) and v.device == device and v.dtype == torch.float32 and v.dim() == 0
+
+
 def _check_range(opt: str, name: str, value: Any, low: float, high: Optional[float] = None,
                  high_inclusive: bool = False) -> None:
     if isinstance(value, Tensor):
@@ -97,6 +101,9 @@ class FusedOptimizer(Optimizer):
     """
 
     _kind = ""
+    # State entries that are 0-d float32 device scalars beside the step (NOTE
+    # [tensor scalars] in csrc/common/update_args.h), e.g. NAdam's mu_product.
+    _scalar_states: Sequence[str] = ()
     _sparse_grads = False  # whether sparse gradients are accepted (NOTE [sparse gradients])
 
     _opt_name = "FusedOptimizer"
@@ -202,6 +209,8 @@ class FusedOptimizer(Optimizer):
                     if v.is_sparse:  # torch's SGD keeps a sparse momentum buffer for sparse gradients
                         v = v.to_dense()
                     dtype = _state_dtype(p, complex_state=v.is_complex())
+                    if k in self._scalar_states:
+                        dtype = torch.float32
                     self.state[p][k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
         self._lr_cache.clear()
 
@@ -271,6 +280,8 @@ class FusedOptimizer(Optimizer):
         for name in self._state_names(group):
             if name is not None and name not in state:
                 return False
+            if name in self._scalar_states and not _is_device_scalar(state[name], p.device):
+                return False
         return not (group["master_weights"] and p.dtype in _LOW and "master_param" not in state)
 
     def _ensure_state(self, group, p: Tensor) -> None:
@@ -281,7 +292,13 @@ class FusedOptimizer(Optimizer):
         elif state["step"].device != p.device or state["step"].dtype != torch.float32:
             state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
         for name in self._state_names(group):
-            if name is not None and name not in state:
+            if name in self._scalar_states:
+                if name not in state:
+                    state[name] = torch.full((), self._initial_state_value(name), dtype=torch.float32,
+                                             device=p.device)
+                elif not _is_device_scalar(state[name], p.device):  # also a Python number (older checkpoints)
+                    state[name] = torch.as_tensor(state[name], dtype=torch.float32).to(p.device).reshape(())
+            elif name is not None and name not in state:
                 state[name] = torch.full_like(p, self._initial_state_value(name), dtype=_state_dtype(p),
                                               memory_format=torch.preserve_format)
         if group["master_weights"] and p.dtype in _LOW and "master_param" not in state:
@@ -358,7 +375,7 @@ class FusedOptimizer(Optimizer):
                     emas.append(torch.view_as_real(ema_list[i]))
                 for out, name in zip(outs, names):
                     if name is not None:
-                        out.append(torch.view_as_real(state[name]))
+                        out.append(state[name] if name in self._scalar_states else torch.view_as_real(state[name]))
                 continue
             params.append(p)
             grads.append(g)

@@ -13,7 +13,7 @@ import torch
 
 from ...amp import LossScaler
 from ...ema import ModelEMA
-from ...optim import SGD, Adadelta, Adam, AdamW, Lion, Muon, RAdam, RMSprop, RMSpropTF
+from ...optim import SGD, Adadelta, Adam, AdamP, AdamW, Lamb, Lion, Muon, NAdam, RAdam, RMSprop, RMSpropTF
 from ..batches import MODEL_INPUT_MODES
 from ..callbacks import CALLBACKS, Callback
 from ..losses import LOSS_ALIASES, MODEL_LOSS, loss_factory
@@ -29,7 +29,7 @@ __all__ = ["ParamSpec", "TRAINING_PARAMS", "OPTIMIZERS", "LR_MODES", "TORCH_COMP
 #: The built-in optimizers by canonical name (names are matched case-insensitively).
 OPTIMIZERS: Mapping[str, Type[torch.optim.Optimizer]] = MappingProxyType(
     {"AdamW": AdamW, "Adam": Adam, "SGD": SGD, "Lion": Lion, "RMSprop": RMSprop, "Adadelta": Adadelta,
-     "RAdam": RAdam, "RMSpropTF": RMSpropTF, "Muon": Muon})
+     "RAdam": RAdam, "NAdam": NAdam, "RMSpropTF": RMSpropTF, "Lamb": Lamb, "AdamP": AdamP, "Muon": Muon})
 LR_MODES = ("constant", "step", "cosine", "onecycle", "cyclic", "linear", "poly", "exponential", "cosine_restarts",
             "plateau")
 WARMUP_MODES = ("linear", "constant", "exponential")
@@ -221,8 +221,8 @@ _SPECS = [
         end); schedules and the EMA's decay horizon span `max_steps`. None: `max_epochs` decides."""),
     _p("optimizer", _V_OPTIMIZER, "AdamW", """
         The optimizer. A name selects one of fusetrain's fused optimizers (`fusetrain.optim.AdamW`, `Adam`, `SGD`,
-        `Lion`, `RMSprop`, `Adadelta`, `RAdam` with the arguments and defaults of torch.optim's, `RMSpropTF` with
-        those of timm's, `Muon` with torch.optim's for matrices and convolution filters and AdamW for the other
+        `Lion`, `RMSprop`, `Adadelta`, `RAdam`, `NAdam` with the arguments and defaults of torch.optim's,
+        `RMSpropTF`, `Lamb`, `AdamP` with those of timm's (clipping follows `clip_grad_norm`), `Muon` with torch.optim's for matrices and convolution filters and AdamW for the other
         parameters; see docs/optimizers.md),
         whose whole step (unscaling of fp16 gradients, non-finite check, clipping, update and EMA) runs in
         fused kernels without synchronising with the host; its learning rate is a device tensor that the schedule

@@ -1,0 +1,43 @@
+"""Fused NAdam."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._base import FusedOptimizer, _no_differentiable, _torch_checks
+
+
+class NAdam(FusedOptimizer):
+    """NAdam with the arguments, defaults, state (``step``, ``mu_product``,
+    ``exp_avg``, ``exp_avg_sq``) and state-dict layout of
+    :class:`torch.optim.NAdam` (L2 weight decay unless
+    ``decoupled_weight_decay=True``); the whole step runs as one fused pass per
+    group, ``mu_product`` advancing on the device with the step. See
+    :class:`fusetrain.optim.Adam` for ``max_grad_norm`` and ``master_weights``."""
+
+    _opt_name = "NAdam"
+    _kind = "nadam"
+    _scalar_states = ("mu_product",)
+
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum_decay=4e-3,
+                 decoupled_weight_decay: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
+                 capturable: bool = False, differentiable: bool = False, max_grad_norm: Optional[float] = None,
+                 master_weights: bool = False):
+        _no_differentiable(self._opt_name, differentiable)
+        defaults = _torch_checks(torch.optim.NAdam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 momentum_decay=momentum_decay, decoupled_weight_decay=decoupled_weight_decay,
+                                 foreach=foreach, maximize=maximize, capturable=capturable)
+        super().__init__(params, defaults, max_grad_norm, master_weights)
+
+    def _state_names(self, group):
+        return ("exp_avg", "exp_avg_sq", "mu_product")
+
+    def _initial_state_value(self, name):
+        return 1.0 if name == "mu_product" else 0.0
+
+    def _kind_fields(self, group):
+        beta1, beta2 = group["betas"]
+        return [float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                float(group["momentum_decay"]), 1.0 if group["decoupled_weight_decay"] else 0.0]
