@@ -210,7 +210,8 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                      at::TensorList master_params, at::TensorList ema_params, at::IntArrayRef group_sizes,
                      at::TensorList lrs, at::ArrayRef<double> hyper, const std::optional<at::Tensor>& inv_scale,
                      const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& ema_decay,
-                     const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out) {
+                     const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out,
+                     const std::optional<at::Tensor>& grad_norm) {
   const KindInfo info = kind_info(std::string(optimizer));
   const size_t groups = group_sizes.size();
   TORCH_CHECK_VALUE(lrs.size() == groups, "fused_step_: got ", groups, " group_sizes but ", lrs.size(), " lrs");
@@ -219,15 +220,21 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
   TORCH_CHECK_VALUE(grads.size() == params.size() && state_steps.size() == params.size(), "fused_step_: got ",
                     params.size(), " params, ", grads.size(), " grads and ", state_steps.size(), " state_steps");
   TORCH_CHECK_VALUE(!ema_decay.has_value() || ema_decay->defined(), "fused_step_: ema_decay is undefined");
+  TORCH_CHECK_VALUE(!grad_norm.has_value() || (grad_norm->defined() && grad_norm->numel() == 1 &&
+                                               grad_norm->scalar_type() == at::kFloat),
+                    "fused_step_: grad_norm must be a float32 tensor with one element");
 
-  // 1. Stats pass: the norm for clipping, the flag for an unscaled step.
+  // 1. Stats pass: the norm for clipping (unless the caller measured it), the
+  // flag for an unscaled step.
   bool clips = false;
   for (size_t g = 0; g < groups; ++g) clips = clips || hyper[g * info.fields] > 0.0;
-  const bool measure = !params.empty() && (clips || (inv_scale.has_value() && !found_inf.has_value()));
-  at::Tensor norm, flag = found_inf.has_value() ? *found_inf : at::Tensor();
+  const bool measure =
+      !params.empty() && ((clips && !grad_norm.has_value()) || (inv_scale.has_value() && !found_inf.has_value()));
+  at::Tensor norm = grad_norm.has_value() ? grad_norm->reshape({}) : at::Tensor();
+  at::Tensor flag = found_inf.has_value() ? *found_inf : at::Tensor();
   if (measure) {
     auto [n, f] = global_stats(grads, inv_scale);
-    norm = n;
+    if (!norm.defined()) norm = n;
     flag = flag.defined() ? at::maximum(flag.to(f.device()), f) : f;
   }
   // 2. Results the host may read after the step (NaN: no norm was measured).
@@ -323,7 +330,7 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
       "Tensor(c!)[] state1, Tensor(d!)[] state2, Tensor(e!)[] state3, Tensor(f!)[] master_params, "
       "Tensor(g!)[] ema_params, int[] group_sizes, Tensor[] lrs, float[] hyper, Tensor? inv_scale=None, "
       "Tensor? found_inf=None, Tensor? ema_decay=None, Tensor(h!)? grad_norm_out=None, "
-      "Tensor(i!)? found_inf_out=None) -> ()");
+      "Tensor(i!)? found_inf_out=None, Tensor? grad_norm=None) -> ()");
 }
 
 // Composite: the update and stats ops it calls dispatch per device.

@@ -173,7 +173,7 @@ def fused_muon_(params, grads, momentum_buffers, state_steps, master_params, ema
 
 def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
                 group_sizes, lrs, hyper, *, inv_scale=None, found_inf=None, ema_decay=None, grad_norm_out=None,
-                found_inf_out=None) -> None:
+                found_inf_out=None, grad_norm=None) -> None:
     """The whole optimizer tail for every group of one optimizer ("adam",
     "sgd", "lion", "rmsprop", "adadelta", "radam", "nadam", "lamb", "adamp" or "muon"): the stats pass when a group clips or the gradients are
     loss-scaled without a flag, then one update pass per group. Lists are
@@ -182,7 +182,8 @@ def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, stat
     and ``found_inf_out`` receive the global norm (NaN when none was measured)
     and the step's non-finite flag."""
     _ops.fused_step_(optimizer, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
-                     group_sizes, lrs, hyper, inv_scale, found_inf, ema_decay, grad_norm_out, found_inf_out)
+                     group_sizes, lrs, hyper, inv_scale, found_inf, ema_decay, grad_norm_out, found_inf_out,
+                     grad_norm)
 
 
 def ema_decay_(decay_out: Tensor, step: Tensor, total_steps: Optional[Tensor], decay_type: str, decay: float,

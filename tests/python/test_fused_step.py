@@ -128,6 +128,20 @@ def test_matches_the_per_group_ops(device, tail):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_given_norm_is_the_clipping_norm(device):
+    # A caller's global norm (sharded params: the norm over every rank's shards) replaces the stats pass's.
+    g = adam_group(device, [(7,), (13, 5)], [torch.float32, torch.float32], clip=0.5)
+    ref = clone_group(g)
+    given = torch.tensor(7.5, device=device)
+    out = run_fused_step([g], grad_norm=given)
+    _ops.fused_adam_(ref["params"], ref["grads"], ref["s"][0], ref["s"][1], [], ref["steps"], [], [], lr=ref["lr"],
+                     beta1=0.9, beta2=0.99, weight_decay=0.05, eps=1e-8, amsgrad=False, maximize=False,
+                     decoupled_weight_decay=True, grad_norm=given, max_grad_norm=0.5)
+    assert_groups_equal([g], [ref])
+    assert torch.equal(out["grad_norm_out"], given) and out["found_inf_out"].item() == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_no_measurement_leaves_nan_norm_and_zero_flag(device):
     g = adam_group(device, [(5,)], [torch.float32])  # no clipping, no loss scale
     out = run_fused_step([g])

@@ -140,14 +140,18 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, co
 // hyper (one record per group) describe the groups: NOTE [group records] in
 // csrc/ops/fused_step.cpp. grad_norm_out / found_inf_out (0-d float32), when
 // given, receive the global norm (NaN when none was measured) and the step's
-// non-finite flag. This is what fusetrain::FusedOptimizer and
-// fusetrain.optim.* call.
+// non-finite flag. grad_norm, when given, is the global norm of the
+// (unscaled) gradients measured by the caller (sharded parameters: the norm
+// over every shard, NOTE [sharded steps] in python/fusetrain/optim/_base.py):
+// clipping uses it and no stats pass runs for it. This is what
+// fusetrain::FusedOptimizer and fusetrain.optim.* call.
 void fused_step_(c10::string_view optimizer, at::TensorList params, at::TensorList grads, at::TensorList state_steps,
                  at::TensorList state1, at::TensorList state2, at::TensorList state3, at::TensorList master_params,
                  at::TensorList ema_params, at::IntArrayRef group_sizes, at::TensorList lrs,
                  at::ArrayRef<double> hyper, const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& ema_decay,
-                 const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out);
+                 const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out,
+                 const std::optional<at::Tensor>& grad_norm = std::nullopt);
 
 // The EMA decay of the next update (1-based number step + 1) into decay_out:
 // decay_type "constant", "threshold" or "exp" (needs total_steps), optionally

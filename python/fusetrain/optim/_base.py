@@ -20,6 +20,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import _ops
+from . import _sharded
+from ._sharded import local as _local
 
 # Complex params are updated as real views (torch.view_as_real), as torch.optim
 # does; their state is complex like torch's. NOTE [float64 params] in
@@ -104,6 +106,9 @@ class FusedOptimizer(Optimizer):
     # State entries that are 0-d float32 device scalars beside the step (NOTE
     # [tensor scalars] in csrc/common/update_args.h), e.g. NAdam's mu_product.
     _scalar_states: Sequence[str] = ()
+    # Whether the update of a tensor is element-wise, so that a DTensor's local
+    # shard can be updated alone (NOTE [sharded steps] in _sharded.py).
+    _shard_local = True
     _sparse_grads = False  # whether sparse gradients are accepted (NOTE [sparse gradients])
 
     _opt_name = "FusedOptimizer"
@@ -129,6 +134,8 @@ class FusedOptimizer(Optimizer):
         self._last: Dict[str, Optional[Tensor]] = {"grad_norm": None, "found_inf": None}
         self._amp_pending: Dict[str, Optional[Tensor]] = {"inv_scale": None, "found_inf": None}
         self._warned: Dict[str, bool] = {}
+        # Whether any param is a DTensor (NOTE [sharded steps]), known when its group is added.
+        self._sharding: Dict[str, bool] = {"any": False}
         super().__init__(params, defaults)
 
     @property
@@ -158,6 +165,8 @@ class FusedOptimizer(Optimizer):
             if p.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{self._opt_name}: param {i} of group {gi} is on {p.device}; supported: cpu, cuda")
             devices.add(p.device)
+        if any(_sharded.is_sharded(p) for p in group["params"]):
+            self._sharding["any"] = True
         if len(devices) > 1:
             raise ValueError(f"{self._opt_name}: params of group {gi} are on different devices "
                              f"{sorted(str(d) for d in devices)}; put each device's params in its own group")
@@ -178,6 +187,8 @@ class FusedOptimizer(Optimizer):
         self.__dict__.setdefault("_last", {"grad_norm": None, "found_inf": None})
         self.__dict__.setdefault("_amp_pending", {"inv_scale": None, "found_inf": None})
         self.__dict__.setdefault("_warned", {})
+        self.__dict__.setdefault("_sharding", {"any": any(_sharded.is_sharded(p) for g in self.param_groups
+                                                          for p in g["params"])})
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -377,15 +388,16 @@ class FusedOptimizer(Optimizer):
                     if name is not None:
                         out.append(state[name] if name in self._scalar_states else torch.view_as_real(state[name]))
                 continue
-            params.append(p)
-            grads.append(g)
+            # NOTE [sharded steps] (_sharded.py): a DTensor's step runs on its local shard.
+            params.append(_local(p))
+            grads.append(_local(g))
             if master and p.dtype in _LOW:
-                masters.append(state["master_param"])
+                masters.append(_local(state["master_param"]))
             if ema_list is not None:
-                emas.append(ema_list[i])
+                emas.append(_local(ema_list[i]))
             for out, name in zip(outs, names):
                 if name is not None:
-                    out.append(state[name])
+                    out.append(_local(state[name]))
         return len(params) > 0
 
     def _lr_tensor(self, gi: int, group: Dict[str, Any], device: torch.device) -> Tensor:
@@ -502,8 +514,21 @@ class FusedOptimizer(Optimizer):
             return
         self._ensure_results(params[0].device)
         res = self._results
+        grad_norm = None
+        sharded = self._sharding["any"]
+        if sharded and not self._shard_local:
+            raise NotImplementedError(
+                f"{self._opt_name}: its update reduces over whole tensors (trust ratio, projection or "
+                "orthogonalisation), which sharded (DTensor / fully_shard) parameters hold only in parts; use an "
+                "element-wise fusetrain optimizer (AdamW, Adam, SGD, Lion, RMSprop, Adadelta, RAdam, NAdam, "
+                "RMSpropTF) on sharded models")
+        clips = any(g["max_grad_norm"] is not None for g in self.param_groups)
+        if (clips or inv_scale is not None or found_inf is not None) and sharded:
+            # NOTE [sharded steps]: the norm and the flag over every rank's shards.
+            stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            grad_norm, found_inf = _sharded.global_stats(stepped, grads, inv_scale, found_inf)
         _ops.fused_step_(self._kind, params, grads, steps, s1, s2, s3, masters, emas, sizes, lrs, hyper,
                          inv_scale=inv_scale, found_inf=found_inf, ema_decay=self._ema_decay if emas else None,
-                         grad_norm_out=res["grad_norm"], found_inf_out=res["found_inf"])
+                         grad_norm_out=res["grad_norm"], found_inf_out=res["found_inf"], grad_norm=grad_norm)
         self._last["grad_norm"] = res["grad_norm"]
         self._last["found_inf"] = res["found_inf"]

@@ -37,6 +37,7 @@ class Lamb(FusedOptimizer):
     attached EMA as in :class:`fusetrain.optim.Adam`."""
 
     _opt_name = "Lamb"
+    _shard_local = False  # per-tensor reductions (NOTE [sharded steps])
     _kind = "lamb"
 
     def __init__(self, params, lr=1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps=1e-6,
@@ -101,6 +102,7 @@ class AdamP(FusedOptimizer):
     :class:`fusetrain.optim.Adam`."""
 
     _opt_name = "AdamP"
+    _shard_local = False  # per-tensor reductions (NOTE [sharded steps])
     _kind = "adamp"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, delta=0.1, wd_ratio=0.1,

@@ -31,6 +31,7 @@ class Muon(FusedOptimizer):
     adjustment wants a larger lr, about 0.02, than AdamW's)."""
 
     _opt_name = "Muon"
+    _shard_local = False  # per-tensor reductions (NOTE [sharded steps])
     _kind = "muon"
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,

@@ -1,0 +1,83 @@
+"""Steps over sharded parameters (DTensor: FSDP2's ``fully_shard``, tensor
+parallelism, HSDP).
+
+NOTE [sharded steps]: the fused step runs on each rank's local shards (the
+update is element-wise, or per shard for the ATen-stage optimizers' local
+reductions); what must be global is what decides the step for every rank
+together: the gradient norm that clipping divides by and the non-finite flag
+that skips the step. Each rank measures its shards (one read-only stats pass),
+weights each squared norm by 1 / (the number of ranks holding the same shard:
+the product of the mesh sizes of its Replicate placements; for a plain tensor
+among sharded ones, the world size), and one all-reduce of [squared norm,
+flag] over the default process group gives every rank the same values, which
+``fusetrain::fused_step_`` then takes as given (its ``grad_norm`` and
+``found_inf``). Optimizer state, master weights and EMA copies are DTensors
+sharded like their parameters (``full_like`` of a DTensor), so state dicts and
+``torch.distributed.checkpoint`` see them as sharded.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import _ops
+
+
+def is_sharded(t) -> bool:
+    """Whether ``t`` is a DTensor. torch.distributed.tensor is not imported for
+    this (it is heavy): a program holding DTensors has imported it."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(mod, "DTensor", None) if mod is not None else None
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (aliasing it: in-place updates reach the
+    DTensor), or the tensor itself."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def copies(p: Tensor) -> int:
+    """How many ranks hold the same elements as this rank's part of ``p``."""
+    import torch.distributed as dist
+
+    if not is_sharded(p):
+        return dist.get_world_size()
+    n = 1
+    for dim, placement in enumerate(p.placements):
+        if placement.is_partial():
+            raise ValueError("fusetrain optimizers: a parameter's gradient has a Partial placement (not yet "
+                             "reduced); step after the gradient reduction (FSDP2 reduces in backward)")
+        if placement.is_replicate():
+            n *= p.device_mesh.size(dim)
+    return n
+
+
+def global_stats(params: Sequence[Tensor], local_grads: Sequence[Tensor], inv_scale: Optional[Tensor],
+                 found_inf: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The global gradient norm (unscaled by ``inv_scale``) and non-finite flag
+    over every shard of every rank (NOTE [sharded steps]), as 0-d float32
+    tensors on the gradients' device: one stats pass per group of equal
+    ``copies`` and one all-reduce."""
+    import torch.distributed as dist
+
+    by_copies: dict = {}
+    for p, g in zip(params, local_grads):
+        by_copies.setdefault(copies(p), []).append(g)
+    device = local_grads[0].device
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    for n, grads in by_copies.items():
+        norm, f = _ops.grad_stats(grads, inv_scale)
+        sq = sq + norm * norm / n
+        flag = torch.maximum(flag, f)
+    if found_inf is not None:
+        flag = torch.maximum(flag, found_inf.to(device))
+    both = torch.stack([sq, flag])
+    dist.all_reduce(both)
+    return both[0].clamp_min(0).sqrt(), (both[1] > 0).to(torch.float32)
+

@@ -1,0 +1,145 @@
+"""fusetrain's optimizers on FSDP2-sharded models (DTensor parameters), over
+2 and 4 gloo processes: training with clipping, loss scaling, master weights
+for bf16 parameters and an EMA riding in the step matches the same training
+in one process; the clipping norm is the unsharded one; a non-finite gradient
+on one rank skips the step on every rank (NOTE [sharded steps] in
+python/fusetrain/optim/_sharded.py)."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import fusetrain
+from fusetrain.optim import AdamW, Lamb, Muon, NAdam
+
+from _dist_helpers import requires_gloo, run_distributed
+
+pytestmark = requires_gloo
+
+STEPS, BATCH = 6, 8
+OPTIMIZERS = {"AdamW": AdamW, "NAdam": NAdam, "Lamb": Lamb}
+
+
+def make_model(dtype):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 3)).to(dtype)
+
+
+def batches(dtype):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 6, generator=g).to(dtype), torch.randn(BATCH, 3, generator=g).to(dtype))
+            for _ in range(STEPS)]
+
+
+def train(model, opt, scaler, cfg, rank=0, world=1):
+    """The same loop for the sharded and the single-process runs; returns the per-step norms and flags."""
+    ema = {p: p.detach().clone() for p in model.parameters()}
+    opt.attach_ema(ema, torch.tensor(0.9))
+    norms, flags = [], []
+    per = BATCH // world
+    for step, (x, y) in enumerate(batches(cfg["dtype"])):
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        loss = nn.functional.mse_loss(model(x).float(), y.float())
+        (scaler.scale(loss) if scaler else loss).backward()
+        if step == cfg["inf_step"]:
+            # The injected inf sits on the last rank only (in the one-process run: in the same tensor).
+            w = model[2].weight.grad
+            if rank == world - 1:
+                (w.to_local() if hasattr(w, "to_local") else w).view(-1)[0] = float("inf")
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        norms.append(float(opt.last_grad_norm))
+        flags.append(float(opt.last_found_inf))
+    return norms, flags, ema
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
+
+
+def sharded_worker(rank, world, out, cfg):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(cfg["dtype"])
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    assert all(hasattr(p, "to_local") for p in model.parameters())
+    opt = OPTIMIZERS[cfg["opt"]](model.parameters(), lr=1e-2, max_grad_norm=cfg["clip"],
+                                 master_weights=cfg["dtype"] == torch.bfloat16)
+    scaler = fusetrain.LossScaler(init_scale=1024.0) if cfg["scaler"] else None
+    norms, flags, ema = train(model, opt, scaler, cfg, rank, world)
+    st = opt.state[model[0].weight]
+    assert hasattr(st["exp_avg"], "to_local") and st["exp_avg"].to_local().shape[0] < 10  # sharded state
+    result = {"params": [full(p) for p in model.parameters()], "ema": [full(e) for e in ema.values()],
+              "norms": norms, "flags": flags}
+    if cfg["dtype"] == torch.bfloat16:
+        result["masters"] = [full(opt.state[p]["master_param"]) for p in model.parameters()]
+    if rank == 0:
+        torch.save(result, out)
+
+
+def single(cfg):
+    model = make_model(cfg["dtype"])
+    opt = OPTIMIZERS[cfg["opt"]](model.parameters(), lr=1e-2, max_grad_norm=cfg["clip"],
+                                 master_weights=cfg["dtype"] == torch.bfloat16)
+    scaler = fusetrain.LossScaler(init_scale=1024.0) if cfg["scaler"] else None
+    norms, flags, ema = train(model, opt, scaler, cfg)
+    result = {"params": [p.detach() for p in model.parameters()], "ema": list(ema.values()), "norms": norms,
+              "flags": flags}
+    if cfg["dtype"] == torch.bfloat16:
+        result["masters"] = [opt.state[p]["master_param"] for p in model.parameters()]
+    return result
+
+
+CASES = {
+    "adamw-fp32-clip-2": dict(opt="AdamW", dtype=torch.float32, clip=0.5, scaler=False, inf_step=-1, world=2),
+    "adamw-fp32-clip-scaler-inf-4": dict(opt="AdamW", dtype=torch.float32, clip=0.5, scaler=True, inf_step=2,
+                                         world=4),
+    "adamw-bf16-master-clip-2": dict(opt="AdamW", dtype=torch.bfloat16, clip=1.0, scaler=False, inf_step=-1,
+                                     world=2),
+    "nadam-fp32-inf-2": dict(opt="NAdam", dtype=torch.float32, clip=1.0, scaler=False, inf_step=3, world=2),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_training_matches_one_process(tmp_path, name):
+    cfg = CASES[name]
+    out = str(tmp_path / "sharded.pt")
+    run_distributed(sharded_worker, cfg["world"], out, cfg)
+    got, want = torch.load(out), single(cfg)
+    # The clipping norm is the unsharded one (bf16 gradients: reduced in bf16 across ranks), and a rank's inf
+    # skipped the step everywhere.
+    norm_tol = dict(rtol=2e-3, atol=1e-5) if cfg["dtype"] == torch.bfloat16 else dict(rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]), **norm_tol, equal_nan=True)
+    assert got["flags"] == want["flags"]
+    if cfg["inf_step"] >= 0:
+        assert got["flags"][cfg["inf_step"]] == 1.0 and sum(got["flags"]) == 1.0
+    tol = dict(rtol=2e-2, atol=2e-2) if cfg["dtype"] == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    for key in ("params", "ema") + (("masters",) if "masters" in want else ()):
+        for a, b in zip(got[key], want[key]):
+            torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"{key}: {m}")
+
+
+def per_tensor_worker(rank, world, cls_name):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(torch.float32)
+    fully_shard(model)
+    opt = {"Lamb": Lamb, "Muon": Muon}[cls_name](model.parameters(), lr=1e-2)
+    model(torch.randn(4, 6)).sum().backward()
+    with pytest.raises(NotImplementedError, match=f"{cls_name}: .*sharded"):
+        opt.step()
+
+
+@pytest.mark.parametrize("cls_name", ["Lamb", "Muon"])
+def test_optimizers_with_per_tensor_reductions_refuse_shards(cls_name):
+    # Their trust ratio / orthogonalisation needs the whole tensor: a clear error, not a shard-wise update.
+    run_distributed(per_tensor_worker, 2, cls_name)
