@@ -77,3 +77,14 @@ def test_optim_family_quick_run_has_a_row_per_optimizer(tmp_path, device):
         assert r["plain_ratio"] > 0 and r["full_ratio"] > 0
     # A plain and a full target per optimizer, no plain one against timm's class.
     assert len(report["targets"]) == 19 and report["loadavg_start"] is not None
+
+
+def test_fsdp_step_quick_run_has_a_row_per_size(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp")
+    _, report = quick_run("fsdp_step", tmp_path, "cpu")
+    assert set(report["results"]) == {"8", "24"} and report["config"]["procs"] == 2
+    for r in report["results"].values():
+        for variant in ("fusetrain", "torch", "fusetrain_clip", "torch_clip"):
+            assert r[variant]["slowest_rank_median_ms"] > 0, variant
+        assert r["plain_ratio"] > 0 and r["clip_ratio"] > 0
+    assert len(report["targets"]) == 4

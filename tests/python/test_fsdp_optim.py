@@ -16,7 +16,7 @@ from fusetrain.optim import AdamW, Lamb, Muon, NAdam
 
 from _dist_helpers import requires_gloo, run_distributed
 
-pytestmark = requires_gloo
+pytestmark = [requires_gloo, pytest.mark.dist]  # spawns processes (README, Tests)
 
 STEPS, BATCH = 6, 8
 OPTIMIZERS = {"AdamW": AdamW, "NAdam": NAdam, "Lamb": Lamb}
