@@ -16,7 +16,9 @@
 namespace fusetrain {
 namespace detail {
 
-enum class OptimKind : int { Adam = 0, SGD = 1, Lion = 2, RMSprop = 3, Adadelta = 4, RAdam = 5, NAdam = 6, Direction = 7, Apply = 8 };
+enum class OptimKind : int {
+  Adam = 0, SGD = 1, Lion = 2, RMSprop = 3, Adadelta = 4, RAdam = 5, NAdam = 6, Direction = 7, Apply = 8
+};
 
 struct OptimHyper {
   OptimKind kind = OptimKind::Adam;

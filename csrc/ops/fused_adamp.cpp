@@ -43,8 +43,7 @@ std::pair<at::Tensor, at::Tensor> project(const at::Tensor& w, const at::Tensor&
   const at::Tensor use_ch = cos_ch.max() < delta / std::sqrt(width_ch);
   const at::Tensor use_l = at::logical_and(use_ch.logical_not(), cos_l < delta / std::sqrt(width_l));
   const at::Tensor n_ch = ww.sqrt().add_(eps), n_l = ww.sum().sqrt().add_(eps);
-  const at::Tensor zero = at::zeros({}, U.options());
-  const at::Tensor coef = at::where(use_ch, wu / (n_ch * n_ch), at::where(use_l, wu.sum() / (n_l * n_l), zero));
+  const at::Tensor coef = at::where(use_ch, wu / (n_ch * n_ch), at::where(use_l, wu.sum() / (n_l * n_l), 0.0));
   const at::Tensor projected = at::addcmul(U, W, coef.unsqueeze(1), -1.0);
   return {projected.view(u.sizes()), at::logical_or(use_ch, use_l).to(at::kFloat)};
 }

@@ -60,8 +60,9 @@ void fused_lamb_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
   }
   for (const auto& [sdi, idx] : by_dtype) {
     const auto sd = static_cast<at::ScalarType>(sdi);
-    std::vector<at::Tensor> weights;
+    std::vector<at::Tensor> weights;  // read by the L2 term and the trust ratio only
     for (size_t i : idx) {
+      if (l2 == 0.0 && !adapt) break;
       at::Tensor w = full_precision_param(params, master_params, i, sd);
       if (w.strides() != exp_avgs[i].strides()) w = at::empty_like(exp_avgs[i]).copy_(w);
       weights.push_back(w);
@@ -85,8 +86,7 @@ void fused_lamb_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
       at::Tensor w_norm = weights[k].norm();
       if (norm_factor.defined()) w_norm = w_norm * norm_factor.to(sd);
       const at::Tensor u_norm = u.norm();
-      const at::Tensor one = at::ones({}, u_norm.options());
-      at::Tensor ratio = at::where(w_norm > 0, at::where(u_norm > 0, w_norm / u_norm, one), one);
+      at::Tensor ratio = at::where(w_norm > 0, at::where(u_norm > 0, w_norm / u_norm, 1.0), 1.0);
       if (trust_clip) ratio = ratio.clamp_max(1.0);
       if (sd == at::kDouble) {
         u.mul_(ratio);  // a float64 ratio would lose digits as the pass's float32 factor

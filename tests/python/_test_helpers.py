@@ -58,3 +58,26 @@ def check_skipped_step(opt, params, bad: float = float("inf")):
     assert opt.last_found_inf.item() == 1.0
     assert all(torch.equal(p, c) for p, c in zip(params, before[0]))
     assert all(torch.equal(opt.state[params[0]][k], v) for k, v in before[1].items())
+
+
+def step_with_schedule_clip_and_skip(ref_opt, ours_opt, ref_params, ours_params, clip_ref=True,
+                                     bad: float = float("inf")):
+    """Six steps of both optimizers under StepLR(step_size=2, gamma=0.5) on the same gradients: the reference
+    clipped to norm 0.5 by clip_grad_norm_ (unless ``clip_ref`` is False: it clips inside its step), ours by its
+    own max_grad_norm; at step 3 a non-finite gradient, which ours skips on the device (check_skipped_step) and
+    the reference is not stepped for."""
+    sched = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ref_opt, ours_opt)]
+    for i in range(6):
+        g = torch.Generator().manual_seed(70 + i)
+        grads = [torch.randn(p.shape, generator=g) * 4 for p in ref_params]
+        for p, q, gr in zip(ref_params, ours_params, grads):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        if i == 3:
+            check_skipped_step(ours_opt, ours_params, bad)
+        else:
+            if clip_ref:
+                torch.nn.utils.clip_grad_norm_(ref_params, 0.5)
+            ref_opt.step()
+            ours_opt.step()
+        for s in sched:
+            s.step()

@@ -12,7 +12,8 @@ import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain import _ops
 from fusetrain.optim import Adadelta, NAdam, RAdam, RMSprop
 
-from _test_helpers import DEVICES, bf16_master_twins, check_bf16_master_follows_float32, check_skipped_step, outcome
+from _test_helpers import (DEVICES, bf16_master_twins, check_bf16_master_follows_float32, outcome,
+                           step_with_schedule_clip_and_skip)
 
 SEED = 31
 OURS = {"RMSprop": RMSprop, "Adadelta": Adadelta, "RAdam": RAdam, "NAdam": NAdam}
@@ -144,20 +145,7 @@ def test_lr_scheduler_clipping_and_a_skipped_step(name):
     a, b = twins()
     theirs = TORCH[name](a, lr=LR[name], foreach=False, **kw)
     ours = OURS[name](b, lr=LR[name], max_grad_norm=0.5, **kw)
-    sched = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (theirs, ours)]
-    for i in range(6):
-        g = torch.Generator().manual_seed(70 + i)
-        grads = [torch.randn(p.shape, generator=g) * 4 for p in a]
-        for p, q, gr in zip(a, b, grads):
-            p.grad, q.grad = gr.clone(), gr.clone()
-        if i == 3:  # a non-finite gradient: ours skips the whole step on the device, torch is not stepped
-            check_skipped_step(ours, b)
-        else:
-            torch.nn.utils.clip_grad_norm_(a, 0.5)
-            theirs.step()
-            ours.step()
-        for s in sched:
-            s.step()
+    step_with_schedule_clip_and_skip(theirs, ours, a, b)
     for p, q in zip(a, b):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
 

@@ -13,7 +13,8 @@ import torch
 import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain.optim import RMSpropTF
 
-from _test_helpers import DEVICES, bf16_master_twins, check_bf16_master_follows_float32, check_skipped_step
+from _test_helpers import (DEVICES, bf16_master_twins, check_bf16_master_follows_float32,
+                           step_with_schedule_clip_and_skip)
 
 LR = 2.0**-8  # exact in the float32 device lr
 CONFIGS = [
@@ -159,20 +160,7 @@ def test_lr_scheduler_clipping_and_a_skipped_step():
     kw = CONFIGS[6]
     a, b = twins()
     ref, ours = Reference(a, lr=LR, **kw), RMSpropTF(b, lr=LR, max_grad_norm=0.5, **kw)
-    sched = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ref, ours)]
-    for i in range(6):
-        g = torch.Generator().manual_seed(70 + i)
-        grads = [torch.randn(p.shape, generator=g) * 4 for p in a]
-        for p, q, gr in zip(a, b, grads):
-            p.grad, q.grad = gr.clone(), gr.clone()
-        if i == 3:  # ours skips the whole step on the device; the reference is not stepped
-            check_skipped_step(ours, b, float("nan"))
-        else:
-            torch.nn.utils.clip_grad_norm_(a, 0.5)
-            ref.step()
-            ours.step()
-        for s in sched:
-            s.step()
+    step_with_schedule_clip_and_skip(ref, ours, a, b, bad=float("nan"))
     assert_close_all(ours, ref, a, b, rtol=1e-5, atol=1e-6)
 
 

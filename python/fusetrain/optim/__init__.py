@@ -11,4 +11,5 @@ from .radam import RAdam
 from .rmsprop import Adadelta, RMSprop, RMSpropTF
 from .sgd import SGD
 
-__all__ = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adadelta", "RAdam", "NAdam", "RMSpropTF", "Lamb", "AdamP", "Muon", "FusedOptimizer"]
+__all__ = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adadelta", "RAdam", "NAdam", "RMSpropTF", "Lamb", "AdamP", "Muon",
+           "FusedOptimizer"]

@@ -222,7 +222,10 @@ class DistContext:
 
     def teardown(self, failed: bool) -> None:
         """Destroy the process group if this context created it. After a failure a
-        NCCL group is aborted (destroying it could wait on a dead peer)."""
+        NCCL group is aborted (destroying it could wait on a dead peer). After a
+        success every rank first passes a barrier: a rank that destroyed its group
+        and exited while a peer's gloo threads still talked to it could make that
+        peer abort at exit ("terminate called without an active exception")."""
         import torch.distributed as dist
 
         if not (self.owns_group and dist.is_available() and dist.is_initialized()):
@@ -231,6 +234,8 @@ class DistContext:
             if failed and self.backend == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
                 dist.distributed_c10d._abort_process_group()
             else:
+                if not failed:
+                    self.barrier()
                 dist.destroy_process_group()
         except Exception as exc:  # teardown must not hide the training error
             warnings.warn(f"could not tear down the process group: {exc}", stacklevel=2)
