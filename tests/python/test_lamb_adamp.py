@@ -185,6 +185,13 @@ def test_argument_checks_name_the_argument(name, kw, match):
         OURS[name]([torch.zeros(2, requires_grad=True)], **kw)
 
 
+@pytest.mark.parametrize("name,flag", [("Lamb", "trust_clip"), ("Lamb", "decoupled_decay"), ("AdamP", "nesterov")])
+def test_flags_must_be_bools(name, flag):
+    # A YAML or CLI string "false" would otherwise turn the option on.
+    with pytest.raises(TypeError, match=f"{name}: {flag} must be a bool"):
+        OURS[name]([torch.zeros(2, requires_grad=True)], **{flag: "false"})
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     def lists():

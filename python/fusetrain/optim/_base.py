@@ -41,6 +41,10 @@ def _state_dtype(p: Tensor, complex_state: bool = True) -> torch.dtype:
     return torch.float64 if wide else torch.float32
 
 
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
 def _is_device_scalar(v: Any, device: torch.device) -> bool:
     return isinstance(v, Tensor) and v.device == device and v.dtype == torch.float32 and v.dim() == 0
 
@@ -58,6 +62,13 @@ def _check_range(opt: str, name: str, value: Any, low: float, high: Optional[flo
     if not ok:
         allowed = f">= {low}" if high is None else f"in [{low}, {high}{']' if high_inclusive else ')'}"
         raise ValueError(f"{opt}: {name} must be {allowed}, got {value}")
+
+
+def _check_flags(opt: str, **flags: Any) -> None:
+    """Each of ``flags`` must be a bool (a string such as "false" would otherwise count as true)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{opt}: {name} must be a bool (True or False), got {type(value).__name__} {value!r}")
 
 
 def _check_betas(opt: str, betas: Any) -> None:
@@ -352,6 +363,8 @@ class FusedOptimizer(Optimizer):
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         ema_list = self._ema_lists[gi] if self._ema_lists is not None else None
         master = group["master_weights"]
+        # NOTE [sharded steps]: a DTensor's step runs on its local shard; nothing to unwrap otherwise.
+        loc = _local if self._sharding["any"] else _same
         for i, p in enumerate(group["params"]):
             g = p.grad
             if g is None:
@@ -388,16 +401,15 @@ class FusedOptimizer(Optimizer):
                     if name is not None:
                         out.append(state[name] if name in self._scalar_states else torch.view_as_real(state[name]))
                 continue
-            # NOTE [sharded steps] (_sharded.py): a DTensor's step runs on its local shard.
-            params.append(_local(p))
-            grads.append(_local(g))
+            params.append(loc(p))
+            grads.append(loc(g))
             if master and p.dtype in _LOW:
-                masters.append(_local(state["master_param"]))
+                masters.append(loc(state["master_param"]))
             if ema_list is not None:
-                emas.append(_local(ema_list[i]))
+                emas.append(loc(ema_list[i]))
             for out, name in zip(outs, names):
                 if name is not None:
-                    out.append(_local(state[name]))
+                    out.append(loc(state[name]))
         return len(params) > 0
 
     def _lr_tensor(self, gi: int, group: Dict[str, Any], device: torch.device) -> Tensor:

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ._base import FusedOptimizer, _check_betas, _check_range
+from ._base import FusedOptimizer, _check_betas, _check_flags, _check_range
 
 
 def _check_common(opt: str, lr, betas, eps, weight_decay) -> None:
@@ -46,10 +46,11 @@ class Lamb(FusedOptimizer):
                  decoupled_decay: bool = False, corrected_weight_decay: bool = False, *, maximize: bool = False,
                  master_weights: bool = False):
         _check_common(self._opt_name, lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(float(b) for b in betas), eps=eps,
-                        weight_decay=weight_decay, grad_averaging=bool(grad_averaging), trust_clip=bool(trust_clip),
-                        always_adapt=bool(always_adapt), caution=bool(caution), decoupled_decay=bool(decoupled_decay),
-                        corrected_weight_decay=bool(corrected_weight_decay), maximize=bool(maximize))
+        flags = dict(bias_correction=bias_correction, grad_averaging=grad_averaging, trust_clip=trust_clip,
+                     always_adapt=always_adapt, caution=caution, decoupled_decay=decoupled_decay,
+                     corrected_weight_decay=corrected_weight_decay, maximize=maximize)
+        _check_flags(self._opt_name, **flags)
+        defaults = dict(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay, **flags)
         super().__init__(params, defaults, max_grad_norm, master_weights)
         self._max_lr = float(lr)  # corrected_weight_decay's lr_max, read once (lr may be a device tensor)
 
@@ -111,8 +112,9 @@ class AdamP(FusedOptimizer):
         _check_common(self._opt_name, lr, betas, eps, weight_decay)
         _check_range(self._opt_name, "delta", delta, 0.0)
         _check_range(self._opt_name, "wd_ratio", wd_ratio, 0.0)
+        _check_flags(self._opt_name, nesterov=nesterov, maximize=maximize)
         defaults = dict(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay, delta=delta,
-                        wd_ratio=wd_ratio, nesterov=bool(nesterov), maximize=bool(maximize))
+                        wd_ratio=wd_ratio, nesterov=nesterov, maximize=maximize)
         super().__init__(params, defaults, max_grad_norm, master_weights)
 
     def _state_names(self, group):
