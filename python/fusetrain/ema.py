@@ -101,6 +101,11 @@ class ModelEMA:
 
     # ---- bookkeeping -----------------------------------------------------------------
 
+    def rebuild_index(self) -> None:
+        """Find the EMA copy's tensors again after something replaced its
+        parameters (``fully_shard`` turns them into DTensor shards)."""
+        self._build_index(self.module)
+
     def _build_index(self, base: nn.Module) -> None:
         ema_params = dict(self.module.named_parameters())
         ema_buffers = dict(self.module.named_buffers())

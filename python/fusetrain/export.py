@@ -160,19 +160,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .models import build_model
     from .training.batches import split_batch
     from .training.checkpoints import load_checkpoint
+    from .training.sharded_checkpoints import full_state_dict
     from .training.data import build_dataloaders
 
     try:
         recipe = load_recipe(args.config_name, args.overrides, args.config_dir)
-        ck = load_checkpoint(args.checkpoint)
         arch = dict(recipe["arch_params"])
         model = build_model(arch.pop("name"), **arch)
-        if args.ema:
-            if not ck.get("ema"):
-                raise ValueError(f"--ema: {args.checkpoint} has no EMA weights (train with ema: true)")
-            model.load_state_dict(ck["ema"]["module"])
-        else:
-            model.load_state_dict(ck["model"])
+        if args.ema and not load_checkpoint(args.checkpoint, mmap=True).get("ema"):
+            raise ValueError(f"--ema: {args.checkpoint} has no EMA weights (train with ema: true)")
+        model.load_state_dict(full_state_dict(args.checkpoint, ema=args.ema))  # sharded or not
         _, valid_loader = build_dataloaders(recipe["dataset_params"])
         inputs, _, _ = split_batch(next(iter(valid_loader)))
         result = export_model(model, inputs, args.out)

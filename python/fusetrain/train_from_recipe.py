@@ -235,7 +235,7 @@ def _build(recipe: Dict[str, Any], where: str):
 
 
 def _recipe_worker(recipe: Dict[str, Any], where: str) -> Dict[str, Any]:
-    """What each worker started for ``multi_gpu: ddp`` runs: the whole recipe,
+    """What each worker started for ``multi_gpu: ddp`` / ``fsdp`` runs: the whole recipe,
     data and model built in the worker."""
     return run_recipe(recipe, where)
 
@@ -248,11 +248,13 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
     from .training import distributed, launcher
 
     try:
-        n_workers = distributed.workers_to_launch(_training_params(recipe, where))
+        params = _training_params(recipe, where)
+        n_workers = distributed.workers_to_launch(params)
     except ValueError as exc:  # num_gpus above the visible devices, multi_gpu 'ddp' without workers
         raise RecipeError(f"{where}: {_error_text(exc)}") from exc
     if n_workers > 1:
-        print(f"{where}: starting {n_workers} worker processes (multi_gpu: ddp)", flush=True)
+        mode = "ddp" if params.multi_gpu == "auto" else params.multi_gpu
+        print(f"{where}: starting {n_workers} worker processes (multi_gpu: {mode})", flush=True)
         return launcher.launch(_recipe_worker, (recipe, where), n_workers)
     train_loader, valid_loader, model = _build(recipe, where)
     # Imported late: the Trainer pulls in the whole training stack.

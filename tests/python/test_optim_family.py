@@ -234,3 +234,28 @@ def test_adam_without_bias_correction_is_the_bertadam_form(cls):
         torch.testing.assert_close(p.detach(), q, rtol=1e-10, atol=1e-12)
     with pytest.raises(TypeError, match="bias_correction must be a bool"):
         cls(ours_p, bias_correction="no")
+
+
+@pytest.mark.parametrize("cls", [NAdam, RAdam, RMSprop, Adadelta, fusetrain.optim.AdamW, fusetrain.optim.SGD])
+def test_init_state_is_what_the_first_step_makes_and_changes_no_step(cls):
+    torch.manual_seed(0)
+    kw = {"momentum": 0.9} if cls in (fusetrain.optim.SGD, RMSprop) else {}
+    params = [torch.randn(5, 3), torch.randn(7), torch.randn(0)]
+    frozen = torch.randn(2, requires_grad=False)
+    a = [p.clone().requires_grad_() for p in params]
+    b = [p.clone().requires_grad_() for p in params]
+    grads = [torch.randn_like(p) for p in params]
+    opt_a, opt_b = cls(a + [frozen], lr=1e-2, **kw), cls(b, lr=1e-2, **kw)
+    opt_a.init_state()  # before any step: the state a DCP load reads into
+    assert set(opt_a.state) == set(a)
+    first = {k: v.clone() for k, v in opt_a.state[a[0]].items()}
+    for _ in range(3):
+        for ps, opt in ((a, opt_a), (b, opt_b)):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opt.step()
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert all(float(v) == 0 for k, v in first.items() if k == "step")
+    opt_a.init_state()  # existing state is kept
+    torch.testing.assert_close(opt_a.state[a[0]]["step"], opt_b.state[b[0]]["step"])

@@ -45,7 +45,8 @@ EXPECTED_DEFAULTS = {
     "resume_skip": "fast", "resume": False, "resume_path": None, "overwrite_experiment": False, "seed": 42, "cudnn_benchmark": True,
     "early_stopping": None,
     "log_interval": 0, "loggers": [], "logger_params": {}, "export": [], "model_input": "auto", "split_batch": None,
-    "callbacks": [], "device": "auto", "multi_gpu": "auto", "num_gpus": None, "num_processes": None,
+    "callbacks": [], "device": "auto", "multi_gpu": "auto",
+    "fsdp_params": {"wrap": "blocks", "reshard_after_forward": True}, "num_gpus": None, "num_processes": None,
     "dist_backend": "auto", "dist_timeout_s": 300.0, "find_unused_parameters": False, "progress_bar": True,
 }
 
@@ -185,8 +186,11 @@ CASES = [
     ("callbacks", ["ThresholdStop"], ["TresholdStop"],
      "training_params.callbacks[0]: unknown callback 'TresholdStop'; did you mean 'ThresholdStop'?"),
     ("device", "cuda:1", "gpu", _msg("device", "gpu", "'auto', 'cpu', 'cuda' or 'cuda:N' (N a device index)")),
-    ("multi_gpu", "ddp", "mpi", _msg("multi_gpu", "mpi", "one of 'off', 'auto', 'ddp' (case-insensitive; false "
-                                                         "means 'off', true 'ddp')")),
+    ("multi_gpu", "fsdp", "mpi", _msg("multi_gpu", "mpi", "one of 'off', 'auto', 'ddp', 'fsdp' (case-insensitive; "
+                                                          "false means 'off', true 'ddp')")),
+    ("fsdp_params", {"wrap": ["Linear"], "reshard_after_forward": False}, {"wrap": "block"},
+     _msg("fsdp_params.wrap", "block", "'blocks', a list of module class names, or a function module -> bool (or "
+                                       "its path)")),
     ("num_gpus", 1, 0, _msg("num_gpus", 0, "an int >= 1 or None")),
     ("num_processes", 1, 2.0, _msg("num_processes", 2.0, "an int >= 1 or None")),
     ("dist_backend", "gloo", "mpi", _msg("dist_backend", "mpi", "one of 'auto', 'nccl', 'gloo'")),

@@ -21,7 +21,6 @@ from torch.optim import Optimizer
 
 from .. import _ops
 from . import _sharded
-from ._sharded import local as _local
 
 # Complex params are updated as real views (torch.view_as_real), as torch.optim
 # does; their state is complex like torch's. NOTE [float64 params] in
@@ -326,6 +325,15 @@ class FusedOptimizer(Optimizer):
         if group["master_weights"] and p.dtype in _LOW and "master_param" not in state:
             state["master_param"] = p.detach().to(dtype=torch.float32, memory_format=torch.preserve_format)
 
+    def init_state(self) -> None:
+        """Create the state of every parameter that requires grad (what its
+        first step would create), e.g. for ``torch.distributed.checkpoint`` to
+        load into; existing state is kept."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._ensure_state(group, p)
+
     def prepare_capture(self) -> None:
         """Make a following CUDA-graph capture of ``step()`` safe.
 
@@ -338,10 +346,9 @@ class FusedOptimizer(Optimizer):
         parameters' device. ``fusetrain.TrainStep`` calls it before capturing;
         a step that would still create state or fill an lr while capturing
         raises instead."""
+        self.init_state()
         for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.requires_grad]
-            for p in params:
-                self._ensure_state(group, p)
             if params:
                 self._ensure_results(params[0].device)
             devices = {p.device for p in params}
@@ -364,7 +371,7 @@ class FusedOptimizer(Optimizer):
         ema_list = self._ema_lists[gi] if self._ema_lists is not None else None
         master = group["master_weights"]
         # NOTE [sharded steps]: a DTensor's step runs on its local shard; nothing to unwrap otherwise.
-        loc = _local if self._sharding["any"] else _same
+        loc = _sharded.local_fn() if self._sharding["any"] else _same
         for i, p in enumerate(group["params"]):
             g = p.grad
             if g is None:
@@ -538,7 +545,8 @@ class FusedOptimizer(Optimizer):
         if (clips or inv_scale is not None or found_inf is not None) and sharded:
             # NOTE [sharded steps]: the norm and the flag over every rank's shards.
             stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            grad_norm, found_inf = _sharded.global_stats(stepped, grads, inv_scale, found_inf)
+            grad_norm, found_inf = _sharded.global_stats(stepped, grads, inv_scale, found_inf,
+                                                         self._sharding.setdefault("copies", {}))
         _ops.fused_step_(self._kind, params, grads, steps, s1, s2, s3, masters, emas, sizes, lrs, hyper,
                          inv_scale=inv_scale, found_inf=found_inf, ema_decay=self._ema_decay if emas else None,
                          grad_norm_out=res["grad_norm"], found_inf_out=res["found_inf"], grad_norm=grad_norm)

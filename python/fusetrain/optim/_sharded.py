@@ -19,7 +19,7 @@ sharded like their parameters (``full_like`` of a DTensor), so state dicts and
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -27,18 +27,27 @@ from torch import Tensor
 from .. import _ops
 
 
-def is_sharded(t) -> bool:
-    """Whether ``t`` is a DTensor. torch.distributed.tensor is not imported for
-    this (it is heavy): a program holding DTensors has imported it."""
+def _dtensor_class():
+    """DTensor, or None when torch.distributed.tensor was never imported (it is
+    heavy, and a program holding DTensors has imported it)."""
     mod = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(mod, "DTensor", None) if mod is not None else None
+    return getattr(mod, "DTensor", None) if mod is not None else None
+
+
+def is_sharded(t) -> bool:
+    """Whether ``t`` is a DTensor."""
+    dtensor = _dtensor_class()
     return dtensor is not None and isinstance(t, dtensor)
 
 
-def local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (aliasing it: in-place updates reach the
-    DTensor), or the tensor itself."""
-    return t.to_local() if is_sharded(t) else t
+def local_fn():
+    """A function giving the local shard of a DTensor (aliasing it: in-place
+    updates reach the DTensor), or the tensor itself; the class is looked up
+    once per step, not once per tensor."""
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return lambda t: t
+    return lambda t: t.to_local() if isinstance(t, dtensor) else t
 
 
 def copies(p: Tensor) -> int:
@@ -58,16 +67,20 @@ def copies(p: Tensor) -> int:
 
 
 def global_stats(params: Sequence[Tensor], local_grads: Sequence[Tensor], inv_scale: Optional[Tensor],
-                 found_inf: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                 found_inf: Optional[Tensor], cache: Dict[int, int]) -> Tuple[Tensor, Tensor]:
     """The global gradient norm (unscaled by ``inv_scale``) and non-finite flag
     over every shard of every rank (NOTE [sharded steps]), as 0-d float32
     tensors on the gradients' device: one stats pass per group of equal
-    ``copies`` and one all-reduce."""
+    ``copies`` and one all-reduce. ``cache`` keeps each parameter's copies
+    (by ``id``; the optimizer holds the parameters, so ids are not reused)."""
     import torch.distributed as dist
 
     by_copies: dict = {}
     for p, g in zip(params, local_grads):
-        by_copies.setdefault(copies(p), []).append(g)
+        n = cache.get(id(p))
+        if n is None:
+            n = cache[id(p)] = copies(p)
+        by_copies.setdefault(n, []).append(g)
     device = local_grads[0].device
     sq = torch.zeros((), dtype=torch.float32, device=device)
     flag = torch.zeros((), dtype=torch.float32, device=device)

@@ -81,10 +81,11 @@ def remove_temp_files(directory: str) -> List[Tuple[str, int]]:
     return removed
 
 
-def load_checkpoint(path: str, map_location="cpu") -> Dict[str, Any]:
+def load_checkpoint(path: str, map_location="cpu", mmap: bool = False) -> Dict[str, Any]:
+    """A checkpoint file's contents (``mmap``: tensors read on first use)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     except Exception as e:  # a truncated or foreign file
         raise ValueError(f"could not read checkpoint {path}: {e}") from e

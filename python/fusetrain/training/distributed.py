@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
 import sys
 import time
@@ -103,6 +104,7 @@ class DistContext:
     backend: Optional[str] = None
     owns_group: bool = False
     timeout_s: float = 300.0
+    fsdp: bool = False  # multi_gpu 'fsdp': the model is sharded (fusetrain.training.fsdp), not DDP-wrapped
 
     @property
     def enabled(self) -> bool:
@@ -149,11 +151,27 @@ class DistContext:
     @staticmethod
     def grad_sync(model: nn.Module, sync: bool):
         """Context for one micro-batch's forward and backward: ``no_sync()`` when
-        the gradients must not be all-reduced yet (an accumulation micro-step)."""
-        ddp = find_ddp(model)
-        if ddp is None or sync:
+        the gradients must not be all-reduced yet (an accumulation micro-step);
+        FSDP2's equivalent for a sharded model."""
+        if sync:
             return contextlib.nullcontext()
-        return ddp.no_sync()
+        ddp = find_ddp(model)
+        if ddp is not None:
+            return ddp.no_sync()
+        from . import fsdp
+
+        return fsdp.grad_sync(model, sync)
+
+    @torch.no_grad()
+    def broadcast_module(self, model: nn.Module) -> None:
+        """Give every rank rank 0's parameters and buffers (what DDP does when it
+        wraps a model; before sharding, every rank must cut the same tensors)."""
+        if not self.enabled:
+            return
+        import torch.distributed as dist
+
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            dist.broadcast(t.data, src=0)
 
     @torch.no_grad()
     def broadcast_buffers(self, modules: Sequence[Optional[nn.Module]]) -> None:
@@ -322,9 +340,9 @@ def workers_to_launch(p) -> int:
         raise _params_error(f"training_params.num_gpus: got {p.num_gpus} but device is {p.device!r}; allowed: "
                             f"None for a CPU run (use num_processes)")
     if p.num_processes is None:
-        raise _params_error("training_params.multi_gpu: got 'ddp' on the CPU (no CUDA device available) without "
-                            "num_processes; allowed: set num_processes to the number of CPU processes, or use "
-                            "multi_gpu 'off'/'auto'")
+        raise _params_error(f"training_params.multi_gpu: got {p.multi_gpu!r} on the CPU (no CUDA device "
+                            f"available) without num_processes; allowed: set num_processes to the number of CPU "
+                            f"processes, or use multi_gpu 'off'/'auto'")
     return p.num_processes
 
 
@@ -347,8 +365,8 @@ def setup(p) -> Tuple[DistContext, torch.device]:
         return DistContext(timeout_s=p.dist_timeout_s), _single_device(p.device)
     if p.multi_gpu == "off":
         raise _params_error(f"training_params.multi_gpu: got 'off' but this process is rank {rank} of {world} "
-                            f"(started by a launcher: WORLD_SIZE={world}); allowed here: 'auto' or 'ddp' (or start "
-                            f"a single process)")
+                            f"(started by a launcher: WORLD_SIZE={world}); allowed here: 'auto', 'ddp' or 'fsdp' "
+                            f"(or start a single process)")
     if not dist.is_available():
         raise RuntimeError("distributed training needs torch.distributed, which this torch build lacks")
     if getattr(p, "compile_step", "off") == "cuda_graph":
@@ -376,7 +394,7 @@ def setup(p) -> Tuple[DistContext, torch.device]:
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=p.dist_timeout_s), **kwargs)
         owns = True
     state = DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                      backend=str(backend), owns_group=owns, timeout_s=p.dist_timeout_s)
+                        backend=str(backend), owns_group=owns, timeout_s=p.dist_timeout_s, fsdp=p.multi_gpu == "fsdp")
     return state, device
 
 

@@ -43,7 +43,7 @@ def run_files(directory: str) -> List[str]:
     return sorted(n for n in os.listdir(directory)
                   if (n.startswith("ckpt_") and n.endswith(".pth")) or n.endswith((".pt2", ".onnx"))
                   or n in ("metrics.jsonl", "metrics.csv", "metrics.png", "test_metrics.json", "tensorboard",
-                           "steps.jsonl", "steps.csv", "valid_steps.jsonl"))
+                           "steps.jsonl", "steps.csv", "valid_steps.jsonl", "shards"))
 
 
 class ExperimentDir:

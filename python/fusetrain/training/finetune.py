@@ -49,6 +49,10 @@ def _read_state_dict(path: str, use_ema: bool) -> Mapping[str, torch.Tensor]:
         raise ValueError(f"{key}: could not read {path}: {e}") from e
     if isinstance(obj, nn.Module):
         obj = obj.state_dict()
+    if isinstance(obj, Mapping) and obj.get("shards") is not None:  # NOTE [sharded checkpoints]
+        from .sharded_checkpoints import full_state_dict
+
+        return full_state_dict(path, ema=use_ema)
     if not isinstance(obj, Mapping):
         raise ValueError(f"{key}: {path} holds a {type(obj).__name__}; allowed: a state dict, a module or a "
                          f"checkpoint dict with one under {_NESTED}")

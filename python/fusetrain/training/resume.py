@@ -81,11 +81,22 @@ def check_changes(saved: Optional[Dict[str, Any]], p: TrainingParams, path: str)
 
 def restore(ck: Dict[str, Any], path: str, model, opt, scaler, ema) -> None:
     """Load the checkpoint's state into the freshly built objects, then apply
-    the new settings to them (hyperparameters from training_params)."""
-    unwrap_model(model).load_state_dict(ck["model"])
+    the new settings to them (hyperparameters from training_params). A
+    sharded checkpoint (NOTE [sharded checkpoints]) loads into any number of
+    processes; a full one into an unsharded model."""
+    from . import fsdp, sharded_checkpoints
+
     fresh = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    if ck.get("shards") is None and fsdp.is_fsdp(model):
+        raise ValueError(f"resume: {path} holds the full state of a run without multi_gpu 'fsdp'; allowed: resume "
+                         f"it without fsdp, or start a fresh fsdp run from its weights (pretrained_weights: {path})")
+    if ck.get("shards") is None:
+        unwrap_model(model).load_state_dict(ck["model"])
     try:
-        opt.load_state_dict(ck["optimizer"])
+        if ck.get("shards") is not None:
+            sharded_checkpoints.load(ck, path, unwrap_model(model), opt, ema.module if ema is not None else None)
+        else:
+            opt.load_state_dict(ck["optimizer"])
     except (ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"resume: the optimizer state in {path} does not fit this model and optimizer: {e}") from e
     # NOTE [resume hyperparameters]: load_state_dict brings back the saved
@@ -99,4 +110,5 @@ def restore(ck: Dict[str, Any], path: str, model, opt, scaler, ema) -> None:
         scaler.load_state_dict({**ck["scaler"], **growth})
     if ema is not None and ck.get("ema") is not None:
         settings = {k: v for k, v in ema.state_dict().items() if k not in ("module", "step")}
-        ema.load_state_dict({**ck["ema"], **settings})
+        module = {"module": ema.module.state_dict()} if ck.get("shards") is not None else {}  # loaded above
+        ema.load_state_dict({**ck["ema"], **settings, **module})

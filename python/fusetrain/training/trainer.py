@@ -35,7 +35,7 @@ from ..ema import ModelEMA, unwrap_model
 from ..export import check_onnx_packages, export_model
 from ..optim._base import FusedOptimizer
 from . import distributed as _dist
-from . import finetune, launcher, preflight, resume, step_log
+from . import finetune, fsdp, launcher, preflight, resume, sharded_checkpoints, step_log
 from .batches import call_model, count_samples, split_batch, to_channels_last, to_device
 from .callbacks import CallbackList, TrainerState, build_callbacks
 from .checkpoints import atomic_copy, atomic_save, load_checkpoint
@@ -292,7 +292,7 @@ class Trainer:
                                                 "the train loader", "the validation loader", "the test loader"))
         path = os.path.join(self.experiment_dir, "ckpt_latest.pth")
         if os.path.isfile(path):
-            unwrap_model(model).load_state_dict(load_checkpoint(path)["model"])
+            unwrap_model(model).load_state_dict(sharded_checkpoints.full_state_dict(path))
         return result
 
     def _watch_key(self, p: TrainingParams, valid_loaders: Dict[str, Any]) -> str:
@@ -331,6 +331,14 @@ class Trainer:
         if torch.autograd._profiler_enabled():
             warnings.warn("Trainer: the autograd profiler is active and slows every step", stacklevel=3)
 
+        train_loader = shard_train_loader(train_loader, ctx, p.seed)
+        valid_loaders = {k: shard_valid_loader(v, ctx) for k, v in valid_loaders.items()}
+        test_loaders = {k: shard_valid_loader(v, ctx) for k, v in test_loaders.items()}
+        if ctx.enabled:
+            preflight.check_not_empty(train_loader, f"the train loader's shard of rank {ctx.rank}")
+        steps_per_epoch = preflight.steps_per_epoch(train_loader, p)
+        precision = resolve_precision(p.mixed_precision, device)
+        scaler = precision.make_scaler(**p.scaler_params)
         model = model.to(device)
         if p.channels_last:
             model = model.to(memory_format=torch.channels_last)
@@ -339,22 +347,24 @@ class Trainer:
                 model = ctx.convert_sync_batchnorm(model)
             else:
                 warnings.warn("training_params.sync_bn: not a distributed run, BatchNorm stays local", stacklevel=3)
-        # DDP broadcasts rank 0's weights: built before the optimizer (master weights) and the EMA copy them.
-        ddp_model = ctx.wrap(model, device, p.find_unused_parameters)
-        train_loader = shard_train_loader(train_loader, ctx, p.seed)
-        valid_loaders = {k: shard_valid_loader(v, ctx) for k, v in valid_loaders.items()}
-        test_loaders = {k: shard_valid_loader(v, ctx) for k, v in test_loaders.items()}
-        if ctx.enabled:
-            preflight.check_not_empty(train_loader, f"the train loader's shard of rank {ctx.rank}")
-        precision = resolve_precision(p.mixed_precision, device)
-        scaler = precision.make_scaler(**p.scaler_params)
-        opt, fused = self._build_optimizer(model, p, device)
-        steps_per_epoch = preflight.steps_per_epoch(train_loader, p)
+        # Every rank starts from rank 0's weights (DDP broadcasts them; fsdp: before they are cut into shards),
+        # before the optimizer (master weights) and the EMA copy them.
+        if ctx.fsdp:
+            ctx.broadcast_module(model)
+            ddp_model = model
+        else:
+            ddp_model = ctx.wrap(model, device, p.find_unused_parameters)
         ema = None
         if p.ema:
             ema_kwargs = dict(p.ema_params)
             ema_kwargs.setdefault("total_steps", run_steps(p, steps_per_epoch))
             ema = ModelEMA(model, **ema_kwargs)
+        if ctx.fsdp:  # the EMA copy is sharded like the model, so the fused step updates it shard by shard
+            fsdp.shard([model] + ([ema.module] if ema is not None else []), device, ctx.world_size,
+                       p.fsdp_params["wrap"], p.fsdp_params["reshard_after_forward"], precision.name)
+            if ema is not None:
+                ema.rebuild_index()
+        opt, fused = self._build_optimizer(model, p, device)
         loss_fn = self._loss_fn(p, device)
         best = {"metric": p.metric_to_watch, "value": None, "epoch": None}
         logger = ExperimentLogger(self.experiment_dir) if ctx.is_main else NullLogger()
@@ -575,7 +585,8 @@ class Trainer:
                 with run.ctx.grad_sync(train_step.model, do_step):  # DDP: all-reduce only on the stepping micro-batch
                     out_d, loss_d = train_step(x, y, last=last_micro)
             except Exception as e:
-                self._explain_failure(run, e, x, y, rng)
+                if not run.ctx.fsdp:  # its forward would be a collective the other ranks never join
+                    self._explain_failure(run, e, x, y, rng)
                 raise
             if first:
                 cause = preflight.targets_out_of_range(out_d, y, rng, run.p.loss_params.get("ignore_index", -100))
@@ -726,14 +737,18 @@ class Trainer:
         sums = LossSums(device)
         n = 0
         split_fn, model_input = _resolve_fn(p.split_batch), _resolve_fn(p.model_input)
+        batches = itertools.islice(loader, max_batches) if max_batches else loader
+        # A sharded model's forward is a collective: every rank runs as many as the rank with the most batches.
+        pairs = (fsdp.lockstep(batches, device, f"Trainer: {what}") if ctx is not None and ctx.fsdp
+                 else ((b, True) for b in batches))
         with torch.inference_mode(), precision.autocast():
-            for i, batch in enumerate(loader):
-                if max_batches and i >= max_batches:
-                    break
+            for batch, real in pairs:
                 x, y, _ = split_batch(to_device(batch, device), split_fn)
                 if p.channels_last:
                     x = to_channels_last(x)
                 out = call_model(model, x, model_input)
+                if not real:
+                    continue
                 b = count_samples(x, model_input)
                 loss = None
                 if loss_fn is not None:
@@ -757,9 +772,10 @@ class Trainer:
         run.stale_epochs = 0 if improved else run.stale_epochs + (1 if run.watch_key in row else 0)
         run.logger.log_epoch(row)
         run.step_log.flush()
+        shards = self._save_shards(run)
         if ctx.is_main:  # logs and checkpoints on rank 0; the others wait at the barrier
             self._print_epoch(row)
-            self._write_checkpoint(run, self._checkpoint(run, epoch + 1), latest=True, best=improved,
+            self._write_checkpoint(run, self._checkpoint(run, epoch + 1, shards), latest=True, best=improved,
                                    epoch_file=epoch + 1 if epoch + 1 in p.save_ckpt_epoch_list else None)
         run.triggers.checkpoint_written()
         ctx.barrier()
@@ -798,8 +814,9 @@ class Trainer:
         mine = {"rng_start": run.epoch_start["rng_start"], "rng": rng_state(run.train_loader),
                 "sums": run.sums.state_dict(), "train_metrics": run.train_metrics.state_dict(), "samples": samples}
         ranks = run.ctx.gather_object(mine)
+        shards = self._save_shards(run)
         if run.ctx.is_main:
-            state = self._checkpoint(run, epoch)
+            state = self._checkpoint(run, epoch, shards)
             state["position"] = {"epoch": epoch, "batches": batches, "step0": run.epoch_start["step0"],
                                  "skipped_seen": run.skipped_seen, "ranks": ranks}
             self._write_checkpoint(run, state, latest=latest, best=best)
@@ -849,12 +866,27 @@ class Trainer:
 
     # ---- checkpoints -----------------------------------------------------------------------
 
-    def _checkpoint(self, run: Run, epoch: int) -> Dict[str, Any]:
+    @staticmethod
+    def _save_shards(run: Run) -> Optional[str]:
+        """fsdp: every rank writes its shards (NOTE [sharded checkpoints]); returns their folder's name."""
+        if not run.ctx.fsdp:
+            return None
+        name = sharded_checkpoints.new_name(run.global_step)
+        sharded_checkpoints.save(run.state.experiment_dir, name, run.model, run.opt,
+                                 run.ema.module if run.ema is not None else None)
+        return name
+
+    def _checkpoint(self, run: Run, epoch: int, shards: Optional[str] = None) -> Dict[str, Any]:
+        """The checkpoint's contents; with ``shards`` the tensors that are sharded live in that folder."""
         scaler, ema = run.scaler, run.ema
         skipped = (float(scaler.skipped_steps.item()) if scaler.is_enabled() and scaler.skipped_steps is not None
                    else 0.0)
-        return {"model": unwrap_model(run.model).state_dict(), "optimizer": run.opt.state_dict(),
-                "scaler": scaler.state_dict(), "ema": ema.state_dict() if ema is not None else None,
+        ema_state = ema.state_dict() if ema is not None else None
+        if shards is not None and ema_state is not None:
+            del ema_state["module"]
+        return {"model": unwrap_model(run.model).state_dict() if shards is None else None,
+                "optimizer": run.opt.state_dict() if shards is None else None, "shards": shards,
+                "scaler": scaler.state_dict(), "ema": ema_state,
                 "epoch": epoch, "global_step": run.global_step, "best": dict(run.best),
                 "stale_epochs": run.stale_epochs, "rng": rng_state(run.train_loader),
                 "training_params": run.p.to_dict(json_safe=True), "world_size": run.ctx.world_size,
@@ -877,6 +909,7 @@ class Trainer:
             run.callbacks("on_checkpoint_saved", run.state, path)
         if latest and run.p.keep_last_ckpts:
             self._prune_step_checkpoints(run.p.keep_last_ckpts)
+        sharded_checkpoints.collect_garbage(self.experiment_dir)  # also after a sharded run resumed unsharded
 
     def _prune_step_checkpoints(self, keep: int) -> None:
         found = sorted((int(m.group(1)), n) for n in os.listdir(self.experiment_dir)

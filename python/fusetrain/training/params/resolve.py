@@ -107,6 +107,28 @@ def _check_distributed(values: Dict[str, Any]) -> List[str]:
     if mg != "off" and dev.startswith("cuda:") and ng is not None and ng > 1:
         errors.append(f"{ROOT}.device: got {dev!r} with num_gpus {ng!r}; allowed: 'auto' or 'cuda' (each process "
                       f"uses cuda:LOCAL_RANK)")
+    if mg == "fsdp":
+        errors += _check_fsdp(values)
+    return errors
+
+
+def _check_fsdp(values: Dict[str, Any]) -> List[str]:
+    """What a sharded model cannot do (yet), said before anything runs."""
+    errors: List[str] = []
+    opt = optimizer_class(values["optimizer"])
+    if not getattr(opt, "_shard_local", True):
+        errors.append(f"{ROOT}.optimizer: got {opt.__name__} with multi_gpu 'fsdp'; its update needs whole "
+                      f"tensors (per-tensor norms), which a sharded model does not hold; allowed with fsdp: an "
+                      f"element-wise optimizer (AdamW, Adam, SGD, Lion, NAdam, RAdam, RMSprop, RMSpropTF, "
+                      f"Adadelta) or a torch.optim one, or multi_gpu 'ddp'")
+    if values["export"]:
+        errors.append(f"{ROOT}.export: got {values['export']!r} with multi_gpu 'fsdp'; no rank holds the whole "
+                      f"model; allowed with fsdp: [] (export from the full weights afterwards: python -m "
+                      f"fusetrain.training.sharded_checkpoints CKPT OUT, then load them into the model)")
+    if values["compile_step"] != "off":
+        errors.append(f"{ROOT}.compile_step: got {values['compile_step']!r} with multi_gpu 'fsdp'; allowed with "
+                      f"fsdp: 'off' (torch_compile compiles the sharded model's forward and backward; FSDP2's "
+                      f"collectives run in its hooks around them)")
     return errors
 
 

@@ -183,13 +183,22 @@ _V_EARLY_STOPPING = optional(record({"patience": int_range(min=1), "min_delta": 
 def _multi_gpu_check(v: Any, path: str) -> str:
     if isinstance(v, bool):  # YAML 1.1 reads a bare off/on as a boolean
         return "ddp" if v else "off"
-    if isinstance(v, str) and v.lower() in ("off", "auto", "ddp"):
+    if isinstance(v, str) and v.lower() in ("off", "auto", "ddp", "fsdp"):
         return v.lower()
     reject(path, v, _MULTI_GPU_DESC)
 
 
-_MULTI_GPU_DESC = "one of 'off', 'auto', 'ddp' (case-insensitive; false means 'off', true 'ddp')"
+_MULTI_GPU_DESC = "one of 'off', 'auto', 'ddp', 'fsdp' (case-insensitive; false means 'off', true 'ddp')"
 _V_MULTI_GPU = Validator(_MULTI_GPU_DESC, _multi_gpu_check)
+_V_FSDP = record(
+    {"wrap": any_of(choice("blocks"), list_of(string("a class name"), unique=True),
+                    _function_or_path("a function module -> bool (or its path, package.module.function)"),
+                    description="'blocks', a list of module class names, or a function module -> bool (or its "
+                                "path)"),
+     "reshard_after_forward": boolean()},
+    defaults={"wrap": "blocks", "reshard_after_forward": True},
+    description="a dict with keys wrap ('blocks', a list of class names or a function module -> bool) and "
+                "reshard_after_forward (bool)")
 
 
 COMPILE_STEP_MODES = ("off", "compile", "cuda_graph")
@@ -578,24 +587,35 @@ _SPECS = [
         Where to train: `auto` picks CUDA when available, else the CPU; `cuda` is the current CUDA device,
         `cuda:N` a given one."""),
     _p("multi_gpu", _V_MULTI_GPU, "auto", """
-        Data-parallel training over several processes (`torch.nn.parallel.DistributedDataParallel`, one process
-        per GPU, or per CPU worker with gloo). `auto`: distributed when the process was started by a launcher
+        Data-parallel training over several processes (one per GPU, or per CPU worker with gloo). `ddp`:
+        `torch.nn.parallel.DistributedDataParallel`, every process holds the whole model, its gradients and its
+        optimizer state. `fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`, configured by `fsdp_params`),
+        every process holds a shard of the weights, gradients, optimizer state, master weights and EMA, and
+        checkpoints are written shard by shard with `torch.distributed.checkpoint` (see
+        docs/distributed.md). `auto`: DDP when the process was started by a launcher
         (`torchrun --nproc_per_node=N ...`, one node or several: `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in the
         environment) or when `num_gpus` / `num_processes` asks for more than one process, else a single process.
-        `ddp`: the same under a launcher; otherwise the Trainer starts the workers itself on this node with
-        torch's elastic launcher, `num_gpus` GPUs (default: all visible) or `num_processes` CPU processes, each
-        running the same training (from Python the model, loaders and
-        params are pickled to the workers; a recipe rebuilds them in each worker). `off`: a single process, and
-        an error when started by a launcher with `WORLD_SIZE > 1`. Each process loads its shard of the training
-        data (`DistributedSampler`), so the effective batch size is `batch_size * batch_accumulate * world_size`.
-        Case-insensitive; `false` (YAML's bare `off`) means `off`, `true` means `ddp`. See the README's
-        "Distributed training" section."""),
+        `ddp` / `fsdp`: the same under a launcher; otherwise the Trainer starts the workers itself on this node
+        with torch's elastic launcher, `num_gpus` GPUs (default: all visible) or `num_processes` CPU processes,
+        each running the same training (from Python the model, loaders and params are pickled to the workers; a
+        recipe rebuilds them in each worker). `off`: a single process, and an error when started by a launcher
+        with `WORLD_SIZE > 1`. Each process loads its shard of the training data (`DistributedSampler`), so the
+        effective batch size is `batch_size * batch_accumulate * world_size`. Case-insensitive; `false` (YAML's
+        bare `off`) means `off`, `true` means `ddp`."""),
+    _p("fsdp_params", _V_FSDP, {"wrap": "blocks", "reshard_after_forward": True}, """
+        With `multi_gpu: fsdp`: `wrap` picks the modules that get their own `fully_shard` (each one all-gather of
+        its weights before its forward and one reduce-scatter of its gradients): `blocks` (every child with
+        parameters of an `nn.ModuleList` or `nn.Sequential`, the repeated blocks of most models), a list of class
+        names (e.g. `[TransformerBlock]`), or a function `module -> bool` (or its path); the root module is
+        always sharded last. `reshard_after_forward`: free the gathered weights after each forward (less memory,
+        one more all-gather in the backward). The mixed-precision policy follows `mixed_precision` (weights
+        gathered in bf16/fp16 for compute, gradients reduced in fp32)."""),
     _p("num_gpus", optional(int_range(min=1)), None, """
-        With `multi_gpu: ddp` or `auto` outside a launcher, the number of GPUs (worker processes) to start on this node;
-        None: all visible CUDA devices. Asking for more GPUs than are visible is an error. Ignored under a
+        With `multi_gpu: ddp`, `fsdp` or `auto` outside a launcher, the number of GPUs (worker processes) to start
+        on this node; None: all visible CUDA devices. Asking for more GPUs than are visible is an error. Ignored under a
         launcher (the launcher chose the processes)."""),
     _p("num_processes", optional(int_range(min=1)), None, """
-        With `multi_gpu: ddp` or `auto` outside a launcher on the CPU, the number of worker processes to start
+        With `multi_gpu: ddp`, `fsdp` or `auto` outside a launcher on the CPU, the number of worker processes to start
         (gloo backend); required for `ddp` there. Not allowed for a CUDA run (use `num_gpus`)."""),
     _p("dist_backend", choice("auto", "nccl", "gloo"), "auto", """
         The `torch.distributed` backend when the Trainer initialises the process group: `auto` is NCCL for CUDA

@@ -1,0 +1,144 @@
+"""Checkpoints of sharded runs (``multi_gpu: fsdp``), with ``torch.distributed.checkpoint``.
+
+NOTE [sharded checkpoints]: a checkpoint file of an fsdp run
+(``ckpt_latest.pth``, ``ckpt_best.pth``, ...) holds everything the files of
+other runs hold except the sharded tensors, plus ``"shards"``: the name of a
+folder under ``<experiment>/shards/`` into which every rank wrote its shards
+with ``dcp.save`` (the weights, the optimizer state with master weights, the
+EMA weights), keyed by parameter names, so any number of processes (one
+included, without a process group) can load it. The folder is written first
+and is complete when ``dcp.save`` returns (its ``.metadata`` is written last,
+after every rank's files); only then does rank 0 write the small file,
+atomically. A crash mid-save leaves the previous file and the folder it names.
+After each save, folders that no checkpoint file names are deleted.
+
+:func:`full_state_dict` reads the full weights of any checkpoint (sharded or
+not) in one process, for inference; ``python -m
+fusetrain.training.sharded_checkpoints CKPT OUT [--ema]`` writes them as a
+plain ``state_dict`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import uuid
+import warnings
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+from ..optim._base import FusedOptimizer
+from .checkpoints import atomic_save, load_checkpoint
+
+__all__ = ["SHARDS", "new_name", "save", "load", "collect_garbage", "full_state_dict"]
+
+SHARDS = "shards"
+_CKPT_FILE = re.compile(r"ckpt_.*\.pth")
+
+
+def folder(ckpt_path: str, name: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), SHARDS, name)
+
+
+def new_name(global_step: int) -> str:
+    """A fresh folder name, the same on every rank (rank 0 picks it)."""
+    import torch.distributed as dist
+
+    pick = [f"step_{global_step}_{uuid.uuid4().hex[:8]}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(pick, src=0)
+    return pick[0]
+
+
+def _states(model: nn.Module, opt, ema_module: Optional[nn.Module]) -> Dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    model_sd, opt_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optimizer": opt_sd}
+    if ema_module is not None:
+        state["ema"] = get_model_state_dict(ema_module)
+    return state
+
+
+def save(experiment_dir: str, name: str, model: nn.Module, opt, ema_module: Optional[nn.Module]) -> None:
+    """Every rank writes its shards of the model, optimizer and EMA into ``shards/<name>``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_states(model, opt, ema_module), checkpoint_id=os.path.join(experiment_dir, SHARDS, name))
+
+
+def load(ck: Dict[str, Any], ckpt_path: str, model: nn.Module, opt, ema_module: Optional[nn.Module]) -> None:
+    """Load the shards a checkpoint file names into the model, optimizer and
+    EMA of this run, whatever its number of processes (resharded by DCP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    path = folder(ckpt_path, ck["shards"])
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"resume: {ckpt_path} names the sharded state {path}, which is missing or "
+                                f"incomplete (no .metadata); allowed: a checkpoint file next to its {SHARDS}/ folder")
+    # DCP loads into existing tensors. A fresh fusetrain optimizer makes its state without stepping; for
+    # another optimizer get_state_dict makes it with one zero-lr step.
+    if isinstance(opt, FusedOptimizer):
+        opt.init_state()
+    state = _states(model, opt, ema_module if ck.get("ema") is not None else None)
+    with warnings.catch_warnings():  # one process without a process group: DCP says so
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if "ema" in state:
+        set_model_state_dict(ema_module, state["ema"])
+
+
+def collect_garbage(experiment_dir: str) -> None:
+    """Delete the shard folders no checkpoint file names (replaced ones, and
+    those of saves a crash interrupted). Rank 0, after writing a checkpoint file."""
+    root = os.path.join(experiment_dir, SHARDS)
+    if not os.path.isdir(root):
+        return
+    named = set()
+    for f in os.listdir(experiment_dir):
+        if _CKPT_FILE.fullmatch(f):
+            named.add(load_checkpoint(os.path.join(experiment_dir, f), mmap=True).get("shards"))
+    for name in os.listdir(root):
+        if name not in named:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def full_state_dict(ckpt_path: str, ema: bool = False) -> Dict[str, torch.Tensor]:
+    """The full weights (``model.state_dict()`` keys, CPU tensors) of a
+    checkpoint file, sharded or not; ``ema=True``: the EMA's weights."""
+    ck = load_checkpoint(ckpt_path)
+    if ema and ck.get("ema") is None:
+        raise ValueError(f"{ckpt_path} has no EMA weights (trained without ema); allowed: ema=False")
+    if ck.get("shards") is None:
+        return ck["ema"]["module"] if ema else ck["model"]
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    key = "ema" if ema else "model"
+    path = folder(ckpt_path, ck["shards"])
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"{ckpt_path} names the sharded state {path}, which is missing or incomplete")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        return _load_state_dict_from_keys(keys={key}, checkpoint_id=path)[key]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fusetrain.training.sharded_checkpoints",
+                                     description="Write the full weights of a checkpoint (sharded or not) as a "
+                                                 "plain state_dict file, for inference.")
+    parser.add_argument("checkpoint", help="a checkpoint file, e.g. checkpoints/<experiment>/ckpt_best.pth")
+    parser.add_argument("output", help="the state_dict file to write")
+    parser.add_argument("--ema", action="store_true", help="the EMA's weights instead of the model's")
+    args = parser.parse_args(argv)
+    atomic_save(full_state_dict(args.checkpoint, ema=args.ema), args.output)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
