@@ -86,7 +86,7 @@ def run_size(tensors: int, args, device) -> Dict[str, Dict]:
     out = {}
     for k, t in times.items():
         s = summary(t)
-        worst = torch.tensor([s["median_ms"]], dtype=torch.float64)
+        worst = torch.tensor([s["median_ms"]], dtype=torch.float64, device=device)  # NCCL: a CUDA tensor
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         s["slowest_rank_median_ms"] = float(worst)
         out[k] = s

@@ -23,10 +23,10 @@ namespace fusetrain {
 namespace detail {
 
 FT_HD float vsqrt(float x) { return ::sqrtf(x); }
-FT_HD float vmax(float a, float b) { return a > b ? a : (b != b ? b : a); }
+FT_HD float vmax(float a, float b) { return (a > b || a != a) ? a : b; }  // NaN-propagating, as torch.maximum
 FT_HD float vsign(float x) { return static_cast<float>((x > 0.f) - (x < 0.f)); }
 FT_HD double vsqrt(double x) { return ::sqrt(x); }
-FT_HD double vmax(double a, double b) { return a > b ? a : (b != b ? b : a); }
+FT_HD double vmax(double a, double b) { return (a > b || a != a) ? a : b; }
 FT_HD double vsign(double x) { return static_cast<double>((x > 0.0) - (x < 0.0)); }
 
 // Per-tensor coefficients, computed once per tensor (per chunk on CUDA) from

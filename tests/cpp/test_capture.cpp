@@ -153,17 +153,31 @@ void run_pair(Rig& eager, Rig& graph, int64_t calls, int64_t accumulate, int64_t
 TEST(CaptureCuda, SurvivesAnotherThreadUsingCuda) {
   SKIP_WITHOUT_CUDA();
   std::atomic<bool> stop{false};
+  std::string pinner_error;  // an exception escaping a std::thread would end the whole test program
   std::thread pinner([&] {  // what a data loader's pin-memory thread does
-    while (!stop) {
-      auto t = torch::randn({1 << 16}).pin_memory();
-      t.to(torch::kCUDA, /*non_blocking=*/true);
-      torch::cuda::synchronize();
+    try {
+      while (!stop) {
+        auto t = torch::randn({1 << 16}).pin_memory();
+        t.to(torch::kCUDA, /*non_blocking=*/true);
+        // Then waits for its own stream (a blocking copy does), as the Python test does; a device-wide
+        // sync while another thread captures is outside what a loader thread does.
+        t.to(torch::kCUDA);
+      }
+    } catch (const std::exception& e) {
+      pinner_error = e.what();
     }
   });
-  Rig eager(torch::kCUDA), graph(torch::kCUDA);
-  run_pair(eager, graph, 10, 1, -1);
+  std::string step_error;
+  try {
+    Rig eager(torch::kCUDA), graph(torch::kCUDA);
+    run_pair(eager, graph, 10, 1, -1);
+  } catch (const std::exception& e) {
+    step_error = e.what();
+  }
   stop = true;
-  pinner.join();
+  pinner.join();  // before any failure is reported: a joinable thread must not be destroyed
+  EXPECT_EQ(step_error.substr(0, step_error.find('\n')), "") << step_error;
+  EXPECT_EQ(pinner_error.substr(0, pinner_error.find('\n')), "") << pinner_error;
 }
 
 TEST(CaptureCuda, ParamWithFirstGradientAfterWarmup) {

@@ -1,4 +1,5 @@
-"""Run a function in several CPU processes joined by a gloo process group.
+"""Run a function in several CPU processes joined by a gloo process group
+(or, with ``backend="nccl"``, one process per CUDA GPU, rank r on cuda:r).
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes,
 calls ``fn(rank, world_size, *args)`` in each after ``init_process_group("gloo")``,
@@ -33,10 +34,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, store_file, fn, args):
+def _worker(rank, world_size, store_file, fn, args, backend="gloo"):
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size)
     ok = False
     try:
         fn(rank, world_size, *args)
@@ -47,9 +50,9 @@ def _worker(rank, world_size, store_file, fn, args):
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int = 2, *args, timeout: float = 120.0) -> None:
+def run_distributed(fn, world_size: int = 2, *args, timeout: float = 120.0, backend: str = "gloo") -> None:
     with tempfile.TemporaryDirectory(prefix="fusetrain-dist-") as tmp:
-        ctx = mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size,
+        ctx = mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args, backend), nprocs=world_size,
                        join=False)
         while not ctx.join(timeout=timeout):
             pass

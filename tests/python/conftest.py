@@ -1,5 +1,5 @@
 """Fixtures shared by the test modules. Constants (devices, paths) are in
-_test_helpers.py; markers (slow, dist, bench) are registered in pyproject.toml.
+_test_helpers.py; markers (slow, dist, bench, cuda) are registered in pyproject.toml.
 
 Inner loop: ``python3 -m pytest tests/python -m "not slow and not dist and not bench"``."""
 
@@ -24,3 +24,16 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``cuda`` every test that runs only on a CUDA GPU: a ``cuda`` case
+    of a device parameter, or a test skipped without CUDA (the ``CUDA``
+    decorator of _test_helpers.py). ``scripts/gpu-check`` runs ``-m cuda``."""
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        on_cuda = spec is not None and any(v == "cuda" or getattr(v, "type", None) == "cuda"
+                                           for v in spec.params.values())
+        needs_cuda = any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+        if on_cuda or needs_cuda:
+            item.add_marker(pytest.mark.cuda)

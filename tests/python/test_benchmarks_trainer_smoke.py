@@ -73,7 +73,10 @@ def test_trainer_overhead_quick_run_writes_report(tmp_path, device):
     # (torch.optim.Adam vs fusetrain's fused Adam, fp32) start from the same
     # loss and stay together to rounding; the AMP pair alike to bf16/fp16 rounding.
     runs = {n: report["results"][n]["runs"][0]["epochs"] for n in VARIANTS}
-    assert runs["trainer_fp32"][0]["loss"] == pytest.approx(runs["handwritten_fp32"][0]["loss"], rel=1e-5)
+    # On a GPU the Trainer's cudnn_benchmark=True picks other convolution algorithms than the hand-written
+    # loop (benchmark off), which round differently from the first step on.
+    first_rel = 1e-5 if device == "cpu" else 2e-4
+    assert runs["trainer_fp32"][0]["loss"] == pytest.approx(runs["handwritten_fp32"][0]["loss"], rel=first_rel)
     assert runs["trainer_fp32"][-1]["loss"] == pytest.approx(runs["handwritten_fp32"][-1]["loss"], rel=1e-3)
     assert runs["trainer_amp"][-1]["loss"] == pytest.approx(runs["handwritten_amp"][-1]["loss"], rel=2e-2)
     # ... and they trained: the random labels of the few images are being learnt.

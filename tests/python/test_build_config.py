@@ -94,3 +94,26 @@ def test_the_build_used_exactly_the_configured_archs():
         flags = re.search(r"^  FLAGS = (.*)$", body, re.M).group(1).split()
         assert "-gencode" not in flags, f"{name}.cu: torch's -gencode flags leaked in"
         assert [f for f in flags if f.startswith("--generate-code")] == expected, name
+
+
+def _loaded_fusetrain_libraries():
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
+    return sorted(p for p in paths if os.path.basename(p).startswith("libfusetrain_core") or
+                  (os.path.basename(p).startswith("_C.") and os.path.basename(os.path.dirname(p)) == "fusetrain"))
+
+
+@pytest.mark.skipif(shutil.which("nm") is None or not os.path.exists("/proc/self/maps"),
+                    reason="needs nm (binutils) and /proc (Linux)")
+def test_libraries_use_the_shared_cxx_runtime():
+    # NOTE [one C++ runtime] in CMakeLists.txt: a static libstdc++ inside fusetrain's libraries has its own
+    # locale and exception state (formatting an error message crashed the interpreter).
+    libs = _loaded_fusetrain_libraries()
+    assert any("libfusetrain_core" in os.path.basename(p) for p in libs), libs
+    for lib in libs:
+        r = subprocess.run(["nm", "-C", "--defined-only", lib], capture_output=True, text=True)
+        if r.returncode != 0:  # a stripped library: its dynamic symbols
+            r = subprocess.run(["nm", "-C", "-D", "--defined-only", lib], capture_output=True, text=True, check=True)
+        own = [ln for ln in r.stdout.splitlines() if re.search(r" [TtWw] (std::locale::locale\(|__cxa_throw$)", ln)]
+        assert not own, (f"{lib} holds its own copy of the C++ runtime (e.g. {own[:2]}); link it against the "
+                         "shared libstdc++ (NOTE [one C++ runtime] in CMakeLists.txt)")

@@ -365,12 +365,16 @@ def assert_same(a, b):
 @CUDA
 def test_gpu_capture_survives_another_thread_using_cuda():
     stop = threading.Event()
+    errors = []  # an exception in a thread is only printed: collect it
 
     def pin_and_copy():  # what a DataLoader's pin-memory thread does
-        while not stop.is_set():
-            t = torch.randn(1 << 16).pin_memory()
-            t.to("cuda", non_blocking=True)
-            torch.cuda.current_stream().synchronize()
+        try:
+            while not stop.is_set():
+                t = torch.randn(1 << 16).pin_memory()
+                t.to("cuda", non_blocking=True)
+                torch.cuda.current_stream().synchronize()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
 
     worker = threading.Thread(target=pin_and_copy, daemon=True)
     worker.start()
@@ -379,6 +383,7 @@ def test_gpu_capture_survives_another_thread_using_cuda():
     finally:
         stop.set()
         worker.join()
+    assert not errors, f"the other thread failed: {errors[0]!r}"
     assert graph[2].captured
     assert_same(eager, graph)
 

@@ -3,7 +3,9 @@
 for bf16 parameters and an EMA riding in the step matches the same training
 in one process; the clipping norm is the unsharded one; a non-finite gradient
 on one rank skips the step on every rank (NOTE [sharded steps] in
-python/fusetrain/optim/_sharded.py)."""
+python/fusetrain/optim/_sharded.py). On a CUDA machine the same cases run
+over NCCL, one process per GPU (on one GPU: a mesh of one, still DTensor
+shards and the step's collective)."""
 
 import os
 
@@ -15,6 +17,7 @@ import fusetrain
 from fusetrain.optim import AdamW, Lamb, Muon, NAdam
 
 from _dist_helpers import requires_gloo, run_distributed
+from _test_helpers import CUDA
 
 pytestmark = [requires_gloo, pytest.mark.dist]  # spawns processes (README, Tests)
 
@@ -22,24 +25,24 @@ STEPS, BATCH = 6, 8
 OPTIMIZERS = {"AdamW": AdamW, "NAdam": NAdam, "Lamb": Lamb}
 
 
-def make_model(dtype):
+def make_model(dtype, device="cpu"):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 3)).to(dtype)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 3)).to(device, dtype)
 
 
-def batches(dtype):
+def batches(dtype, device="cpu"):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 6, generator=g).to(dtype), torch.randn(BATCH, 3, generator=g).to(dtype))
+    return [(torch.randn(BATCH, 6, generator=g).to(device, dtype), torch.randn(BATCH, 3, generator=g).to(device, dtype))
             for _ in range(STEPS)]
 
 
 def train(model, opt, scaler, cfg, rank=0, world=1):
     """The same loop for the sharded and the single-process runs; returns the per-step norms and flags."""
     ema = {p: p.detach().clone() for p in model.parameters()}
-    opt.attach_ema(ema, torch.tensor(0.9))
+    opt.attach_ema(ema, torch.tensor(0.9, device=cfg.get("device", "cpu")))
     norms, flags = [], []
     per = BATCH // world
-    for step, (x, y) in enumerate(batches(cfg["dtype"])):
+    for step, (x, y) in enumerate(batches(cfg["dtype"], cfg.get("device", "cpu"))):
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
         loss = nn.functional.mse_loss(model(x).float(), y.float())
         (scaler.scale(loss) if scaler else loss).backward()
@@ -66,7 +69,9 @@ def full(t):
 def sharded_worker(rank, world, out, cfg):
     from torch.distributed.fsdp import fully_shard
 
-    model = make_model(cfg["dtype"])
+    device = torch.device("cuda", rank) if cfg.get("device") == "cuda" else "cpu"
+    cfg = dict(cfg, device=device)
+    model = make_model(cfg["dtype"], device)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
@@ -77,25 +82,27 @@ def sharded_worker(rank, world, out, cfg):
     scaler = fusetrain.LossScaler(init_scale=1024.0) if cfg["scaler"] else None
     norms, flags, ema = train(model, opt, scaler, cfg, rank, world)
     st = opt.state[model[0].weight]
-    assert hasattr(st["exp_avg"], "to_local") and st["exp_avg"].to_local().shape[0] < 10  # sharded state
-    result = {"params": [full(p) for p in model.parameters()], "ema": [full(e) for e in ema.values()],
+    assert hasattr(st["exp_avg"], "to_local")  # DTensor state, sharded like the param
+    local = st["exp_avg"].to_local()
+    assert local.shape == model[0].weight.to_local().shape and (world == 1 or local.shape[0] < 10)
+    result = {"params": [full(p).cpu() for p in model.parameters()], "ema": [full(e).cpu() for e in ema.values()],
               "norms": norms, "flags": flags}
     if cfg["dtype"] == torch.bfloat16:
-        result["masters"] = [full(opt.state[p]["master_param"]) for p in model.parameters()]
+        result["masters"] = [full(opt.state[p]["master_param"]).cpu() for p in model.parameters()]
     if rank == 0:
         torch.save(result, out)
 
 
 def single(cfg):
-    model = make_model(cfg["dtype"])
+    model = make_model(cfg["dtype"], cfg.get("device", "cpu"))
     opt = OPTIMIZERS[cfg["opt"]](model.parameters(), lr=1e-2, max_grad_norm=cfg["clip"],
                                  master_weights=cfg["dtype"] == torch.bfloat16)
     scaler = fusetrain.LossScaler(init_scale=1024.0) if cfg["scaler"] else None
     norms, flags, ema = train(model, opt, scaler, cfg)
-    result = {"params": [p.detach() for p in model.parameters()], "ema": list(ema.values()), "norms": norms,
-              "flags": flags}
+    result = {"params": [p.detach().cpu() for p in model.parameters()], "ema": [e.cpu() for e in ema.values()],
+              "norms": norms, "flags": flags}
     if cfg["dtype"] == torch.bfloat16:
-        result["masters"] = [opt.state[p]["master_param"] for p in model.parameters()]
+        result["masters"] = [opt.state[p]["master_param"].cpu() for p in model.parameters()]
     return result
 
 
@@ -111,9 +118,20 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_training_matches_one_process(tmp_path, name):
-    cfg = CASES[name]
+    check_sharded_training(tmp_path, CASES[name])
+
+
+@CUDA
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_training_matches_one_process_cuda_nccl(tmp_path, name):
+    # One process per GPU, at most the case's world size (one GPU: a mesh of one).
+    world = min(CASES[name]["world"], torch.cuda.device_count())
+    check_sharded_training(tmp_path, dict(CASES[name], world=world, device="cuda"), backend="nccl")
+
+
+def check_sharded_training(tmp_path, cfg, backend="gloo"):
     out = str(tmp_path / "sharded.pt")
-    run_distributed(sharded_worker, cfg["world"], out, cfg)
+    run_distributed(sharded_worker, cfg["world"], out, cfg, backend=backend)
     got, want = torch.load(out), single(cfg)
     # The clipping norm is the unsharded one (bf16 gradients: reduced in bf16 across ranks), and a rank's inf
     # skipped the step everywhere.

@@ -57,7 +57,8 @@ def run(pairs, n, start=0, scale=1.0):
 def assert_state_close(ours, theirs, a, b, **tol):
     for p, q in zip(a, b):
         for k, v in theirs.state[p].items():
-            torch.testing.assert_close(ours.state[q][k].to(v.dtype), v, **tol, msg=lambda m: f"{k}: {m}")
+            # (torch's for-loop step keeps `step` on the CPU; fusetrain's lives on the param's device)
+            torch.testing.assert_close(ours.state[q][k].to(v.device, v.dtype), v, **tol, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
