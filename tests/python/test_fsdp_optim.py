@@ -27,13 +27,14 @@ OPTIMIZERS = {"AdamW": AdamW, "NAdam": NAdam, "Lamb": Lamb}
 
 def make_model(dtype, device="cpu"):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 3)).to(device, dtype)
+    model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 3))
+    return model.to(device, dtype)
 
 
 def batches(dtype, device="cpu"):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 6, generator=g).to(device, dtype), torch.randn(BATCH, 3, generator=g).to(device, dtype))
-            for _ in range(STEPS)]
+    return [(torch.randn(BATCH, 6, generator=g).to(device, dtype),
+             torch.randn(BATCH, 3, generator=g).to(device, dtype)) for _ in range(STEPS)]
 
 
 def train(model, opt, scaler, cfg, rank=0, world=1):
@@ -161,3 +162,46 @@ def per_tensor_worker(rank, world, cls_name):
 def test_optimizers_with_per_tensor_reductions_refuse_shards(cls_name):
     # Their trust ratio / orthogonalisation needs the whole tensor: a clear error, not a shard-wise update.
     run_distributed(per_tensor_worker, 2, cls_name)
+
+
+def kept_lists_worker(rank, world, out):
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    for keep in (True, False):
+        model = make_model(torch.float32)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5)
+        if not keep:  # every step collects its lists afresh
+            opt._init_sharded_group = lambda group, *lists: opt._collect_group(group, *lists)
+        ema = {p: p.detach().clone() for p in model.parameters()}
+        opt.attach_ema(ema, torch.tensor(0.9))
+        saved = None
+        for step, (x, y) in enumerate(batches(torch.float32)):
+            nn.functional.mse_loss(model(x), y).backward()
+            if step == 2:
+                model[2].weight.grad = None  # one param without a gradient for a step
+            if step == 3:
+                saved = copy.deepcopy(opt.state_dict())
+            if step == 4:
+                opt.load_state_dict(saved)  # state replaced: lists kept from before must not be used
+            if step == 5:
+                opt.detach_ema()
+            opt.step()
+            opt.zero_grad()
+            if keep and step == 1:
+                assert opt._sharding.get("lists"), "the second step kept no lists"
+        results[keep] = [full(p) for p in model.parameters()] + [full(e) for e in ema.values()]
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)
+
+
+def test_kept_step_lists_change_nothing():
+    # NOTE [sharded step cache]: reusing a group's lists between steps gives the same numbers as collecting them
+    # every step, also when a param skips a step, the state is loaded anew and the EMA is detached.
+    run_distributed(kept_lists_worker, 2, None)

@@ -316,6 +316,24 @@ def test_group_without_any_grad_is_a_no_op(name):
     assert len(opt.state) == 0
 
 
+@pytest.mark.parametrize("name", list(OURS))
+def test_group_without_grads_after_one_with_grads(name):
+    # A frozen group (no gradients) after a trained one: it changes nothing, and the trained group steps as
+    # it would alone.
+    mine = leaves()
+    theirs, frozen = twin(mine), twin(mine[2:])
+    opt = OURS[name]([{"params": mine[:2]}, {"params": mine[2:], "lr": 0.5}], lr=0.01)
+    ref = OURS[name](theirs[:2], lr=0.01)
+    for _ in range(3):
+        for p, q in zip(mine[:2], theirs[:2]):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    assert_params_equal(mine[2:], frozen)
+    assert_params_close(mine[:2], theirs[:2])
+
+
 # ---- lr schedulers ---------------------------------------------------------------------
 
 

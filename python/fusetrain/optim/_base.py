@@ -145,7 +145,7 @@ class FusedOptimizer(Optimizer):
         self._amp_pending: Dict[str, Optional[Tensor]] = {"inv_scale": None, "found_inf": None}
         self._warned: Dict[str, bool] = {}
         # Whether any param is a DTensor (NOTE [sharded steps]), known when its group is added.
-        self._sharding: Dict[str, bool] = {"any": False}
+        self._sharding: Dict[str, Any] = {"any": False}
         super().__init__(params, defaults)
 
     @property
@@ -185,6 +185,7 @@ class FusedOptimizer(Optimizer):
             self._ensure_results(next(iter(devices)))
         if self._ema_lists is not None:
             self._ema_lists.append(None)
+        self._forget_lists()
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -234,6 +235,7 @@ class FusedOptimizer(Optimizer):
                         dtype = torch.float32
                     self.state[p][k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
         self._lr_cache.clear()
+        self._forget_lists()
 
     # ---- EMA riding in the update pass -----------------------------------------------
 
@@ -272,11 +274,13 @@ class FusedOptimizer(Optimizer):
             lists.append(emas)
         self._ema_lists = lists
         self._ema_decay = decay
+        self._forget_lists()
 
     def detach_ema(self) -> None:
         """Stop updating EMA copies in the update pass."""
         self._ema_lists = None
         self._ema_decay = None
+        self._forget_lists()
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -307,6 +311,7 @@ class FusedOptimizer(Optimizer):
 
     def _ensure_state(self, group, p: Tensor) -> None:
         """Create (or move next to ``p``) the state tensors a step of ``p`` needs."""
+        self._forget_lists()
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.full((), self._new_step_value(state), dtype=torch.float32, device=p.device)
@@ -365,6 +370,45 @@ class FusedOptimizer(Optimizer):
     def _init_group(self, group, params, grads, steps, masters, emas, state1, state2, state3):
         # Called with python values by torch.compile (dynamo runs it eagerly),
         # so lazy state creation never lands in a compiled graph.
+        if self._sharding["any"]:
+            with torch.no_grad():  # DTensor.to_local() is then the local tensor, not an autograd call
+                return self._init_sharded_group(group, params, grads, steps, masters, emas, state1, state2, state3)
+        return self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3)
+
+    # NOTE [sharded step cache]: for DTensor params the per-tensor collection
+    # (state checks, the local shards of params, state, masters and EMA copies)
+    # costs microseconds per tensor in Python, and between steps only the
+    # gradients change. So a group's lists are kept and reused while the same
+    # params have gradients and each param still holds the same local shard;
+    # whatever creates, loads or re-attaches state drops them (_forget_lists).
+    # State tensors replaced by hand in optimizer.state are not noticed.
+    def _init_sharded_group(self, group, params, grads, steps, masters, emas, state1, state2, state3):
+        loc = _sharded.local_fn()
+        stepped = [p for p in group["params"] if p.grad is not None]
+        kept = self._sharding.setdefault("lists", {}).get(id(group))
+        if (kept is not None and kept["group"] is group and len(kept["params"]) == len(stepped)
+                and all(p is k and loc(p) is q for p, k, q in zip(stepped, kept["params"], kept["lists"][0]))):
+            local_grads = [loc(p.grad) for p in stepped]
+            if not any(g.is_sparse for g in local_grads):  # (sparse: densified by the full collection)
+                grads.extend(local_grads)
+                for out, got in zip((params, steps, masters, emas, state1, state2, state3), kept["lists"]):
+                    out.extend(got)
+                return len(stepped) > 0
+        outs = (params, steps, masters, emas, state1, state2, state3)
+        starts = [len(o) for o in outs]
+        any_grad = self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3)
+        mine = params[starts[0]:]
+        if len(mine) == len(stepped) and all(loc(p) is q for p, q in zip(stepped, mine)):  # not complex
+            self._sharding.setdefault("lists", {})[id(group)] = {"group": group, "params": stepped,
+                                                                 "lists": [o[b:] for o, b in zip(outs, starts)]}
+        return any_grad
+
+    def _forget_lists(self) -> None:
+        """Drop the kept per-group lists (NOTE [sharded step cache])."""
+        self._sharding.pop("lists", None)
+
+    def _collect_group(self, group, params, grads, steps, masters, emas, state1, state2, state3):
+        start = len(params)  # the lists hold the groups before this one too
         names = self._state_names(group)
         outs = (state1, state2, state3)
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
@@ -417,7 +461,7 @@ class FusedOptimizer(Optimizer):
             for out, name in zip(outs, names):
                 if name is not None:
                     out.append(loc(state[name]))
-        return len(params) > 0
+        return len(params) > start
 
     def _lr_tensor(self, gi: int, group: Dict[str, Any], device: torch.device) -> Tensor:
         lr = group["lr"]
