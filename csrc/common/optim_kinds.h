@@ -41,6 +41,19 @@ FT_HD void apply_update(V& p, V g, V* r1, V* r2, V* r3, const Co& c) {
   if constexpr (K == OptimKind::Apply) apply_pass_update(p, g, c);
 }
 
+// NOTE [optional states]: the state slots (1..3) that apply_update<K> takes as
+// a pointer that may be null (a group without that state: Adam's
+// max_exp_avg_sq, SGD's momentum buffer, RMSprop's momentum buffer and
+// grad_avg, the direction's weights); every other slot it uses is always
+// present. The CUDA kernel instantiates its vector loop for each combination
+// of the optional slots, so that no register array is reached through a
+// pointer chosen at run time (which would put it in local memory).
+template <OptimKind K>
+constexpr bool state_may_be_absent(int slot) {
+  return (K == OptimKind::Adam && slot == 3) || (K == OptimKind::SGD && slot == 1) ||
+         (K == OptimKind::RMSprop && slot >= 2) || (K == OptimKind::Direction && slot == 3);
+}
+
 // The tensor scalar after a step's increment of `step` (NOTE [tensor scalars]):
 // NAdam's mu_product advances; for the other kinds it is read-only.
 template <OptimKind K>

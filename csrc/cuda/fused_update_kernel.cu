@@ -60,6 +60,21 @@ __global__ void advance_steps_kernel(StepPtrs steps, int n, const float* found_i
   }
 }
 
+// f(std::true_type) when state slot Slot is present, f(std::false_type) when
+// absent; only the slots that may be absent branch (NOTE [optional states]).
+template <OptimKind K, int Slot, class F>
+__device__ __forceinline__ void with_state(bool present, F&& f) {
+  if constexpr (state_may_be_absent<K>(Slot)) {
+    if (present) {
+      f(std::true_type{});
+    } else {
+      f(std::false_type{});
+    }
+  } else {
+    f(std::true_type{});
+  }
+}
+
 // The precision of the update: double for float64 params, else float.
 template <typename P>
 using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
@@ -96,12 +111,9 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
     return g;
   };
 
-  const bool aligned = cuda::is_aligned(param) && cuda::is_aligned(grad) && (!s1 || cuda::is_aligned(s1)) &&
-                       (!s2 || cuda::is_aligned(s2)) && (!s3 || cuda::is_aligned(s3)) &&
-                       (!master || cuda::is_aligned(master)) && (!ema || cuda::is_aligned(ema));
-  int64_t vec_end = 0;
-  if (aligned) {
-    vec_end = len - len % kILP;
+  // NOTE [optional states] (optim_kinds.h): H1..H3 say at compile time whether a state is present.
+  auto update_vectors = [&](int64_t vec_end, auto has1, auto has2, auto has3) {
+    constexpr bool H1 = decltype(has1)::value, H2 = decltype(has2)::value, H3 = decltype(has3)::value;
     for (int64_t i = static_cast<int64_t>(threadIdx.x) * kILP; i < vec_end; i += kBlockThreads * kILP) {
       C p[kILP], g[kILP], r1[kILP], r2[kILP], r3[kILP], e[kILP];
       if (master) {
@@ -110,17 +122,17 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
         cuda::load_vec(p, param + i);
       }
       cuda::load_vec(g, grad + i);
-      if (s1) cuda::load_vec(r1, s1 + i);
-      if (s2) cuda::load_vec(r2, s2 + i);
-      if (s3) cuda::load_vec(r3, s3 + i);
+      if (H1 && s1) cuda::load_vec(r1, s1 + i);
+      if (H2 && s2) cuda::load_vec(r2, s2 + i);
+      if (H3 && s3) cuda::load_vec(r3, s3 + i);
 #pragma unroll
       for (int k = 0; k < kILP; ++k) {
         const C gk = finish(g[k]);
-        apply_update<K>(p[k], gk, s1 ? &r1[k] : nullptr, s2 ? &r2[k] : nullptr, s3 ? &r3[k] : nullptr, co);
+        apply_update<K>(p[k], gk, H1 ? &r1[k] : nullptr, H2 ? &r2[k] : nullptr, H3 ? &r3[k] : nullptr, co);
       }
-      if (s1) cuda::store_vec(s1 + i, r1);
-      if (s2) cuda::store_vec(s2 + i, r2);
-      if (s3) cuda::store_vec(s3 + i, r3);
+      if (H1 && s1) cuda::store_vec(s1 + i, r1);
+      if (H2 && s2) cuda::store_vec(s2 + i, r2);
+      if (H3 && s3) cuda::store_vec(s3 + i, r3);
       if (master) cuda::store_vec(master + i, p);
       cuda::store_vec(param + i, p);
       if (ema) {
@@ -134,6 +146,19 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
         cuda::store_vec(ema + i, e);
       }
     }
+  };
+
+  const bool aligned = cuda::is_aligned(param) && cuda::is_aligned(grad) && (!s1 || cuda::is_aligned(s1)) &&
+                       (!s2 || cuda::is_aligned(s2)) && (!s3 || cuda::is_aligned(s3)) &&
+                       (!master || cuda::is_aligned(master)) && (!ema || cuda::is_aligned(ema));
+  int64_t vec_end = 0;
+  if (aligned) {
+    vec_end = len - len % kILP;
+    with_state<K, 1>(s1 != nullptr, [&](auto h1) {
+      with_state<K, 2>(s2 != nullptr, [&](auto h2) {
+        with_state<K, 3>(s3 != nullptr, [&](auto h3) { update_vectors(vec_end, h1, h2, h3); });
+      });
+    });
   }
   for (int64_t i = vec_end + threadIdx.x; i < len; i += kBlockThreads) {
     C p = master ? static_cast<C>(master[i]) : static_cast<C>(param[i]);

@@ -184,8 +184,12 @@ TEST(CaptureCuda, ParamWithFirstGradientAfterWarmup) {
   SKIP_WITHOUT_CUDA();
   {
     Rig eager(torch::kCUDA), graph(torch::kCUDA);
-    run_pair(eager, graph, 6, 1, 2);  // state made by prepare_capture: the replays match eager steps
+    // Layer b first gets a gradient in the captured call (the call after the warm-up); its state was
+    // made by prepare_capture, and the replays match the eager steps.
+    run_pair(eager, graph, 6, 1, 1);
   }
+  // With accumulation, b's first gradient inside the step's capture (call 3; call 2 captured the
+  // micro-step without b) would be overwritten by every replay: refused.
   Rig eager(torch::kCUDA), graph(torch::kCUDA);
   expect_error([&] { run_pair(eager, graph, 8, 2, 3); }, "got their first gradient inside the CUDA-graph capture");
 }

@@ -37,3 +37,16 @@ def pytest_collection_modifyitems(config, items):
         needs_cuda = any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
         if on_cuda or needs_cuda:
             item.add_marker(pytest.mark.cuda)
+
+
+def pytest_runtest_logreport(report):
+    """With FUSETRAIN_FAILURES_LOG=FILE, each failure's traceback is appended to
+    FILE as soon as it happens (pytest prints them only at the end of the run,
+    which a time-boxed run such as ``scripts/gpu-check`` may not reach)."""
+    import os
+
+    path = os.environ.get("FUSETRAIN_FAILURES_LOG")
+    # Under pytest-xdist the controller gets every worker's reports: written once, there.
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -334,6 +334,53 @@ def test_group_without_grads_after_one_with_grads(name):
     assert_params_close(mine[:2], theirs[:2])
 
 
+@pytest.mark.parametrize("name", list(OURS))
+def test_kept_step_lists_follow_every_state_change(name):
+    # NOTE [step list cache]: a step reusing its group's lists gives the numbers of a step that collects
+    # them afresh, through a param without a gradient, a state tensor replaced or a param's state deleted
+    # by hand, a param's data replaced, a state load and an EMA attach and detach.
+    kw = dict(lr=0.01, momentum=0.9) if name == "SGD" else dict(lr=0.01)
+    runs = []
+    for keep in (True, False):
+        torch.manual_seed(3)
+        ps = leaves()
+        opt = OURS[name]([{"params": ps[:2]}, {"params": ps[2:], "lr": 0.02}], max_grad_norm=1.0, **kw)
+        if not keep:
+            opt._kept_valid = lambda *args: False
+        saved, kept_seen = None, []
+        for step in range(10):
+            for p in ps:
+                p.grad = torch.randn_like(p)
+            if step == 2:
+                ps[1].grad = None
+            if step == 4:  # after a step with every gradient again: the kept lists would be used
+                st = opt.state[ps[0]]
+                name0 = next(k for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor))
+                st[name0] = st[name0] * 0.5  # replaced, not changed in place
+            if step == 5:
+                opt.state[ps[3]] = dict(opt.state[ps[3]])  # the same tensors in another dict
+            if step == 6:
+                del opt.state[ps[2]]
+                saved = copy.deepcopy(opt.state_dict())
+            if step == 7:
+                ps[3].data = ps[3].data.clone()
+                opt.attach_ema({p: p.detach().clone() for p in ps}, torch.tensor(0.9))
+            if step == 8:
+                opt.load_state_dict(saved)
+            if step == 9:
+                opt.detach_ema()
+            opt.step()
+            kept_seen.append(len(opt._kept))
+        runs.append((ps, opt))
+        if keep:
+            assert kept_seen[1] == 2 and kept_seen[-1] == 2, kept_seen
+    (a, opt_a), (b, opt_b) = runs
+    assert_params_equal(a, b)
+    for p, q in zip(a, b):
+        for k, v in opt_a.state[p].items():
+            assert torch.equal(v, opt_b.state[q][k]), k
+
+
 # ---- lr schedulers ---------------------------------------------------------------------
 
 
@@ -877,7 +924,9 @@ def test_failed_attach_ema_keeps_previous_ema():
 SYNC_CASES = [
     ("Adam", dict(lr=0.01, max_grad_norm=1.0, amsgrad=True)),
     ("AdamW", dict(lr=0.01, max_grad_norm=1.0, master_weights=True)),
-    ("SGD", dict(lr=0.01, momentum=0.9, max_grad_norm=1.0)),
+    # SGD's step is lr times the clipped gradient (~0.03 per element here): a larger lr than the
+    # others' so that every param, the 1-element float16 one too, visibly changes.
+    ("SGD", dict(lr=0.5, momentum=0.9, max_grad_norm=1.0)),
     ("Lion", dict(lr=0.01, max_grad_norm=1.0)),
 ]
 

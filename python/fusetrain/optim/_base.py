@@ -146,6 +146,7 @@ class FusedOptimizer(Optimizer):
         self._warned: Dict[str, bool] = {}
         # Whether any param is a DTensor (NOTE [sharded steps]), known when its group is added.
         self._sharding: Dict[str, Any] = {"any": False}
+        self._kept: Dict[int, Dict[str, Any]] = {}  # NOTE [step list cache]
         super().__init__(params, defaults)
 
     @property
@@ -198,6 +199,7 @@ class FusedOptimizer(Optimizer):
         self.__dict__.setdefault("_last", {"grad_norm": None, "found_inf": None})
         self.__dict__.setdefault("_amp_pending", {"inv_scale": None, "found_inf": None})
         self.__dict__.setdefault("_warned", {})
+        self.__dict__["_kept"] = {}
         self.__dict__.setdefault("_sharding", {"any": any(_sharded.is_sharded(p) for g in self.param_groups
                                                           for p in g["params"])})
         for group in self.param_groups:
@@ -372,40 +374,63 @@ class FusedOptimizer(Optimizer):
         # so lazy state creation never lands in a compiled graph.
         if self._sharding["any"]:
             with torch.no_grad():  # DTensor.to_local() is then the local tensor, not an autograd call
-                return self._init_sharded_group(group, params, grads, steps, masters, emas, state1, state2, state3)
-        return self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3)
+                return self._kept_group(group, _sharded.local_fn(), params, grads, steps, masters, emas,
+                                        state1, state2, state3)
+        return self._kept_group(group, None, params, grads, steps, masters, emas, state1, state2, state3)
 
-    # NOTE [sharded step cache]: for DTensor params the per-tensor collection
-    # (state checks, the local shards of params, state, masters and EMA copies)
-    # costs microseconds per tensor in Python, and between steps only the
-    # gradients change. So a group's lists are kept and reused while the same
-    # params have gradients and each param still holds the same local shard;
-    # whatever creates, loads or re-attaches state drops them (_forget_lists).
-    # State tensors replaced by hand in optimizer.state are not noticed.
-    def _init_sharded_group(self, group, params, grads, steps, masters, emas, state1, state2, state3):
-        loc = _sharded.local_fn()
+    # NOTE [step list cache]: between steps usually only the gradients change,
+    # while collecting a group's lists (state checks, the state tensors,
+    # masters, EMA copies; for DTensor params their local shards) costs about a
+    # microsecond per tensor in Python. So each group's lists are kept and
+    # reused while the same params have gradients and every kept entry still
+    # holds: the param's state dict and each of its tensors are the objects the
+    # lists were made from, the param has the same device and dtype (and for a
+    # DTensor the same local shard). A step then checks identities and collects
+    # only the gradients. Whatever creates, loads or re-attaches state drops
+    # the kept lists (_forget_lists); complex params (whose lists hold views)
+    # and sparse gradients always take the full collection.
+    def _kept_group(self, group, loc, params, grads, steps, masters, emas, state1, state2, state3):
         stepped = [p for p in group["params"] if p.grad is not None]
-        kept = self._sharding.setdefault("lists", {}).get(id(group))
-        if (kept is not None and kept["group"] is group and len(kept["params"]) == len(stepped)
-                and all(p is k and loc(p) is q for p, k, q in zip(stepped, kept["params"], kept["lists"][0]))):
-            local_grads = [loc(p.grad) for p in stepped]
-            if not any(g.is_sparse for g in local_grads):  # (sparse: densified by the full collection)
-                grads.extend(local_grads)
-                for out, got in zip((params, steps, masters, emas, state1, state2, state3), kept["lists"]):
-                    out.extend(got)
+        kept = self._kept.get(id(group))
+        if kept is not None and kept["group"] is group and self._kept_valid(kept["entries"], stepped, loc):
+            got = [p.grad for p in stepped] if loc is None else [loc(p.grad) for p in stepped]
+            if not any(g.is_sparse for g in got):
+                grads.extend(got)
+                for out, lst in zip((params, steps, masters, emas, state1, state2, state3), kept["lists"]):
+                    out.extend(lst)
                 return len(stepped) > 0
         outs = (params, steps, masters, emas, state1, state2, state3)
         starts = [len(o) for o in outs]
         any_grad = self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3)
         mine = params[starts[0]:]
-        if len(mine) == len(stepped) and all(loc(p) is q for p, q in zip(stepped, mine)):  # not complex
-            self._sharding.setdefault("lists", {})[id(group)] = {"group": group, "params": stepped,
-                                                                 "lists": [o[b:] for o, b in zip(outs, starts)]}
+        if len(mine) == len(stepped) and all((p if loc is None else loc(p)) is q for p, q in zip(stepped, mine)):
+            entries = []
+            for p in stepped:
+                sd = self.state[p]
+                entries.append((p, sd, p.device, p.dtype, None if loc is None else loc(p),
+                                tuple((k, v) for k, v in sd.items() if isinstance(v, Tensor))))
+            self._kept[id(group)] = {"group": group, "entries": entries,
+                                     "lists": [o[b:] for o, b in zip(outs, starts)]}
         return any_grad
 
+    def _kept_valid(self, entries, stepped, loc) -> bool:
+        """Whether kept lists still describe these params (NOTE [step list cache])."""
+        if len(entries) != len(stepped):
+            return False
+        state = self.state
+        for p, (q, sd, device, dtype, local, items) in zip(stepped, entries):
+            if p is not q or state.get(p) is not sd or p.dtype is not dtype or p.device != device:
+                return False
+            if local is not None and loc(p) is not local:
+                return False
+            for k, v in items:
+                if sd.get(k) is not v:
+                    return False
+        return True
+
     def _forget_lists(self) -> None:
-        """Drop the kept per-group lists (NOTE [sharded step cache])."""
-        self._sharding.pop("lists", None)
+        """Drop the kept per-group lists (NOTE [step list cache])."""
+        self._kept.clear()
 
     def _collect_group(self, group, params, grads, steps, masters, emas, state1, state2, state3):
         start = len(params)  # the lists hold the groups before this one too
