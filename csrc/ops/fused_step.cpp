@@ -11,9 +11,11 @@
 // It holds no kernel: the ops it calls dispatch on each group's device, so it
 // is registered once, for every backend.
 #include <ATen/TensorOperators.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/maximum.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <string>
@@ -177,6 +179,9 @@ struct Cursor {
 // The global L2 norm of every gradient (unscaled by inv_scale) and the
 // non-finite flag, on the first gradient's device.
 std::tuple<at::Tensor, at::Tensor> global_stats(at::TensorList grads, const std::optional<at::Tensor>& inv_scale) {
+  const bool one_device = std::all_of(grads.begin(), grads.end(),
+                                      [&](const at::Tensor& g) { return g.device() == grads[0].device(); });
+  if (one_device) return grad_stats(grads, inv_scale);
   std::vector<std::string> order;
   std::map<std::string, std::vector<at::Tensor>> by_device;
   for (const auto& g : grads) {
@@ -184,7 +189,6 @@ std::tuple<at::Tensor, at::Tensor> global_stats(at::TensorList grads, const std:
     if (!by_device.count(key)) order.push_back(key);
     by_device[key].push_back(g);
   }
-  if (order.size() <= 1) return grad_stats(grads, inv_scale);
   const auto dev0 = grads[0].device();
   at::Tensor sq, flag;
   for (const auto& key : order) {
@@ -212,6 +216,12 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                      const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& ema_decay,
                      const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out,
                      const std::optional<at::Tensor>& grad_norm) {
+  // NOTE [below autograd]: the ops this step calls go straight to their CPU or
+  // CUDA kernels. The dispatcher would otherwise send each through the boxed
+  // autograd fallback (no fusetrain op has an autograd formula), which copies
+  // every tensor list into IValues and back, per call: a few microseconds per
+  // hundred tensors, on every step. fused_step_ itself passed that fallback once.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   const KindInfo info = kind_info(std::string(optimizer));
   const size_t groups = group_sizes.size();
   TORCH_CHECK_VALUE(lrs.size() == groups, "fused_step_: got ", groups, " group_sizes but ", lrs.size(), " lrs");

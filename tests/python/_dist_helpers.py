@@ -54,10 +54,18 @@ def _worker(rank, world_size, store_file, fn, args, backend="gloo"):
 
 def exit_now() -> None:
     """End a worker process that finished its work, skipping the interpreter's
-    teardown. NOTE [exit after success]: a process that used FSDP2
-    (``fully_shard``) over gloo sometimes aborts in that teardown, after all
-    its Python code ran ("terminate called without an active exception",
-    1 run in 10 to 20 on 2 cores), which mp.spawn reports as a failure."""
+    teardown. NOTE [exit after success]: a process whose last collective ran
+    on gloo with tensors made in Python (FSDP2's, the step's norm) sometimes
+    aborts in that teardown ("terminate called without an active exception",
+    1 run in 10 to 30 on 2 cores), which mp.spawn reports as a failure: a gloo
+    worker thread drops its last reference to the finished work, and so to
+    those tensors, after the main thread has begun finalizing; freeing their
+    Python objects needs the GIL, and a thread that asks for it then is ended
+    by pthread_exit, whose unwinding through a noexcept frame calls
+    std::terminate (backtrace: ProcessGroupGloo::runLoop ->
+    TensorImpl::decref_pyobject -> PyEval_AcquireThread). A barrier as the last
+    collective (its work holds no Python tensors) avoids it, as the Trainer's
+    teardown does (training/distributed.py); these workers exit directly."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

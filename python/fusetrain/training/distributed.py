@@ -241,9 +241,11 @@ class DistContext:
     def teardown(self, failed: bool) -> None:
         """Destroy the process group if this context created it. After a failure a
         NCCL group is aborted (destroying it could wait on a dead peer). After a
-        success every rank first passes a barrier: a rank that destroyed its group
-        and exited while a peer's gloo threads still talked to it could make that
-        peer abort at exit ("terminate called without an active exception")."""
+        success every rank first passes a barrier, which also makes it the last
+        collective: a gloo thread that releases an earlier collective's tensors
+        (made in Python: FSDP2's, the step's norm) while the interpreter
+        finalizes aborts the process ("terminate called without an active
+        exception"; NOTE [exit after success] in tests/python/_dist_helpers.py)."""
         import torch.distributed as dist
 
         if not (self.owns_group and dist.is_available() and dist.is_initialized()):
