@@ -842,6 +842,17 @@ def test_sparse_gradient_rejected_at_step(name):
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert_params_equal(ps, before)
+    # Also after steps that kept their lists (NOTE [step list cache]): refused, nothing changes.
+    ps[2].grad = torch.randn_like(ps[2])
+    opt.step()
+    opt.step()
+    after = twin(ps)
+    steps = [opt.state[p]["step"].clone() for p in ps]
+    ps[2].grad = torch.randn_like(ps[2]).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert_params_equal(ps, after)
+    assert all(torch.equal(opt.state[p]["step"], s) for p, s in zip(ps, steps))
 
 
 # ---- attach_ema validation ------------------------------------------------------------------

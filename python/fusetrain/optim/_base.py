@@ -13,6 +13,7 @@ synchronises with the host.
 from __future__ import annotations
 
 import warnings
+from operator import attrgetter, eq, is_
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -38,6 +39,10 @@ def _state_dtype(p: Tensor, complex_state: bool = True) -> torch.dtype:
     if p.is_complex() and complex_state:
         return torch.complex128 if wide else torch.complex64
     return torch.float64 if wide else torch.float32
+
+
+_DEVICE = attrgetter("device")
+_DTYPE = attrgetter("dtype")
 
 
 def _same(t: Tensor) -> Tensor:
@@ -392,9 +397,9 @@ class FusedOptimizer(Optimizer):
     def _kept_group(self, group, loc, params, grads, steps, masters, emas, state1, state2, state3):
         stepped = [p for p in group["params"] if p.grad is not None]
         kept = self._kept.get(id(group))
-        if kept is not None and kept["group"] is group and self._kept_valid(kept["entries"], stepped, loc):
+        if kept is not None and kept["group"] is group and self._kept_valid(kept, stepped, loc):
             got = [p.grad for p in stepped] if loc is None else [loc(p.grad) for p in stepped]
-            if not any(g.is_sparse for g in got):
+            if not any(g.is_sparse for g in got):  # densified (SGD) or refused by the full collection
                 grads.extend(got)
                 for out, lst in zip((params, steps, masters, emas, state1, state2, state3), kept["lists"]):
                     out.extend(lst)
@@ -404,29 +409,30 @@ class FusedOptimizer(Optimizer):
         any_grad = self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3)
         mine = params[starts[0]:]
         if len(mine) == len(stepped) and all((p if loc is None else loc(p)) is q for p, q in zip(stepped, mine)):
-            entries = []
-            for p in stepped:
-                sd = self.state[p]
-                entries.append((p, sd, p.device, p.dtype, None if loc is None else loc(p),
-                                tuple((k, v) for k, v in sd.items() if isinstance(v, Tensor))))
-            self._kept[id(group)] = {"group": group, "entries": entries,
-                                     "lists": [o[b:] for o, b in zip(outs, starts)]}
+            sds = [self.state[p] for p in stepped]
+            items = [(sd, k, v) for sd in sds for k, v in sd.items() if isinstance(v, Tensor)]
+            if not all(type(sd) is dict for sd in sds):  # _kept_valid reads them with dict.get
+                return any_grad
+            self._kept[id(group)] = {
+                "group": group, "params": stepped, "sds": sds, "devices": [p.device for p in stepped],
+                "dtypes": [p.dtype for p in stepped], "locals": None if loc is None else list(mine),
+                "item_dicts": [i[0] for i in items], "item_keys": [i[1] for i in items],
+                "item_vals": [i[2] for i in items], "lists": [o[b:] for o, b in zip(outs, starts)]}
         return any_grad
 
-    def _kept_valid(self, entries, stepped, loc) -> bool:
-        """Whether kept lists still describe these params (NOTE [step list cache])."""
-        if len(entries) != len(stepped):
+    def _kept_valid(self, kept: Dict[str, Any], stepped: List[Tensor], loc) -> bool:
+        """Whether kept lists still describe these params (NOTE [step list cache]).
+        Element-wise identity checks through map(), which run at C speed."""
+        if len(kept["params"]) != len(stepped) or not all(map(is_, stepped, kept["params"])):
             return False
-        state = self.state
-        for p, (q, sd, device, dtype, local, items) in zip(stepped, entries):
-            if p is not q or state.get(p) is not sd or p.dtype is not dtype or p.device != device:
-                return False
-            if local is not None and loc(p) is not local:
-                return False
-            for k, v in items:
-                if sd.get(k) is not v:
-                    return False
-        return True
+        if not all(map(is_, map(self.state.get, stepped), kept["sds"])):
+            return False
+        if not all(map(is_, map(dict.get, kept["item_dicts"], kept["item_keys"]), kept["item_vals"])):
+            return False
+        if not all(map(is_, map(_DTYPE, stepped), kept["dtypes"])) or \
+                not all(map(eq, map(_DEVICE, stepped), kept["devices"])):
+            return False
+        return loc is None or all(map(is_, map(loc, stepped), kept["locals"]))
 
     def _forget_lists(self) -> None:
         """Drop the kept per-group lists (NOTE [step list cache])."""
