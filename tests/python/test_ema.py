@@ -9,6 +9,7 @@ bounds the EMA error, a few 1e-7 per update and contracting, hence the
 EMA_TOL below for 50 updates of O(1) weights.
 """
 
+import contextlib
 import copy
 import io
 import math
@@ -23,7 +24,7 @@ import fusetrain
 from fusetrain import LossScaler, ModelEMA, unwrap_model
 from fusetrain.optim import SGD, AdamW
 
-from _test_helpers import DEVICES
+from _test_helpers import CUDA, DEVICES
 
 DECAY_TOL = 1e-6
 EMA_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -673,3 +674,57 @@ def test_update_with_another_model_raises():
 
 def test_exports():
     assert fusetrain.ModelEMA is ModelEMA and fusetrain.unwrap_model is unwrap_model
+
+
+# ---- no host synchronisation -------------------------------------------------------------------
+
+
+def _attached_ema_steps(device, steps, sync_guard=None):
+    """Steps of a BatchNorm CNN with loss scaling, clipping and an attached EMA
+    (exp schedule with warm-up, buffers averaged): the steps after the first
+    run under ``sync_guard``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(4, 3)).to(device)
+    opt = AdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+    scaler = LossScaler(device=device)
+    ema = ModelEMA(model, decay=0.99, decay_type="exp", total_steps=10, warmup=True).attach(opt)
+    data = [(torch.randn(8, 1, 6, 6, device=device), torch.randint(0, 3, (8,), device=device)) for _ in range(steps)]
+
+    def one(x, y):
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    one(*data[0])
+    with sync_guard() if sync_guard is not None else contextlib.nullcontext():
+        for x, y in data[1:]:
+            one(x, y)
+    return model, ema
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attached_ema_steps_run_anywhere(device):
+    # The flow of the GPU check below: the EMA moves and counts every step.
+    model, ema = _attached_ema_steps(device, 4)
+    assert ema.step_tensor.item() == 4
+    assert not torch.equal(ema.module[0].weight, model[0].weight)
+
+
+@contextlib.contextmanager
+def _no_host_sync():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@CUDA
+def test_attached_ema_step_does_not_synchronize_with_host():
+    # The decay schedule, the EMA in the update pass, the buffers' average and the counter stay on the device.
+    model, ema = _attached_ema_steps("cuda", 4, _no_host_sync)
+    torch.cuda.synchronize()
+    assert ema.step_tensor.item() == 4
