@@ -3,6 +3,8 @@ _test_helpers.py; markers (slow, dist, bench, cuda) are registered in pyproject.
 
 Inner loop: ``python3 -m pytest tests/python -m "not slow and not dist and not bench"``."""
 
+import os
+
 import pytest
 import torch
 
@@ -43,8 +45,6 @@ def pytest_runtest_logreport(report):
     """With FUSETRAIN_FAILURES_LOG=FILE, each failure's traceback is appended to
     FILE as soon as it happens (pytest prints them only at the end of the run,
     which a time-boxed run such as ``scripts/gpu-check`` may not reach)."""
-    import os
-
     path = os.environ.get("FUSETRAIN_FAILURES_LOG")
     # Under pytest-xdist the controller gets every worker's reports: written once, there.
     if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:

@@ -410,12 +410,12 @@ class FusedOptimizer(Optimizer):
         mine = params[starts[0]:]
         if len(mine) == len(stepped) and all((p if loc is None else loc(p)) is q for p, q in zip(stepped, mine)):
             sds = [self.state[p] for p in stepped]
-            items = [(sd, k, v) for sd in sds for k, v in sd.items() if isinstance(v, Tensor)]
             if not all(type(sd) is dict for sd in sds):  # _kept_valid reads them with dict.get
                 return any_grad
+            items = [(sd, k, v) for sd in sds for k, v in sd.items() if isinstance(v, Tensor)]
             self._kept[id(group)] = {
                 "group": group, "params": stepped, "sds": sds, "devices": [p.device for p in stepped],
-                "dtypes": [p.dtype for p in stepped], "locals": None if loc is None else list(mine),
+                "dtypes": [p.dtype for p in stepped], "locals": None if loc is None else mine,
                 "item_dicts": [i[0] for i in items], "item_keys": [i[1] for i in items],
                 "item_vals": [i[2] for i in items], "lists": [o[b:] for o, b in zip(outs, starts)]}
         return any_grad
