@@ -95,44 +95,47 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
   check_scalar(op, "ema_decay", scalars.ema_decay, dev);
   TORCH_CHECK(lists.ema.empty() || scalars.ema_decay.defined(), op, ": ema_params given without ema_decay");
 
-  // Bucket by (param dtype, grad dtype): each bucket is one kernel family.
-  std::map<std::pair<int, int>, UpdateLists> buckets;
   // NOTE [strided params]: a param that is a strided view (a slice of a larger
   // tensor) is updated through a dense copy, written back after the kernels;
   // its state has the copy's (contiguous) layout, as torch's zeros_like gives.
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
+  // The tensors the kernels take instead of params[i] / grads[i] (dense copies).
+  std::map<size_t, std::pair<at::Tensor, at::Tensor>> replaced;
+  // Whether every (param dtype, grad dtype) pair is the first one's.
+  bool one_family = true;
   for (size_t i = 0; i < n; ++i) {
-    at::Tensor p = lists.params[i];
-    TORCH_CHECK(p.defined(), op, ": params[", i, "] is undefined");
-    TORCH_CHECK(p.device() == dev, op, ": params[", i, "] is on ", p.device(), " but params[0] is on ", dev,
+    const at::Tensor& p0 = lists.params[i];
+    TORCH_CHECK(p0.defined(), op, ": params[", i, "] is undefined");
+    TORCH_CHECK(p0.device() == dev, op, ": params[", i, "] is on ", p0.device(), " but params[0] is on ", dev,
                 "; all params of one group must be on one device");
-    TORCH_CHECK(p.layout() == at::kStrided, op, ": params[", i, "] must be dense, got ", p.layout());
-    TORCH_CHECK(is_supported_float(p.scalar_type()), op, ": params[", i, "] has dtype ", p.scalar_type(),
+    TORCH_CHECK(p0.layout() == at::kStrided, op, ": params[", i, "] must be dense, got ", p0.layout());
+    TORCH_CHECK(is_supported_float(p0.scalar_type()), op, ": params[", i, "] has dtype ", p0.scalar_type(),
                 "; supported: float32, float16, bfloat16, float64");
-    if (!p.is_non_overlapping_and_dense()) {
-      TORCH_CHECK(at::has_internal_overlap(p) != at::MemOverlap::Yes, op, ": params[", i,
+    at::Tensor p, g;
+    if (!p0.is_non_overlapping_and_dense()) {
+      TORCH_CHECK(at::has_internal_overlap(p0) != at::MemOverlap::Yes, op, ": params[", i,
                   "] has elements that share memory (an expanded view); it cannot be updated in place");
-      at::Tensor dense = p.contiguous();
-      write_back.emplace_back(p, dense);
-      p = dense;
+      p = p0.contiguous();
+      write_back.emplace_back(p0, p);
     }
-    at::Tensor g = lists.grads[i];
-    TORCH_CHECK(g.defined(), op, ": grads[", i, "] is undefined");
-    TORCH_CHECK(g.layout() == at::kStrided, op, ": grads[", i, "] is ", g.layout(),
+    const at::Tensor& pp = p.defined() ? p : p0;
+    const at::Tensor& g0 = lists.grads[i];
+    TORCH_CHECK(g0.defined(), op, ": grads[", i, "] is undefined");
+    TORCH_CHECK(g0.layout() == at::kStrided, op, ": grads[", i, "] is ", g0.layout(),
                 "; sparse gradients are not supported");
-    TORCH_CHECK(!g.is_complex(), op, ": grads[", i, "] is complex; complex gradients are not supported");
-    TORCH_CHECK(is_supported_float(g.scalar_type()), op, ": grads[", i, "] has dtype ", g.scalar_type(),
+    TORCH_CHECK(!g0.is_complex(), op, ": grads[", i, "] is complex; complex gradients are not supported");
+    TORCH_CHECK(is_supported_float(g0.scalar_type()), op, ": grads[", i, "] has dtype ", g0.scalar_type(),
                 "; supported: float32, float16, bfloat16, float64");
-    TORCH_CHECK((g.scalar_type() == at::kDouble) == (p.scalar_type() == at::kDouble), op, ": grads[", i,
-                "] has dtype ", g.scalar_type(), " but params[", i, "] has dtype ", p.scalar_type(),
+    TORCH_CHECK((g0.scalar_type() == at::kDouble) == (pp.scalar_type() == at::kDouble), op, ": grads[", i,
+                "] has dtype ", g0.scalar_type(), " but params[", i, "] has dtype ", pp.scalar_type(),
                 "; a float64 param needs a float64 gradient and the reverse (NOTE [float64 params])");
-    TORCH_CHECK(g.device() == dev, op, ": params[", i, "] is on ", dev, " but grads[", i, "] is on ",
-                g.device());
-    TORCH_CHECK(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(), " but params[", i,
-                "] has shape ", p.sizes());
-    if (g.strides() != p.strides()) {
+    TORCH_CHECK(g0.device() == dev, op, ": params[", i, "] is on ", dev, " but grads[", i, "] is on ",
+                g0.device());
+    TORCH_CHECK(g0.sizes() == pp.sizes(), op, ": grads[", i, "] has shape ", g0.sizes(), " but params[", i,
+                "] has shape ", pp.sizes());
+    if (g0.strides() != pp.strides()) {
       // Read-only: a copy with the parameter's layout keeps the kernels linear.
-      g = at::empty_strided(p.sizes(), p.strides(), g.options()).copy_(g);
+      g = at::empty_strided(pp.sizes(), pp.strides(), g0.options()).copy_(g0);
     }
     const at::Tensor& s = lists.steps[i];
     TORCH_CHECK(s.defined() && s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": state_steps[", i,
@@ -145,20 +148,36 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
       TORCH_CHECK(a.defined() && a.numel() == 1 && a.scalar_type() == at::kFloat && a.device() == dev, op, ": ",
                   lists.aux_name, "[", i, "] must be a float32 tensor with one element on ", dev);
     }
-    if (!lists.state1.empty()) check_companion(op, lists.state_names[0], i, lists.state1[i], p, Dtype::State);
-    if (!lists.state2.empty()) check_companion(op, lists.state_names[1], i, lists.state2[i], p, Dtype::State);
-    if (!lists.state3.empty()) check_companion(op, lists.state_names[2], i, lists.state3[i], p, Dtype::State);
+    if (!lists.state1.empty()) check_companion(op, lists.state_names[0], i, lists.state1[i], pp, Dtype::State);
+    if (!lists.state2.empty()) check_companion(op, lists.state_names[1], i, lists.state2[i], pp, Dtype::State);
+    if (!lists.state3.empty()) check_companion(op, lists.state_names[2], i, lists.state3[i], pp, Dtype::State);
     if (!lists.master.empty()) {
-      TORCH_CHECK(p.scalar_type() != at::kDouble, op, ": params[", i, "] is float64 and has a master copy; "
+      TORCH_CHECK(pp.scalar_type() != at::kDouble, op, ": params[", i, "] is float64 and has a master copy; "
                   "master weights are for float16/bfloat16 params (pass none for float64 params)");
-      check_companion(op, "master_params", i, lists.master[i], p, Dtype::Float32);
+      check_companion(op, "master_params", i, lists.master[i], pp, Dtype::Float32);
     }
-    if (!lists.ema.empty()) check_companion(op, "ema_params", i, lists.ema[i], p, Dtype::SameAsParam);
+    if (!lists.ema.empty()) check_companion(op, "ema_params", i, lists.ema[i], pp, Dtype::SameAsParam);
+    if (p.defined() || g.defined()) replaced[i] = {pp, g.defined() ? g : g0};
+    one_family = one_family && pp.scalar_type() == lists.params[0].scalar_type() &&
+                 g0.scalar_type() == lists.grads[0].scalar_type();
+  }
+  if (dev.is_cpu()) check_cpu_features(op);
+  if (one_family && replaced.empty()) {
+    // The common case: one kernel family, nothing copied; no second set of lists.
+    kernel(lists, hyper, scalars);
+    return;
+  }
 
+  // Bucket by (param dtype, grad dtype): each bucket is one kernel family.
+  std::map<std::pair<int, int>, UpdateLists> buckets;
+  for (size_t i = 0; i < n; ++i) {
+    const auto r = replaced.find(i);
+    const at::Tensor& p = r == replaced.end() ? lists.params[i] : r->second.first;
+    const at::Tensor& g = r == replaced.end() ? lists.grads[i] : r->second.second;
     UpdateLists& b = buckets[{static_cast<int>(p.scalar_type()), static_cast<int>(g.scalar_type())}];
     b.params.push_back(p);
     b.grads.push_back(g);
-    b.steps.push_back(s);
+    b.steps.push_back(lists.steps[i]);
     if (!lists.aux.empty()) b.aux.push_back(lists.aux[i]);
     if (!lists.state1.empty()) b.state1.push_back(lists.state1[i]);
     if (!lists.state2.empty()) b.state2.push_back(lists.state2[i]);
@@ -166,8 +185,6 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     if (!lists.master.empty()) b.master.push_back(lists.master[i]);
     if (!lists.ema.empty()) b.ema.push_back(lists.ema[i]);
   }
-
-  if (dev.is_cpu()) check_cpu_features(op);
   for (auto& kv : buckets) kernel(kv.second, hyper, scalars);
   for (auto& [view, dense] : write_back) view.copy_(dense);
 }

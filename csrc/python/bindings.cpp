@@ -9,6 +9,10 @@
 
 namespace py = pybind11;
 
+namespace fusetrain {
+void bind_step_plan(py::module_& m);  // csrc/python/step_plan.cpp
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fusetrain native core";
   m.def("built_with_cuda", &fusetrain::built_with_cuda, "Whether the CUDA kernels were compiled in.");
@@ -34,4 +38,5 @@ PYBIND11_MODULE(_C, m) {
       },
       "After a failed CUDA-graph capture: end the allocators' routing into the graph's pool and release it "
       "(NOTE [failed capture] in csrc/api/capture.h).");
+  fusetrain::bind_step_plan(m);
 }

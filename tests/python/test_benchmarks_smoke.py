@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/optim_step.py: a --quick run exits 0 and writes a
+"""Smoke tests of benchmarks/optim_step.py and step_host_time.py: a --quick run exits 0 and writes a
 complete JSON report (to a temporary path, never over the committed results)."""
 
 import math
@@ -88,3 +88,22 @@ def test_fsdp_step_quick_run_has_a_row_per_size(tmp_path):
             assert r[variant]["slowest_rank_median_ms"] > 0, variant
         assert r["plain_ratio"] > 0 and r["clip_ratio"] > 0
     assert len(report["targets"]) == 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_host_time_quick_run_writes_report(tmp_path, device):
+    _, report = quick_run("step_host_time", tmp_path, device)
+    mod = load_script("step_host_time")
+    assert report["device_kind"] == device and report["config"]["tensors"] == [8, 24]
+    for n in ("8", "24"):
+        res = report["results"][n]
+        assert set(mod.VARIANTS) <= set(res), res.keys()
+        for v in mod.VARIANTS:
+            assert len(res[v]["times_ms"]) == report["config"]["repeats"] and res[v]["median_ms"] > 0
+        assert res["ratio_torch_fused_over_fusetrain"] > 0
+    assert set(report["lines"]) == set(mod.VARIANTS)
+    assert len(report["targets"]) == 2
+    # The least-squares line goes through two points exactly.
+    line, ms = report["lines"]["fusetrain"], [report["results"][n]["fusetrain"]["median_ms"] for n in ("8", "24")]
+    assert line["fixed_us"] + 8 * line["per_tensor_us"] == pytest.approx(ms[0] * 1e3, rel=1e-6, abs=1e-6)
+    assert line["fixed_us"] + 24 * line["per_tensor_us"] == pytest.approx(ms[1] * 1e3, rel=1e-6, abs=1e-6)

@@ -336,8 +336,8 @@ def test_group_without_grads_after_one_with_grads(name):
 
 @pytest.mark.parametrize("name", list(OURS))
 def test_kept_step_lists_follow_every_state_change(name):
-    # NOTE [step list cache]: a step reusing its group's lists gives the numbers of a step that collects
-    # them afresh, through a param without a gradient, a state tensor replaced or a param's state deleted
+    # NOTE [step plan]: a step through the plan gives the numbers of a step that collects its lists
+    # afresh, through a param without a gradient, a state tensor replaced or a param's state deleted
     # by hand, a param's data replaced, a state load and an EMA attach and detach.
     kw = dict(lr=0.01, momentum=0.9) if name == "SGD" else dict(lr=0.01)
     runs = []
@@ -346,7 +346,7 @@ def test_kept_step_lists_follow_every_state_change(name):
         ps = leaves()
         opt = OURS[name]([{"params": ps[:2]}, {"params": ps[2:], "lr": 0.02}], max_grad_norm=1.0, **kw)
         if not keep:
-            opt._kept_valid = lambda *args: False
+            opt._keep_lists = False
         saved, kept_seen = None, []
         for step in range(10):
             for p in ps:
@@ -370,15 +370,89 @@ def test_kept_step_lists_follow_every_state_change(name):
             if step == 9:
                 opt.detach_ema()
             opt.step()
-            kept_seen.append(len(opt._kept))
+            kept_seen.append("plan" in opt._kept)
         runs.append((ps, opt))
         if keep:
-            assert kept_seen[1] == 2 and kept_seen[-1] == 2, kept_seen
+            assert kept_seen[1] and kept_seen[-1], kept_seen
     (a, opt_a), (b, opt_b) = runs
     assert_params_equal(a, b)
     for p, q in zip(a, b):
         for k, v in opt_a.state[p].items():
             assert torch.equal(v, opt_b.state[q][k]), k
+
+
+def test_steady_steps_collect_no_lists_in_python():
+    # NOTE [step plan]: once a step has made the plan, steps re-check it in C++ and collect nothing in Python.
+    ps = leaves()
+    opt = AdamW([{"params": ps[:2]}, {"params": ps[2:]}], lr=0.01, max_grad_norm=1.0)
+    calls = []
+    collect = opt._collect_group
+    opt._collect_group = lambda *args: calls.append(1) or collect(*args)
+    for _ in range(5):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert len(calls) == 2, calls  # the first step, once per group
+    ps[0].grad = None  # another set of gradients: collected again, then planned again
+    opt.step()
+    opt.step()
+    assert len(calls) == 4, calls
+
+
+def test_step_plan_follows_group_changes():
+    # NOTE [step plan]: a change of a group's settings that changes its lists (amsgrad adds a state
+    # tensor), a group's params list replaced (reordered), the state dict replaced by a copy and a param
+    # group added give the numbers of steps that collect their lists every time.
+    runs = []
+    for keep in (True, False):
+        torch.manual_seed(5)
+        ps = leaves()
+        extra = leaves([(4,)])
+        opt = Adam([{"params": ps[:2]}, {"params": ps[2:], "lr": 0.02}], lr=0.01, max_grad_norm=1.0)
+        opt._keep_lists = keep
+        for step in range(8):
+            for p in ps + extra:
+                p.grad = torch.randn_like(p)
+            if step == 2:
+                opt.param_groups[1]["amsgrad"] = True
+            if step == 3:
+                opt.param_groups[0]["params"] = opt.param_groups[0]["params"][::-1]
+            if step == 4:
+                opt.state = type(opt.state)(dict, opt.state)
+            if step == 5:
+                opt.add_param_group({"params": extra})
+            opt.step()
+        assert ("plan" in opt._kept) == keep
+        runs.append((ps + extra, opt))
+    (a, opt_a), (b, opt_b) = runs
+    assert_params_equal(a, b)
+    for p, q in zip(a, b):
+        assert opt_a.state[p].keys() == opt_b.state[q].keys()
+        for k, v in opt_a.state[p].items():
+            assert torch.equal(v, opt_b.state[q][k]), k
+
+
+def test_step_plan_refuses_inconsistent_lists():
+    from fusetrain import _C
+
+    ps = leaves()
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt = AdamW(ps, lr=0.01)
+    opt.step()
+    steps = [opt.state[p]["step"] for p in ps]
+    sds = [opt.state[p] for p in ps]
+    with pytest.raises((ValueError, RuntimeError), match="StepPlan: 3 params in the lists, 4 with a gradient"):
+        _C.StepPlan("adam", opt.param_groups, opt.state, None, ps[:3], steps[:3], [], [], [], [], [], [3], ps[:3],
+                    sds[:3], [], [], [], [None] * 3)
+    plan = _C.StepPlan("adam", opt.param_groups, opt.state, None, ps, steps, [], [], [], [], [], [4], ps, sds, [],
+                       [], [], [None] * 4)
+    with pytest.raises((ValueError, RuntimeError), match="call collect"):
+        plan.run([torch.tensor(0.01)], [0.0] * 11)
+    before = twin(ps)
+    ps[1].grad = None
+    assert not plan.collect(opt.param_groups, opt.state)  # a param lost its gradient
+    assert_params_equal(ps, before)
 
 
 # ---- lr schedulers ---------------------------------------------------------------------
@@ -842,7 +916,7 @@ def test_sparse_gradient_rejected_at_step(name):
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert_params_equal(ps, before)
-    # Also after steps that kept their lists (NOTE [step list cache]): refused, nothing changes.
+    # Also after steps that kept their lists (NOTE [step plan]): refused, nothing changes.
     ps[2].grad = torch.randn_like(ps[2])
     opt.step()
     opt.step()

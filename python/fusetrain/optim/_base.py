@@ -5,7 +5,9 @@ tail: an optional read-only reduction (global norm + non-finite flag, needed for
 clipping or loss-scaled steps) and one fused update pass per parameter group
 that writes params, optimizer state, master weights and EMA together. These
 classes only collect the state tensors and describe the groups (NOTE [group
-records] in csrc/ops/fused_step.cpp). Every changing scalar (lr, step, inverse
+records] in csrc/ops/fused_step.cpp); after a first step the lists are kept
+in C++ and later steps only re-check them (NOTE [step plan] in
+csrc/python/step_plan.cpp). Every changing scalar (lr, step, inverse
 scale, found_inf, norm, EMA decay) is a device tensor, so ``step()`` never
 synchronises with the host.
 """
@@ -13,14 +15,13 @@ synchronises with the host.
 from __future__ import annotations
 
 import warnings
-from operator import attrgetter, eq, is_
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .. import _ops
+from .. import _C, _ops
 from . import _sharded
 
 # Complex params are updated as real views (torch.view_as_real), as torch.optim
@@ -39,10 +40,6 @@ def _state_dtype(p: Tensor, complex_state: bool = True) -> torch.dtype:
     if p.is_complex() and complex_state:
         return torch.complex128 if wide else torch.complex64
     return torch.float64 if wide else torch.float32
-
-
-_DEVICE = attrgetter("device")
-_DTYPE = attrgetter("dtype")
 
 
 def _same(t: Tensor) -> Tensor:
@@ -151,7 +148,7 @@ class FusedOptimizer(Optimizer):
         self._warned: Dict[str, bool] = {}
         # Whether any param is a DTensor (NOTE [sharded steps]), known when its group is added.
         self._sharding: Dict[str, Any] = {"any": False}
-        self._kept: Dict[int, Dict[str, Any]] = {}  # NOTE [step list cache]
+        self._kept: Dict[str, Any] = {}  # NOTE [step plan] in csrc/python/step_plan.cpp
         super().__init__(params, defaults)
 
     @property
@@ -379,63 +376,12 @@ class FusedOptimizer(Optimizer):
         # so lazy state creation never lands in a compiled graph.
         if self._sharding["any"]:
             with torch.no_grad():  # DTensor.to_local() is then the local tensor, not an autograd call
-                return self._kept_group(group, _sharded.local_fn(), params, grads, steps, masters, emas,
-                                        state1, state2, state3)
-        return self._kept_group(group, None, params, grads, steps, masters, emas, state1, state2, state3)
-
-    # NOTE [step list cache]: between steps usually only the gradients change,
-    # while collecting a group's lists (state checks, the state tensors,
-    # masters, EMA copies; for DTensor params their local shards) costs about a
-    # microsecond per tensor in Python. So each group's lists are kept and
-    # reused while the same params have gradients and every kept entry still
-    # holds: the param's state dict and each of its tensors are the objects the
-    # lists were made from, the param has the same device and dtype (and for a
-    # DTensor the same local shard). A step then checks identities and collects
-    # only the gradients. Whatever creates, loads or re-attaches state drops
-    # the kept lists (_forget_lists); complex params (whose lists hold views)
-    # and sparse gradients always take the full collection.
-    def _kept_group(self, group, loc, params, grads, steps, masters, emas, state1, state2, state3):
-        stepped = [p for p in group["params"] if p.grad is not None]
-        kept = self._kept.get(id(group))
-        if kept is not None and kept["group"] is group and self._kept_valid(kept, stepped, loc):
-            got = [p.grad for p in stepped] if loc is None else [loc(p.grad) for p in stepped]
-            if not any(g.is_sparse for g in got):  # densified (SGD) or refused by the full collection
-                grads.extend(got)
-                for out, lst in zip((params, steps, masters, emas, state1, state2, state3), kept["lists"]):
-                    out.extend(lst)
-                return len(stepped) > 0
-        outs = (params, steps, masters, emas, state1, state2, state3)
-        starts = [len(o) for o in outs]
-        any_grad = self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3)
-        mine = params[starts[0]:]
-        if len(mine) == len(stepped) and all((p if loc is None else loc(p)) is q for p, q in zip(stepped, mine)):
-            sds = [self.state[p] for p in stepped]
-            if not all(type(sd) is dict for sd in sds):  # _kept_valid reads them with dict.get
-                return any_grad
-            items = [(sd, k, v) for sd in sds for k, v in sd.items() if isinstance(v, Tensor)]
-            self._kept[id(group)] = {
-                "group": group, "params": stepped, "sds": sds, "devices": [p.device for p in stepped],
-                "dtypes": [p.dtype for p in stepped], "locals": None if loc is None else mine,
-                "item_dicts": [i[0] for i in items], "item_keys": [i[1] for i in items],
-                "item_vals": [i[2] for i in items], "lists": [o[b:] for o, b in zip(outs, starts)]}
-        return any_grad
-
-    def _kept_valid(self, kept: Dict[str, Any], stepped: List[Tensor], loc) -> bool:
-        """Whether kept lists still describe these params (NOTE [step list cache]).
-        Element-wise identity checks through map(), which run at C speed."""
-        if len(kept["params"]) != len(stepped) or not all(map(is_, stepped, kept["params"])):
-            return False
-        if not all(map(is_, map(self.state.get, stepped), kept["sds"])):
-            return False
-        if not all(map(is_, map(dict.get, kept["item_dicts"], kept["item_keys"]), kept["item_vals"])):
-            return False
-        if not all(map(is_, map(_DTYPE, stepped), kept["dtypes"])) or \
-                not all(map(eq, map(_DEVICE, stepped), kept["devices"])):
-            return False
-        return loc is None or all(map(is_, map(loc, stepped), kept["locals"]))
+                return self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3)
+        return self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3)
 
     def _forget_lists(self) -> None:
-        """Drop the kept per-group lists (NOTE [step list cache])."""
+        """Drop the step plan (NOTE [step plan] in csrc/python/step_plan.cpp):
+        the next step collects its lists afresh."""
         self._kept.clear()
 
     def _collect_group(self, group, params, grads, steps, masters, emas, state1, state2, state3):
@@ -577,6 +523,19 @@ class FusedOptimizer(Optimizer):
         nothing changes). With ``inv_scale`` and no ``found_inf`` the flag is
         computed in the step. With ``max_grad_norm`` set, gradients are clipped
         to the global norm and a step whose gradients are not finite is skipped."""
+        # Checked first: torch.compile then never reads the plan (no guards on it).
+        kept = None if torch.compiler.is_compiling() else self._kept.get("plan")
+        if kept is not None and self._plan_holds(kept):
+            lrs, hyper = self._group_records(kept["groups"])
+            grad_norm, found_inf = self._sharded_stats(lambda: kept["plan"].local_stats(inv_scale), inv_scale,
+                                                       found_inf)
+            res = self._results
+            kept["plan"].run(lrs, hyper, inv_scale=inv_scale, found_inf=found_inf,
+                             ema_decay=self._ema_decay if kept["emas"] else None, grad_norm_out=res["grad_norm"],
+                             found_inf_out=res["found_inf"], grad_norm=grad_norm)
+            self._last["grad_norm"] = res["grad_norm"]
+            self._last["found_inf"] = res["found_inf"]
+            return
         params: List[Tensor] = []
         grads: List[Tensor] = []
         steps: List[Tensor] = []
@@ -586,44 +545,109 @@ class FusedOptimizer(Optimizer):
         s2: List[Tensor] = []
         s3: List[Tensor] = []
         sizes: List[int] = []
-        lrs: List[Tensor] = []
-        hyper: List[float] = []
+        groups: List[Any] = []  # per stepped group: (index, group, device, has_ema)
         for gi, group in enumerate(self.param_groups):
             start, ema_start = len(params), len(emas)
             if not self._init_group(group, params, grads, steps, masters, emas, s1, s2, s3):
                 continue
             sizes.append(len(params) - start)
-            lrs.append(self._lr_tensor(gi, group, params[start].device))
-            max_norm = group["max_grad_norm"]
-            hyper.append(0.0 if max_norm is None else float(max_norm))
-            hyper.append(1.0 if group["master_weights"] else 0.0)
-            hyper.append(1.0 if len(emas) > ema_start else 0.0)
-            hyper.append(1.0 if group["maximize"] else 0.0)
-            hyper.extend(self._kind_fields(group))
+            groups.append((gi, group, params[start].device, len(emas) > ema_start))
         if not params:
             # Nothing to step: no flag from this step (a stale one would make a
             # LossScaler back off or an EMA advance for a step that did nothing).
             self._last["grad_norm"] = None
             self._last["found_inf"] = None
             return
+        lrs, hyper = self._group_records(groups)
         self._ensure_results(params[0].device)
         res = self._results
-        grad_norm = None
-        sharded = self._sharding["any"]
-        if sharded and not self._shard_local:
+        stepped = None
+        if self._sharding["any"]:
+            stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grad_norm, found_inf = self._sharded_stats(
+            lambda: _sharded.local_stats(stepped, grads, inv_scale, self._sharding.setdefault("copies", {})),
+            inv_scale, found_inf)
+        _ops.fused_step_(self._kind, params, grads, steps, s1, s2, s3, masters, emas, sizes, lrs, hyper,
+                         inv_scale=inv_scale, found_inf=found_inf, ema_decay=self._ema_decay if emas else None,
+                         grad_norm_out=res["grad_norm"], found_inf_out=res["found_inf"], grad_norm=grad_norm)
+        self._last["grad_norm"] = res["grad_norm"]
+        self._last["found_inf"] = res["found_inf"]
+        if not torch.compiler.is_compiling() and self._keep_lists:
+            self._make_plan(groups, stepped, params, steps, s1, s2, s3, masters, emas, sizes)
+
+    def _group_records(self, groups: Sequence[Any]):
+        """Each stepped group's lr tensor and record (NOTE [group records] in csrc/ops/fused_step.cpp)."""
+        lrs: List[Tensor] = []
+        hyper: List[float] = []
+        for gi, group, device, has_ema in groups:
+            lrs.append(self._lr_tensor(gi, group, device))
+            max_norm = group["max_grad_norm"]
+            hyper.append(0.0 if max_norm is None else float(max_norm))
+            hyper.append(1.0 if group["master_weights"] else 0.0)
+            hyper.append(1.0 if has_ema else 0.0)
+            hyper.append(1.0 if group["maximize"] else 0.0)
+            hyper.extend(self._kind_fields(group))
+        return lrs, hyper
+
+    def _sharded_stats(self, local_stats, inv_scale: Optional[Tensor], found_inf: Optional[Tensor]):
+        """The caller-measured global norm and the flag of a step over DTensor
+        params (NOTE [sharded steps]): (None, found_inf) for other steps.
+        ``local_stats()`` gives this rank's squared-norm share and flag."""
+        if not self._sharding["any"]:
+            return None, found_inf
+        if not self._shard_local:
             raise NotImplementedError(
                 f"{self._opt_name}: its update reduces over whole tensors (trust ratio, projection or "
                 "orthogonalisation), which sharded (DTensor / fully_shard) parameters hold only in parts; use an "
                 "element-wise fusetrain optimizer (AdamW, Adam, SGD, Lion, RMSprop, Adadelta, RAdam, NAdam, "
                 "RMSpropTF) on sharded models")
         clips = any(g["max_grad_norm"] is not None for g in self.param_groups)
-        if (clips or inv_scale is not None or found_inf is not None) and sharded:
-            # NOTE [sharded steps]: the norm and the flag over every rank's shards.
+        if not (clips or inv_scale is not None or found_inf is not None):
+            return None, found_inf
+        sq, flag = local_stats()
+        return _sharded.reduce_stats(sq, flag, found_inf)
+
+    # ---- the step plan (NOTE [step plan] in csrc/python/step_plan.cpp) -------------------
+
+    _keep_lists = True  # False: every step collects its lists (tests compare both ways)
+
+    def _plan_key(self, group: Dict[str, Any]):
+        """What a group's lists depend on beyond the params and their state objects."""
+        return tuple(self._state_names(group)), group["master_weights"]
+
+    def _plan_holds(self, kept: Dict[str, Any]) -> bool:
+        if kept["ema_lists"] is not self._ema_lists:
+            return False
+        for (_, group, _, _), key in zip(kept["groups"], kept["keys"]):
+            if self._plan_key(group) != key:
+                return False
+        return kept["plan"].collect(self.param_groups, self.state)
+
+    def _make_plan(self, groups, stepped, params, steps, s1, s2, s3, masters, emas, sizes) -> None:
+        """Keep this step's lists as a plan for the next steps, when they can be
+        kept: no complex param (its lists hold views) and no sparse gradient."""
+        self._kept.clear()
+        if stepped is None:
             stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            grad_norm, found_inf = _sharded.global_stats(stepped, grads, inv_scale, found_inf,
-                                                         self._sharding.setdefault("copies", {}))
-        _ops.fused_step_(self._kind, params, grads, steps, s1, s2, s3, masters, emas, sizes, lrs, hyper,
-                         inv_scale=inv_scale, found_inf=found_inf, ema_decay=self._ema_decay if emas else None,
-                         grad_norm_out=res["grad_norm"], found_inf_out=res["found_inf"], grad_norm=grad_norm)
-        self._last["grad_norm"] = res["grad_norm"]
-        self._last["found_inf"] = res["found_inf"]
+        if any(p.is_complex() or p.grad.is_sparse for p in stepped):
+            return
+        sds = [self.state[p] for p in stepped]
+        if not all(type(sd) is dict for sd in sds) or not isinstance(self.state, dict):
+            return
+        items = [(sd, k, v) for sd in sds for k, v in sd.items() if isinstance(v, Tensor)]
+        dtensor = _sharded._dtensor_class() if self._sharding["any"] else None
+        local = [p._local_tensor if dtensor is not None and isinstance(p, dtensor) else None for p in stepped]
+        copies = []
+        if self._sharding["any"]:  # NOTE [sharded steps]: each param's replica count, for the norm
+            if not torch.distributed.is_initialized():
+                return
+            cache = self._sharding.setdefault("copies", {})
+            for p in stepped:
+                if id(p) not in cache:
+                    cache[id(p)] = _sharded.copies(p)
+            copies = [cache[id(p)] for p in stepped]
+        plan = _C.StepPlan(self._kind, self.param_groups, self.state, dtensor, params, steps, s1, s2, s3, masters,
+                           emas, sizes, stepped, sds, [i[0] for i in items], [i[1] for i in items],
+                           [i[2] for i in items], local, copies)
+        self._kept["plan"] = {"plan": plan, "groups": groups, "emas": bool(emas),
+                              "ema_lists": self._ema_lists, "keys": [self._plan_key(g[1]) for g in groups]}

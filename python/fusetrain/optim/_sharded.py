@@ -66,15 +66,13 @@ def copies(p: Tensor) -> int:
     return n
 
 
-def global_stats(params: Sequence[Tensor], local_grads: Sequence[Tensor], inv_scale: Optional[Tensor],
-                 found_inf: Optional[Tensor], cache: Dict[int, int]) -> Tuple[Tensor, Tensor]:
-    """The global gradient norm (unscaled by ``inv_scale``) and non-finite flag
-    over every shard of every rank (NOTE [sharded steps]), as 0-d float32
-    tensors on the gradients' device: one stats pass per group of equal
-    ``copies`` and one all-reduce. ``cache`` keeps each parameter's copies
-    (by ``id``; the optimizer holds the parameters, so ids are not reused)."""
-    import torch.distributed as dist
-
+def local_stats(params: Sequence[Tensor], local_grads: Sequence[Tensor], inv_scale: Optional[Tensor],
+                cache: Dict[int, int]) -> Tuple[Tensor, Tensor]:
+    """This rank's share of the squared global norm (each shard's squared norm,
+    unscaled by ``inv_scale``, over its ``copies``) and its non-finite flag:
+    one stats pass per group of equal ``copies``. ``cache`` keeps each
+    parameter's copies (by ``id``; the optimizer holds the parameters, so ids
+    are not reused). The step plan computes the same in C++ (NOTE [step plan])."""
     by_copies: dict = {}
     for p, g in zip(params, local_grads):
         n = cache.get(id(p))
@@ -88,9 +86,16 @@ def global_stats(params: Sequence[Tensor], local_grads: Sequence[Tensor], inv_sc
         norm, f = _ops.grad_stats(grads, inv_scale)
         sq = sq + norm * norm / n
         flag = torch.maximum(flag, f)
+    return sq, flag
+
+
+def reduce_stats(sq: Tensor, flag: Tensor, found_inf: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The global gradient norm and non-finite flag (0-d float32 tensors on
+    ``sq``'s device) from every rank's ``local_stats``: one all-reduce."""
+    import torch.distributed as dist
+
     if found_inf is not None:
-        flag = torch.maximum(flag, found_inf.to(device))
+        flag = torch.maximum(flag, found_inf.to(flag.device))
     both = torch.stack([sq, flag])
     dist.all_reduce(both)
     return both[0].clamp_min(0).sqrt(), (both[1] > 0).to(torch.float32)
-
