@@ -71,6 +71,19 @@ PyObject* dict_item(PyObject* dict, PyObject* key) {
   return v;
 }
 
+// The same with the key's hash known: a tensor's hash is a Python method
+// (Tensor.__hash__, its id), which costs more than the lookup itself.
+PyObject* dict_item(PyObject* dict, PyObject* key, Py_hash_t hash) {
+#if PY_VERSION_HEX < 0x030D0000
+  PyObject* v = _PyDict_GetItem_KnownHash(dict, key, hash);
+  if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+#else
+  (void)hash;
+  return dict_item(dict, key);
+#endif
+}
+
 class StepPlan {
  public:
   StepPlan(std::string kind, const py::list& groups, const py::dict& state, const py::object& dtensor,
@@ -105,6 +118,9 @@ class StepPlan {
     TORCH_CHECK_VALUE(item_keys.size() == item_dicts.size() && item_vals.size() == item_dicts.size(),
                       "StepPlan: the state item guards differ in length");
     for (size_t i = 0; i < params_.size(); ++i) {
+      const Py_hash_t h = PyObject_Hash(stepped[i].ptr());
+      if (h == -1) throw py::error_already_set();
+      hashes_.push_back(h);
       stepped_.push_back(stepped[i]);
       state_dicts_.push_back(state_dicts[i]);
       locals_.push_back(locals[i]);
@@ -136,7 +152,7 @@ class StepPlan {
     }
     PyObject* st = state_.ptr();
     for (size_t i = 0; i < stepped_.size(); ++i) {
-      if (dict_item(st, stepped_[i].ptr()) != state_dicts_[i].ptr()) return fail();
+      if (dict_item(st, stepped_[i].ptr(), hashes_[i]) != state_dicts_[i].ptr()) return fail();
     }
     for (size_t i = 0; i < item_dicts_.size(); ++i) {
       if (dict_item(item_dicts_[i].ptr(), item_keys_[i].ptr()) != item_vals_[i].ptr()) return fail();
@@ -236,6 +252,7 @@ class StepPlan {
   std::vector<int64_t> sizes_;
   std::vector<PlanGroup> groups_info_;
   std::vector<py::object> stepped_, state_dicts_, locals_, item_dicts_, item_keys_, item_vals_;
+  std::vector<Py_hash_t> hashes_;  // of stepped_, as the state dict stored them
   std::vector<std::pair<int64_t, std::vector<size_t>>> classes_;  // replica count, stepped indices
   std::vector<at::Tensor> grads_;
 };
