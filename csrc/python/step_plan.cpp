@@ -98,7 +98,7 @@ class StepPlan {
     size_t with_grad = 0;
     for (const auto& g : groups) {
       TORCH_CHECK_TYPE(PyDict_Check(g.ptr()), "StepPlan: param_groups must hold dicts");
-      PyObject* plist = dict_item(g.ptr(), py::str("params").ptr());
+      PyObject* plist = dict_item(g.ptr(), params_key_.ptr());
       TORCH_CHECK_TYPE(plist != nullptr && PyList_Check(plist), "StepPlan: a group's params must be a list");
       PlanGroup pg{py::reinterpret_borrow<py::object>(g), py::reinterpret_borrow<py::object>(plist), {}};
       for (Py_ssize_t i = 0; i < PyList_GET_SIZE(plist); ++i) {
@@ -146,10 +146,7 @@ class StepPlan {
   // plan]); if so, the gradients are read and kept for run().
   bool collect(const py::object& groups, const py::object& state) {
     grads_.clear();
-    if (!groups.is(groups_) || !state.is(state_) || !read_grads()) {
-      grads_.clear();
-      return false;
-    }
+    if (!groups.is(groups_) || !state.is(state_) || !read_grads()) return fail();
     PyObject* st = state_.ptr();
     for (size_t i = 0; i < stepped_.size(); ++i) {
       if (dict_item(st, stepped_[i].ptr(), hashes_[i]) != state_dicts_[i].ptr()) return fail();
@@ -215,7 +212,7 @@ class StepPlan {
     for (size_t g = 0; g < groups_info_.size(); ++g) {
       const PlanGroup& pg = groups_info_[g];
       PyObject* gd = PyList_GET_ITEM(gl, g);
-      if (gd != pg.dict.ptr() || dict_item(gd, py::str("params").ptr()) != pg.params.ptr()) return false;
+      if (gd != pg.dict.ptr() || dict_item(gd, params_key_.ptr()) != pg.params.ptr()) return false;
       PyObject* plist = pg.params.ptr();
       if (static_cast<size_t>(PyList_GET_SIZE(plist)) != pg.members.size()) return false;
       for (size_t i = 0; i < pg.members.size(); ++i) {
@@ -247,6 +244,7 @@ class StepPlan {
   }
 
   std::string kind_;
+  py::str params_key_{"params"};  // made once: collect() looks it up in every group dict
   py::object groups_, state_, dtensor_;
   std::vector<at::Tensor> params_, steps_, s1_, s2_, s3_, masters_, emas_;
   std::vector<int64_t> sizes_;

@@ -616,8 +616,7 @@ class FusedOptimizer(Optimizer):
         return tuple(self._state_names(group)), group["master_weights"]
 
     def _plan_holds(self, kept: Dict[str, Any]) -> bool:
-        if kept["ema_lists"] is not self._ema_lists:
-            return False
+        # EMA attach/detach, added groups, loads and new state drop the plan (_forget_lists).
         for (_, group, _, _), key in zip(kept["groups"], kept["keys"]):
             if self._plan_key(group) != key:
                 return False
@@ -650,4 +649,4 @@ class FusedOptimizer(Optimizer):
                            emas, sizes, stepped, sds, [i[0] for i in items], [i[1] for i in items],
                            [i[2] for i in items], local, copies)
         self._kept["plan"] = {"plan": plan, "groups": groups, "emas": bool(emas),
-                              "ema_lists": self._ema_lists, "keys": [self._plan_key(g[1]) for g in groups]}
+                              "keys": [self._plan_key(g[1]) for g in groups]}
