@@ -9,8 +9,12 @@
 // later steps only re-check, at C speed, that they still hold:
 //   * the optimizer's param_groups list, each group dict, its "params" list
 //     and every element are the objects the plan was made from;
-//   * every param has the same dtype and device, and a gradient exactly when
-//     it had one (dense; a DTensor gradient gives its local shard);
+//   * every param has the same dtype, device and strides (its state follows
+//     its layout, NOTE [state layout] in python/fusetrain/optim/_base.py), and
+//     a gradient exactly when it had one (dense; a DTensor gradient gives its
+//     local shard);
+//   * a param with a master copy has the same version counter and data
+//     pointer (NOTE [master re-sync] in python/fusetrain/optim/_base.py);
 //   * the optimizer's state dict maps each stepped param to the same dict,
 //     whose tensor entries are the same objects; a DTensor param has the same
 //     local shard.
@@ -20,6 +24,11 @@
 // records (lr, hyper) that Python computes per step from the groups. For
 // DTensor params, local_stats() gives this rank's part of the global norm and
 // flag (NOTE [sharded steps] in python/fusetrain/optim/_sharded.py).
+// The plan holds the params as Python objects only, never a reference to
+// their tensors: torch.utils.swap_tensors (module conversions with
+// torch.__future__.set_swap_module_params_on_conversion) needs a param's
+// tensor to be referenced by the param alone. Each collect() reads the
+// params' tensors afresh; run() lets go of them.
 #include <torch/csrc/autograd/python_variable.h>
 #include <pybind11/stl.h>
 
@@ -27,6 +36,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/maximum.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/SmallVector.h>
 
 #include <map>
 #include <string>
@@ -43,10 +53,13 @@ namespace {
 
 struct PlanParam {
   py::object obj;  // the param as the group lists it
-  at::Tensor tensor;
   at::ScalarType dtype;
   c10::Device device;
+  c10::SmallVector<int64_t, 5> strides;  // inline: collect() reads it for every param
   bool stepped;  // had a gradient when the plan was made
+  bool watched;  // has a master copy: written outside the optimizer, it needs a re-sync
+  int64_t version;
+  const void* data;
 };
 
 struct PlanGroup {
@@ -62,6 +75,11 @@ std::vector<at::Tensor> tensors(const py::list& list, const char* name) {
     out.push_back(THPVariable_Unpack(item.ptr()));
   }
   return out;
+}
+
+// Where a tensor's elements start (nullptr for a wrapper without storage, e.g. a DTensor).
+const void* data_of(const at::Tensor& t) {
+  return t.has_storage() ? t.const_data_ptr() : nullptr;
 }
 
 // A borrowed reference to dict[key] without __missing__ (nullptr when absent).
@@ -90,11 +108,13 @@ class StepPlan {
            const py::list& params, const py::list& steps, const py::list& s1, const py::list& s2, const py::list& s3,
            const py::list& masters, const py::list& emas, std::vector<int64_t> sizes, const py::list& stepped,
            const py::list& state_dicts, const py::list& item_dicts, const py::list& item_keys,
-           const py::list& item_vals, const py::list& locals, const std::vector<int64_t>& copies)
+           const py::list& item_vals, const py::list& locals, const std::vector<int64_t>& copies,
+           const std::vector<int64_t>& watched)
       : kind_(std::move(kind)), groups_(groups), state_(state), dtensor_(dtensor),
-        params_(tensors(params, "params")), steps_(tensors(steps, "steps")), s1_(tensors(s1, "state1")),
+        steps_(tensors(steps, "steps")), s1_(tensors(s1, "state1")),
         s2_(tensors(s2, "state2")), s3_(tensors(s3, "state3")), masters_(tensors(masters, "masters")),
         emas_(tensors(emas, "emas")), sizes_(std::move(sizes)) {
+    const size_t n_params = params.size();
     size_t with_grad = 0;
     for (const auto& g : groups) {
       TORCH_CHECK_TYPE(PyDict_Check(g.ptr()), "StepPlan: param_groups must hold dicts");
@@ -107,17 +127,19 @@ class StepPlan {
         const at::Tensor& t = THPVariable_Unpack(p);
         const bool has_grad = t.grad().defined();
         with_grad += has_grad;
-        pg.members.push_back({py::reinterpret_borrow<py::object>(p), t, t.scalar_type(), t.device(), has_grad});
+        pg.members.push_back({py::reinterpret_borrow<py::object>(p), t.scalar_type(), t.device(),
+                              c10::SmallVector<int64_t, 5>(t.strides().begin(), t.strides().end()), has_grad,
+                              false, t._version(), data_of(t)});
       }
       groups_info_.push_back(std::move(pg));
     }
-    TORCH_CHECK_VALUE(with_grad == params_.size() && stepped.size() == params_.size() &&
-                          state_dicts.size() == params_.size() && locals.size() == params_.size(),
-                      "StepPlan: ", params_.size(), " params in the lists, ", with_grad, " with a gradient, ",
+    TORCH_CHECK_VALUE(with_grad == n_params && stepped.size() == n_params && state_dicts.size() == n_params &&
+                          locals.size() == n_params,
+                      "StepPlan: ", n_params, " params in the lists, ", with_grad, " with a gradient, ",
                       stepped.size(), " stepped, ", state_dicts.size(), " state dicts, ", locals.size(), " locals");
     TORCH_CHECK_VALUE(item_keys.size() == item_dicts.size() && item_vals.size() == item_dicts.size(),
                       "StepPlan: the state item guards differ in length");
-    for (size_t i = 0; i < params_.size(); ++i) {
+    for (size_t i = 0; i < n_params; ++i) {
       const Py_hash_t h = PyObject_Hash(stepped[i].ptr());
       if (h == -1) throw py::error_already_set();
       hashes_.push_back(h);
@@ -125,8 +147,20 @@ class StepPlan {
       state_dicts_.push_back(state_dicts[i]);
       locals_.push_back(locals[i]);
     }
-    TORCH_CHECK_VALUE(copies.empty() || copies.size() == params_.size(), "StepPlan: ", copies.size(),
-                      " replica counts for ", params_.size(), " params");
+    TORCH_CHECK_VALUE(copies.empty() || copies.size() == n_params, "StepPlan: ", copies.size(),
+                      " replica counts for ", n_params, " params");
+    std::vector<bool> watch(n_params, false);
+    for (int64_t i : watched) {
+      TORCH_CHECK_INDEX(i >= 0 && static_cast<size_t>(i) < n_params, "StepPlan: watched index ", i,
+                        " out of range for ", n_params, " stepped params");
+      watch[i] = true;
+    }
+    size_t k = 0;  // the members with a gradient are the stepped params, in order
+    for (auto& pg : groups_info_) {
+      for (auto& m : pg.members) {
+        if (m.stepped) m.watched = watch[k++];
+      }
+    }
     std::map<int64_t, size_t> seen;
     for (size_t i = 0; i < copies.size(); ++i) {
       TORCH_CHECK_VALUE(copies[i] > 0, "StepPlan: replica counts must be positive, got ", copies[i]);
@@ -146,6 +180,7 @@ class StepPlan {
   // plan]); if so, the gradients are read and kept for run().
   bool collect(const py::object& groups, const py::object& state) {
     grads_.clear();
+    params_.clear();
     if (!groups.is(groups_) || !state.is(state_) || !read_grads()) return fail();
     PyObject* st = state_.ptr();
     for (size_t i = 0; i < stepped_.size(); ++i) {
@@ -188,27 +223,32 @@ class StepPlan {
            const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf,
            const std::optional<at::Tensor>& ema_decay, const std::optional<at::Tensor>& grad_norm_out,
            const std::optional<at::Tensor>& found_inf_out, const std::optional<at::Tensor>& grad_norm) {
-    TORCH_CHECK(grads_.size() == params_.size(), "StepPlan.run: call collect() first (it answered false or was "
-                "not called)");
-    // The gradients are not kept past the step: zero_grad(set_to_none=True) frees them.
+    TORCH_CHECK(!grads_.empty() && grads_.size() == params_.size(),
+                "StepPlan.run: call collect() first (it answered false or was not called)");
+    // Neither the gradients nor the params are kept past the step:
+    // zero_grad(set_to_none=True) frees the one, swap_tensors needs the other.
     const std::vector<at::Tensor> grads = std::move(grads_);
+    const std::vector<at::Tensor> params = std::move(params_);
     grads_.clear();
+    params_.clear();
     py::gil_scoped_release no_gil;
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // NOTE [below autograd] in csrc/ops/fused_step.cpp
-    fused_step_(kind_, params_, grads, steps_, s1_, s2_, s3_, masters_, emas_, sizes_, lrs, hyper, inv_scale,
+    fused_step_(kind_, params, grads, steps_, s1_, s2_, s3_, masters_, emas_, sizes_, lrs, hyper, inv_scale,
                 found_inf, ema_decay, grad_norm_out, found_inf_out, grad_norm);
   }
 
  private:
   bool fail() {
     grads_.clear();
+    params_.clear();
     return false;
   }
 
   bool read_grads() {
     PyObject* gl = groups_.ptr();
     if (!PyList_Check(gl) || static_cast<size_t>(PyList_GET_SIZE(gl)) != groups_info_.size()) return false;
-    grads_.reserve(params_.size());
+    grads_.reserve(stepped_.size());
+    params_.reserve(stepped_.size());
     for (size_t g = 0; g < groups_info_.size(); ++g) {
       const PlanGroup& pg = groups_info_[g];
       PyObject* gd = PyList_GET_ITEM(gl, g);
@@ -218,12 +258,17 @@ class StepPlan {
       for (size_t i = 0; i < pg.members.size(); ++i) {
         const PlanParam& m = pg.members[i];
         if (PyList_GET_ITEM(plist, i) != m.obj.ptr()) return false;
-        if (m.tensor.scalar_type() != m.dtype || m.tensor.device() != m.device) return false;
-        const at::Tensor& grad = m.tensor.grad();
+        const at::Tensor& t = THPVariable_Unpack(m.obj.ptr());
+        if (t.scalar_type() != m.dtype || t.device() != m.device) return false;
+        if (t.strides() != c10::IntArrayRef(m.strides)) return false;
+        if (m.watched && (t._version() != m.version || data_of(t) != m.data)) return false;
+        const at::Tensor& grad = t.grad();
         if (grad.defined() != m.stepped) return false;
         if (!m.stepped) continue;
         at::Tensor g_local = dtensor_.is_none() ? grad : local_of(grad);
         if (g_local.layout() != at::kStrided || g_local.is_complex()) return false;
+        const size_t k = grads_.size();
+        params_.push_back(locals_[k].is_none() ? t : THPVariable_Unpack(locals_[k].ptr()));
         grads_.push_back(std::move(g_local));
       }
     }
@@ -246,13 +291,13 @@ class StepPlan {
   std::string kind_;
   py::str params_key_{"params"};  // made once: collect() looks it up in every group dict
   py::object groups_, state_, dtensor_;
-  std::vector<at::Tensor> params_, steps_, s1_, s2_, s3_, masters_, emas_;
+  std::vector<at::Tensor> steps_, s1_, s2_, s3_, masters_, emas_;
   std::vector<int64_t> sizes_;
   std::vector<PlanGroup> groups_info_;
   std::vector<py::object> stepped_, state_dicts_, locals_, item_dicts_, item_keys_, item_vals_;
   std::vector<Py_hash_t> hashes_;  // of stepped_, as the state dict stored them
   std::vector<std::pair<int64_t, std::vector<size_t>>> classes_;  // replica count, stepped indices
-  std::vector<at::Tensor> grads_;
+  std::vector<at::Tensor> params_, grads_;  // from collect() to run()
 };
 
 }  // namespace
@@ -265,12 +310,13 @@ void bind_step_plan(py::module_& m) {
       .def(py::init<std::string, const py::list&, const py::dict&, const py::object&, const py::list&,
                     const py::list&, const py::list&, const py::list&, const py::list&, const py::list&,
                     const py::list&, std::vector<int64_t>, const py::list&, const py::list&, const py::list&,
-                    const py::list&, const py::list&, const py::list&, const std::vector<int64_t>&>(),
+                    const py::list&, const py::list&, const py::list&, const std::vector<int64_t>&,
+                    const std::vector<int64_t>&>(),
            py::arg("kind"), py::arg("param_groups"), py::arg("state"), py::arg("dtensor"), py::arg("params"),
            py::arg("steps"), py::arg("state1"), py::arg("state2"), py::arg("state3"), py::arg("masters"),
            py::arg("emas"), py::arg("group_sizes"), py::arg("stepped"), py::arg("state_dicts"),
            py::arg("item_dicts"), py::arg("item_keys"), py::arg("item_vals"), py::arg("locals"),
-           py::arg("copies") = std::vector<int64_t>())
+           py::arg("copies") = std::vector<int64_t>(), py::arg("watched") = std::vector<int64_t>())
       .def("collect", &StepPlan::collect, py::arg("param_groups"), py::arg("state"),
            "Whether the plan still holds; if so, reads the gradients for run().")
       .def("local_stats", &StepPlan::local_stats, py::arg("inv_scale") = py::none(),

@@ -46,6 +46,50 @@ def _same(t: Tensor) -> Tensor:
     return t
 
 
+# NOTE [state layout]: a state tensor (and a master copy) is laid out as its
+# param is, or contiguously for a param that is a strided view (NOTE [strided
+# params] in csrc/ops/fused_update.cpp), and has the dtype the step needs. A
+# param whose layout, dtype or device changes after its state was made
+# (``model.to(memory_format=torch.channels_last)``, ``model.double()``, a
+# column-major ``p.data``, a state dict saved from a model of another layout)
+# gets its state copied into the new layout before its next step, values kept.
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory without gaps or overlap, in some dimension order."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _state_strides(p: Tensor) -> Sequence[int]:
+    """The strides of ``p``'s state tensors (NOTE [state layout])."""
+    if _dense(p):
+        return p.stride()
+    strides, acc = [], 1
+    for n in reversed(p.shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _fits(t: Any, p: Tensor, dtype: torch.dtype) -> bool:
+    """Whether state tensor ``t`` has the layout, dtype and device a step of ``p`` needs."""
+    if not isinstance(t, Tensor) or t.dtype != dtype or t.device != p.device:
+        return False
+    if t.stride() == p.stride() or t.shape != p.shape:  # a shape mismatch is the op's error to report
+        return True
+    return t.stride() == tuple(_state_strides(p))
+
+
+def _conform(t: Tensor, p: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` with the layout, dtype and device a step of ``p`` needs (``t`` when it has them already)."""
+    if t.shape != p.shape or _fits(t, p, dtype):  # a shape mismatch is the op's error to report
+        return t
+    return torch.empty_strided(p.shape, _state_strides(p), dtype=dtype, device=p.device).copy_(t)
+
+
 def _is_device_scalar(v: Any, device: torch.device) -> bool:
     return isinstance(v, Tensor) and v.device == device and v.dtype == torch.float32 and v.dim() == 0
 
@@ -149,6 +193,7 @@ class FusedOptimizer(Optimizer):
         # Whether any param is a DTensor (NOTE [sharded steps]), known when its group is added.
         self._sharding: Dict[str, Any] = {"any": False}
         self._kept: Dict[str, Any] = {}  # NOTE [step plan] in csrc/python/step_plan.cpp
+        self._master_marks: Dict[int, Any] = {}  # NOTE [master re-sync]
         super().__init__(params, defaults)
 
     @property
@@ -191,7 +236,14 @@ class FusedOptimizer(Optimizer):
         self._forget_lists()
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        # torch.optim.Optimizer.__setstate__ (also run by load_state_dict) adds
+        # "differentiable" to the defaults: an optimizer without that setting
+        # (Muon, Lion, ...) keeps its defaults and groups without it, so that
+        # its state dict round-trips.
+        own = "differentiable" in self.__dict__.get("defaults", state.get("defaults", {}))
         super().__setstate__(state)
+        if not own:
+            self.defaults.pop("differentiable", None)
         # torch's __getstate__ keeps only defaults/state/param_groups: restore
         # the per-instance caches (copy.deepcopy, pickle).
         self.__dict__.setdefault("_lr_cache", {})
@@ -202,6 +254,7 @@ class FusedOptimizer(Optimizer):
         self.__dict__.setdefault("_amp_pending", {"inv_scale": None, "found_inf": None})
         self.__dict__.setdefault("_warned", {})
         self.__dict__["_kept"] = {}
+        self.__dict__["_master_marks"] = {}
         self.__dict__.setdefault("_sharding", {"any": any(_sharded.is_sharded(p) for g in self.param_groups
                                                           for p in g["params"])})
         for group in self.param_groups:
@@ -307,11 +360,16 @@ class FusedOptimizer(Optimizer):
         if not isinstance(step, Tensor) or step.device != p.device or step.dtype != torch.float32:
             return False
         for name in self._state_names(group):
-            if name is not None and name not in state:
+            if name is not None and state.get(name) is None:
                 return False
-            if name in self._scalar_states and not _is_device_scalar(state[name], p.device):
+            if name in self._scalar_states:
+                if not _is_device_scalar(state[name], p.device):
+                    return False
+            elif name is not None and not _fits(state[name], p, _state_dtype(p)):
                 return False
-        return not (group["master_weights"] and p.dtype in _LOW and "master_param" not in state)
+        if group["master_weights"] and p.dtype in _LOW:
+            return _fits(state.get("master_param"), p, torch.float32)
+        return True
 
     def _ensure_state(self, group, p: Tensor) -> None:
         """Create (or move next to ``p``) the state tensors a step of ``p`` needs."""
@@ -328,11 +386,16 @@ class FusedOptimizer(Optimizer):
                                              device=p.device)
                 elif not _is_device_scalar(state[name], p.device):  # also a Python number (older checkpoints)
                     state[name] = torch.as_tensor(state[name], dtype=torch.float32).to(p.device).reshape(())
-            elif name is not None and name not in state:
+            elif name is not None and state.get(name) is None:
                 state[name] = torch.full_like(p, self._initial_state_value(name), dtype=_state_dtype(p),
                                               memory_format=torch.preserve_format)
-        if group["master_weights"] and p.dtype in _LOW and "master_param" not in state:
-            state["master_param"] = p.detach().to(dtype=torch.float32, memory_format=torch.preserve_format)
+            elif name is not None:  # NOTE [state layout]
+                state[name] = _conform(state[name], p, _state_dtype(p))
+        if group["master_weights"] and p.dtype in _LOW:
+            if state.get("master_param") is None:
+                state["master_param"] = p.detach().to(dtype=torch.float32, memory_format=torch.preserve_format)
+            else:
+                state["master_param"] = _conform(state["master_param"], p, torch.float32)
 
     def init_state(self) -> None:
         """Create the state of every parameter that requires grad (what its
@@ -432,6 +495,7 @@ class FusedOptimizer(Optimizer):
             params.append(loc(p))
             grads.append(loc(g))
             if master and p.dtype in _LOW:
+                self._sync_master(p, loc(p), loc(state["master_param"]))
                 masters.append(loc(state["master_param"]))
             if ema_list is not None:
                 emas.append(loc(ema_list[i]))
@@ -439,6 +503,26 @@ class FusedOptimizer(Optimizer):
                 if name is not None:
                     out.append(loc(state[name]))
         return len(params) > start
+
+    def _sync_master(self, p: Tensor, local: Tensor, master: Tensor) -> None:
+        """NOTE [master re-sync]: the fused step writes a param below autograd,
+        so its version counter (and its data pointer) change only when
+        something else writes it: ``model.load_state_dict``, copying EMA or
+        best weights in, any in-place write, ``p.data = ...``. Then the master
+        copy is taken from the param, unless it still rounds to the param in
+        every element (weights written together with their master, as a resume
+        loads them in either order): that master keeps its extra precision. The
+        choice is made on the device (no host sync). Both marks are host-side
+        and read where the step collects its lists: in eager steps (the step
+        plan checks them in C++ too) and when torch.compile traces the step. A
+        compiled or captured step does not read them again: after writing such
+        params outside it, rebuild it (``TrainStep.invalidate()``)."""
+        mark = (p._version, local.data_ptr())
+        if self._master_marks.get(id(p)) == mark or _capturing(p.device):
+            return
+        kept = (master.to(local.dtype) == local).all()
+        master.copy_(torch.where(kept, master, local.float()))
+        self._master_marks[id(p)] = mark
 
     def _lr_tensor(self, gi: int, group: Dict[str, Any], device: torch.device) -> Tensor:
         lr = group["lr"]
@@ -626,6 +710,8 @@ class FusedOptimizer(Optimizer):
         """Keep this step's lists as a plan for the next steps, when they can be
         kept: no complex param (its lists hold views) and no sparse gradient."""
         self._kept.clear()
+        if type(self.param_groups) is not list or any(type(g["params"]) is not list for g in self.param_groups):
+            return  # kept lists need the groups' own lists; a step over other sequences collects every time
         if stepped is None:
             stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if any(p.is_complex() or p.grad.is_sparse for p in stepped):
@@ -645,8 +731,11 @@ class FusedOptimizer(Optimizer):
                 if id(p) not in cache:
                     cache[id(p)] = _sharded.copies(p)
             copies = [cache[id(p)] for p in stepped]
+        # NOTE [master re-sync]: the plan lets go when a param with a master copy is written.
+        watched = [i for i, (p, sd) in enumerate(zip(stepped, sds)) if p.dtype in _LOW and "master_param" in sd] \
+            if masters else []
         plan = _C.StepPlan(self._kind, self.param_groups, self.state, dtensor, params, steps, s1, s2, s3, masters,
                            emas, sizes, stepped, sds, [i[0] for i in items], [i[1] for i in items],
-                           [i[2] for i in items], local, copies)
+                           [i[2] for i in items], local, copies, watched)
         self._kept["plan"] = {"plan": plan, "groups": groups, "emas": bool(emas),
                               "keys": [self._plan_key(g[1]) for g in groups]}

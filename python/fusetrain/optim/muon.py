@@ -61,18 +61,47 @@ class Muon(FusedOptimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Adds the group as given when it sets ``use_muon``; otherwise as two
-        groups: its params of 2 or more dimensions (Muon) and the others (AdamW)."""
-        if "use_muon" in param_group:
-            super().add_param_group(param_group)
+        groups: its params of 2 or more dimensions (Muon) and the others (AdamW).
+        Params may be named (``model.named_parameters()``), as in torch.optim."""
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        if params is None or isinstance(params, set):
+            super().add_param_group(param_group)  # torch's error for the group
             return
-        params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        parts = [[p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]]
+        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            super().add_param_group({**param_group, "params": params})  # torch's error for the params
+            return
+        if "use_muon" in param_group:
+            self._refuse_complex(params, tensors, bool(param_group["use_muon"]))
+            super().add_param_group({**param_group, "params": params})
+            return
+        parts = [[p for p, t in zip(params, tensors) if t.dim() >= 2],
+                 [p for p, t in zip(params, tensors) if t.dim() < 2]]
+        self._refuse_complex(parts[0], [t for t in tensors if t.dim() >= 2], True)
         added = False
         for use, ps in zip((True, False), parts):
             if ps or (not added and use is False):
                 super().add_param_group({**param_group, "params": ps, "use_muon": use})
                 added = True
+
+    def _refuse_complex(self, params, tensors, use_muon: bool) -> None:
+        """Orthogonalisation is defined for real matrices: a complex param in a
+        Muon group is refused, as torch.optim.Muon refuses it."""
+        for i, (p, t) in enumerate(zip(params, tensors)):
+            if use_muon and t.is_complex():
+                name = f" ({p[0]!r})" if isinstance(p, tuple) else ""
+                raise TypeError(f"{self._opt_name}: param {i}{name} of a Muon group has dtype {t.dtype}; "
+                                "Muon orthogonalises real matrices only (float32, float16, bfloat16, float64). "
+                                "Give complex params a group with use_muon=False (AdamW)")
+
+    def _init_group(self, group, params, grads, steps, masters, emas, state1, state2, state3):
+        # A group changed after construction (use_muon set, a param swapped): checked before anything is applied.
+        if self._uses_muon(group):
+            for p in group["params"]:
+                if p.grad is not None and p.is_complex():
+                    raise RuntimeError("Muon does not support complex parameters")
+        return super()._init_group(group, params, grads, steps, masters, emas, state1, state2, state3)
 
     @staticmethod
     def _uses_muon(group) -> bool:

@@ -43,6 +43,17 @@ class SGD(FusedOptimizer):
         # A momentum buffer loaded from torch.optim.SGD is past its first step.
         return 1.0 if state.get("momentum_buffer") is not None else 0.0
 
+    def _ensure_state(self, group, p) -> None:
+        state = self.state[p]
+        fresh = group["momentum"] != 0 and state.get("momentum_buffer") is None
+        super()._ensure_state(group, p)
+        if fresh and state.get("step") is not None:
+            # NOTE [momentum start]: ``step`` counts the steps of the momentum
+            # buffer, whose first one sets it to the gradient as torch does, also
+            # when momentum is turned on after steps without it (or a checkpoint
+            # saved without momentum is resumed with it).
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+
     def _kind_fields(self, group):
         return [float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
                 1.0 if group["nesterov"] else 0.0]
