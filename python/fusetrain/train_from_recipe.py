@@ -3,7 +3,7 @@
 Usage::
 
     python -m fusetrain.train_from_recipe [--config-name=NAME] [--config-dir=DIR] [--print-config]
-                                          [--plot-lr=PATH] [override ...]
+                                          [--plot-lr=PATH] [--from-super-gradients=PATH] [override ...]
 
 With no arguments the ``default`` recipe runs (digits_cnn on the embedded
 digits). Shipped recipes live in ``fusetrain/recipes`` (``--list`` prints
@@ -19,6 +19,12 @@ Overrides use Hydra's syntax::
     ~training_params.optimizer_params     # delete a key
     arch_params=seed_mnist                # pick another option of a config group
     dataset_params.root=/data/mnist ckpt_root_dir=/tmp/runs
+
+``--from-super-gradients=PATH`` trains the recipe's model and data with the
+SuperGradients training hyperparameters in PATH, translated by
+``fusetrain.compat.super_gradients.translate`` (its report is printed first;
+``super_gradients.KEY=VALUE`` overrides set SG keys, see
+``fusetrain.compat.super_gradients.recipe``).
 
 ``--config-dir=DIR`` adds a folder of your own recipes. A recipe in DIR is
 composed with DIR first on the search path and the shipped recipes behind it,
@@ -270,6 +276,7 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
         print(f"{where}{size}: experiment {recipe['experiment_name']!r}, model {recipe['arch_params']['name']} "
               f"({n_params:,} parameters), data {recipe['dataset_params']['name']} "
               f"({len(train_loader.dataset)} train / {len(valid_loader.dataset)} valid samples)", flush=True)
+    from .training.experiment_dir import ExperimentExistsError
     from .training.params import TrainingParamsError
 
     trainer = Trainer(recipe["experiment_name"], ckpt_root_dir=recipe["ckpt_root_dir"])
@@ -278,6 +285,19 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
                              valid_loader=valid_loader)
     except TrainingParamsError as exc:  # checks that need the run's device (compile_step: cuda_graph on a CPU)
         raise RecipeError(f"{where}: {_error_text(exc)}") from exc
+    except ExperimentExistsError as exc:
+        raise RecipeError(_used_folder_text(recipe, where, exc)) from exc
+
+
+def _used_folder_text(recipe: Dict[str, Any], where: str, exc: Any) -> str:
+    """A re-run into a used folder, said with the Hydra overrides that choose what happens
+    (``+`` adds a key the recipe does not set)."""
+    def override(key: str) -> str:
+        return f"{'' if key in recipe['training_params'] else '+'}training_params.{key}=true"
+
+    return (f"{where}: the experiment folder {exc.path} holds an earlier run ({', '.join(exc.files)}); run again "
+            f"with {override('resume')} to continue it, {override('overwrite_experiment')} to delete its files "
+            f"and start over, or experiment_name=<another name>")
 
 
 def plot_lr(recipe: Dict[str, Any], path: str, where: str = "recipe") -> str:
@@ -320,8 +340,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plot-lr", metavar="PATH", default=None,
                    help="write the learning rate of every optimizer step the recipe will use to PATH (.png, .svg, "
                         ".pdf or .csv) and exit without training")
+    p.add_argument("--from-super-gradients", metavar="PATH", default=None,
+                   help="train the recipe's model and data with the SuperGradients training hyperparameters in "
+                        "PATH (.yaml), translated (the report is printed first); super_gradients.KEY=VALUE sets an "
+                        "SG key, training_params.KEY=VALUE supplies a fusetrain value "
+                        "(docs/guides/from_super_gradients.md)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. training_params.max_epochs=2")
     return p
+
+
+def _load(name: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """The validated recipe; with ``--from-super-gradients`` its training_params
+    are the SG file's, translated (the report printed)."""
+    if not args.from_super_gradients:
+        return load_recipe(name, args.overrides, args.config_dir)
+    from .compat.super_gradients.recipe import apply_sg_params, split_overrides
+
+    try:
+        hydra, sg, supplied = split_overrides(args.overrides)
+    except ValueError as exc:
+        raise RecipeError(f"--from-super-gradients: {exc}") from exc
+    recipe = load_recipe(name, hydra, args.config_dir)
+    try:
+        print(apply_sg_params(recipe, args.from_super_gradients, sg, supplied), flush=True)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        raise RecipeError(f"--from-super-gradients {args.from_super_gradients}: {_error_text(exc)}") from exc
+    return recipe
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -343,7 +387,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from omegaconf import OmegaConf
             print(OmegaConf.to_yaml(compose_recipe(name, args.overrides, args.config_dir)), end="")
             return 0
-        recipe = load_recipe(name, args.overrides, args.config_dir)
+        recipe = _load(name, args)
         if args.plot_lr:
             print(plot_lr(recipe, args.plot_lr, where=f"recipe {name!r}"))
             return 0

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 GUIDES = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides"
-NAMES = ["classification", "segmentation", "detection", "custom_task"]
+NAMES = ["classification", "segmentation", "detection", "custom_task", "from_super_gradients"]
 
 
 def test_a_guide_per_task():

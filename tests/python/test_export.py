@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import fusetrain.export as fx
+from fusetrain.export.cli import main as export_cli
 from fusetrain.models import build_model
 from fusetrain.train_from_recipe import load_recipe
 
@@ -83,12 +84,12 @@ def test_command_line_from_a_recipe_and_a_checkpoint(tmp_path, capsys):
     path = str(tmp_path / "ckpt_best.pth")
     torch.save({"model": model.state_dict(), "ema": {"module": ema.state_dict(), "step": 3}}, path)
     out = str(tmp_path / "model.pt2")
-    assert fx.main(["--checkpoint", path, "--ema", "--out", out]) == 0
+    assert export_cli(["--checkpoint", path, "--ema", "--out", out]) == 0
     assert "outputs match the eager model" in capsys.readouterr().out
     program = torch.export.load(out).module()
     x = torch.randn(2, 1, 28, 28)  # digits_cnn on the 28x28 digits of the default recipe
     torch.testing.assert_close(program(x), ema.eval()(x), rtol=1e-5, atol=1e-6)
-    assert fx.main(["--checkpoint", str(tmp_path / "missing.pth"), "--out", out]) == 2
+    assert export_cli(["--checkpoint", str(tmp_path / "missing.pth"), "--out", out]) == 2
     assert "checkpoint not found" in capsys.readouterr().err
 
 
@@ -103,7 +104,7 @@ def test_trainer_exports_the_final_ema_weights(tmp_path):
                   ema=True, export=["model.pt2", "model.onnx"])
     result = Trainer("exp", ckpt_root_dir=str(tmp_path)).train(model, params, tl, vl)
     assert [(r["format"], r["checked"]) for r in result["export"]] == [("torch_export", True), ("onnx", True)]
-    ema_sd = torch.load(tmp_path / "exp" / "ckpt_latest.pth", weights_only=False)["ema"]["module"]
+    ema_sd = torch.load(tmp_path / "exp" / "ckpt_latest.pth", weights_only=True)["ema"]["module"]
     ref = cnn()
     ref.load_state_dict(ema_sd)
     x = torch.randn(3, 1, 28, 28)

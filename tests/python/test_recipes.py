@@ -308,3 +308,21 @@ def test_plot_lr_writes_the_schedule_without_training(tmp_path, capsys, monkeypa
     assert tfr.main(["--plot-lr", str(png)]) == 0 and png.stat().st_size > 0
     assert tfr.main(["--plot-lr", str(tmp_path / "lr.txt")]) == 2
     assert "allowed: a path ending in .csv" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not _trainer_importable(), reason="fusetrain.Trainer is not importable in this build")
+@pytest.mark.slow
+def test_a_rerun_into_a_used_folder_names_the_overrides(tmp_path, capsys):
+    ckpt = tmp_path / "ck"
+    argv = ["training_params.max_epochs=1", "training_params.max_train_batches=2",
+            "training_params.max_valid_batches=1", "training_params.progress_bar=false", f"ckpt_root_dir={ckpt}"]
+    assert tfr.main(argv) == 0
+    capsys.readouterr()
+    before = sorted(os.listdir(ckpt / "digits_cnn"))
+    assert tfr.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: recipe 'default': the experiment folder ") and "holds an earlier run" in err
+    assert "+training_params.resume=true" in err and "+training_params.overwrite_experiment=true" in err
+    assert sorted(os.listdir(ckpt / "digits_cnn")) == before
+    # The named override works as written.
+    assert tfr.main(argv[:1] + ["training_params.max_epochs=2", "+training_params.resume=true"] + argv[1:]) == 0

@@ -49,7 +49,8 @@ HOOKS = ("on_train_start", "on_epoch_start", "on_train_batch_end", "on_step_end"
 
 @dataclass
 class TrainerState:
-    """What the loop knows, for callbacks to read (and ``request_stop``).
+    """The state of a run: what the loop knows, kept here only, for callbacks
+    to read (and ``request_stop``); checkpoints save its progress.
 
     Run: ``params`` (the resolved TrainingParams), ``model`` (the module being
     trained, unwrapped), ``optimizer``, ``scaler``, ``ema`` (or None),
@@ -60,7 +61,8 @@ class TrainerState:
     ``outputs`` (detached), ``loss`` (the undivided batch loss, detached),
     ``loss_components``. Per epoch: ``metrics`` (the row being built:
     ``train_loss``, ``train_<metric>``, ``valid_<metric>``, ..., host floats),
-    ``best`` (``{"metric", "value", "epoch"}``). Hooks with an argument get
+    ``best`` (``{"metric", "value", "epoch"}``), ``stale_epochs`` (validations
+    without improvement, for ``early_stopping``). Hooks with an argument get
     it as well: ``on_validation_end(state, name, results)``,
     ``on_checkpoint_saved(state, path)``, ``on_test_end(state, name,
     results)``."""
@@ -83,6 +85,7 @@ class TrainerState:
     loss_components: Dict[str, Tensor] = field(default_factory=dict)
     metrics: Dict[str, Any] = field(default_factory=dict)
     best: Dict[str, Any] = field(default_factory=dict)
+    stale_epochs: int = 0
     stop_training: bool = False
     stop_reason: str = ""
 

@@ -1,19 +1,35 @@
-"""Files written atomically: a crash while writing leaves the previous file
-intact (write to a temporary file ``.tmp_<name>...`` in the same directory,
-flush, fsync, then rename over the target). A kill during the write leaves
-the temporary file behind; :func:`remove_temp_files` clears them when the next
-run takes the folder."""
+"""Checkpoint files: written atomically, read as data.
+
+Writes: a crash while writing leaves the previous file intact (write to a
+temporary file ``.tmp_<name>...`` in the same directory, flush, fsync, then
+rename over the target). A kill during the write leaves the temporary file
+behind; :func:`remove_temp_files` clears them when the next run takes the
+folder.
+
+NOTE [checkpoints are data]: every read is ``torch.load(weights_only=True)``:
+tensors, numbers, strings, ``None`` and plain containers, nothing whose
+unpickling runs code from the file (for ``pretrained_weights``, a saved
+module built only of ``torch.nn``'s own layer classes too). fusetrain writes only such values (the
+random states included: NumPy's as a tensor and numbers). A file that needs
+more (a pickled module, NumPy arrays, an object of another library) is
+refused with :class:`UntrustedCheckpointError`, which names the setting that
+trusts it; ``python -m fusetrain.training.convert_checkpoint OLD.pth``
+rewrites a trusted file (an older fusetrain checkpoint) as data once.
+"""
 
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import shutil
 import tempfile
-from typing import IO, Any, Callable, Dict, List, Tuple
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["atomic_copy", "atomic_save", "atomic_write", "load_checkpoint", "remove_temp_files", "TMP_PREFIX"]
+__all__ = ["atomic_copy", "atomic_save", "atomic_write", "load_checkpoint", "remove_temp_files", "TMP_PREFIX",
+           "UntrustedCheckpointError", "as_data", "convert"]
 
 TMP_PREFIX = ".tmp_"
 _UMASK = os.umask(0)  # read once (os.umask can only be read by setting it) ...
@@ -81,11 +97,104 @@ def remove_temp_files(directory: str) -> List[Tuple[str, int]]:
     return removed
 
 
-def load_checkpoint(path: str, map_location="cpu", mmap: bool = False) -> Dict[str, Any]:
-    """A checkpoint file's contents (``mmap``: tensors read on first use)."""
+class UntrustedCheckpointError(ValueError):
+    """A file whose reading would run code from it (NOTE [checkpoints are data])."""
+
+
+def _torch_module_classes(path: str) -> Optional[List[type]]:
+    """The classes a pickled module names, when every global the file needs is a module class of
+    ``torch.nn`` itself (a saved ``nn.Sequential`` of torch layers); else None."""
+    import importlib
+
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:
+        return None
+    classes = []
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        if not module.startswith("torch.nn.modules."):
+            return None
+        cls = getattr(importlib.import_module(module), attr, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            return None
+        classes.append(cls)
+    return classes
+
+
+def load_checkpoint(path: str, map_location="cpu", mmap: bool = False, trusted: bool = False,
+                    trust: str = "trusted=True", torch_modules: bool = False) -> Any:
+    """A checkpoint file's contents (``mmap``: tensors read on first use),
+    read as data; ``trusted`` reads any pickle (it may run code from the
+    file). ``trust`` names the setting that trusts the file, for the error.
+    ``torch_modules``: a saved module built only of ``torch.nn``'s own module
+    classes reads as data too (unpickling it runs only torch's code)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+        try:
+            return torch.load(path, map_location=map_location, weights_only=not trusted, mmap=mmap)
+        except pickle.UnpicklingError:
+            classes = None if trusted or not torch_modules else _torch_module_classes(path)
+            if not classes:
+                raise
+            with torch.serialization.safe_globals(classes):
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        if trusted or "weights_only" not in str(e):
+            raise ValueError(f"could not read checkpoint {path}: {e}") from e
+        found = sorted(set(re.findall(r"(?:Unsupported global|Unsupported operand[^:]*): (?:GLOBAL )?([\w.]+)",
+                                      str(e))))
+        what = f" (it names {', '.join(found)})" if found else ""
+        raise UntrustedCheckpointError(
+            f"{path} holds more than tensors, numbers, strings and plain containers{what}: reading it would run "
+            f"code from the file, so it is not read. If you trust the file, set {trust}, or rewrite it once as "
+            f"data with `python -m fusetrain.training.convert_checkpoint {path}` (docs/checkpoints.md)") from None
     except Exception as e:  # a truncated or foreign file
         raise ValueError(f"could not read checkpoint {path}: {e}") from e
+
+
+def as_data(obj: Any) -> Any:
+    """``obj`` with NumPy values made plain: a legacy NumPy random state
+    ``("MT19937", keys, pos, has_gauss, gauss)`` becomes the dict that
+    :func:`fusetrain.training.position.rng_state` writes, an array a tensor,
+    a NumPy scalar a Python number."""
+    import numpy as np
+
+    from .position import numpy_state_as_data
+
+    if isinstance(obj, tuple) and len(obj) == 5 and obj[0] == "MT19937" and isinstance(obj[1], np.ndarray):
+        return numpy_state_as_data(obj)
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return type(obj)((k, as_data(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(as_data(v) for v in obj)
+    return obj
+
+
+def convert(path: str, out: Optional[str] = None) -> str:
+    """Rewrite a trusted checkpoint (``path``, read with code execution
+    allowed) as data (:func:`as_data`) at ``out`` (default: in place,
+    atomically); the result is checked to read with ``weights_only=True``
+    before it replaces anything. Returns the path written."""
+    out = out or path
+    data = as_data(load_checkpoint(path, trusted=True))
+    directory = os.path.dirname(os.path.abspath(out))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(out), dir=directory)
+    os.close(fd)
+    try:
+        torch.save(data, tmp)
+        try:
+            load_checkpoint(tmp)
+        except UntrustedCheckpointError as e:
+            raise ValueError(f"convert: {path} holds objects that are not data even after conversion; "
+                             f"{str(e).split(': reading it')[0].replace(tmp, 'the result')}") from None
+        atomic_copy(tmp, out)
+    finally:
+        os.remove(tmp)
+    return out

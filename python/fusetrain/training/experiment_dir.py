@@ -33,7 +33,14 @@ class ExperimentInUseError(RuntimeError):
 
 
 class ExperimentExistsError(FileExistsError):
-    """A fresh run into a folder that holds an earlier run's files."""
+    """A fresh run into a folder (``path``) that holds an earlier run's files (``files``)."""
+
+    def __init__(self, message: str, path: str = "", files: Optional[List[str]] = None) -> None:
+        super().__init__(message)
+        self.path, self.files = path, list(files or [])
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 def run_files(directory: str) -> List[str]:
@@ -43,7 +50,8 @@ def run_files(directory: str) -> List[str]:
     return sorted(n for n in os.listdir(directory)
                   if (n.startswith("ckpt_") and n.endswith(".pth")) or n.endswith((".pt2", ".onnx"))
                   or n in ("metrics.jsonl", "metrics.csv", "metrics.png", "test_metrics.json", "tensorboard",
-                           "steps.jsonl", "steps.csv", "valid_steps.jsonl", "shards"))
+                           "steps.jsonl", "steps.csv", "valid_steps.jsonl", "shards", "average_model.pth",
+                           "average_model_snapshots.pth"))
 
 
 class ExperimentDir:
@@ -119,7 +127,7 @@ class ExperimentDir:
             raise ExperimentExistsError(
                 f"Trainer.train: the experiment folder {self.path} holds an earlier run ({', '.join(earlier)}); "
                 f"set training_params.resume=True to continue it, overwrite_experiment=True to delete its files "
-                f"and start over, or choose another experiment_name")
+                f"and start over, or choose another experiment_name", self.path, earlier)
         for name in earlier:
             path = os.path.join(self.path, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)

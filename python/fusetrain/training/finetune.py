@@ -33,7 +33,7 @@ def matches(name: str, pattern: str) -> bool:
     return name == pattern or name.startswith(pattern + ".")
 
 
-def _read_state_dict(path: str, use_ema: bool) -> Mapping[str, torch.Tensor]:
+def _read_state_dict(path: str, use_ema: bool, trusted: bool = False) -> Mapping[str, torch.Tensor]:
     key = "training_params.pretrained_weights"
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{key}: no file at {path}")
@@ -43,16 +43,18 @@ def _read_state_dict(path: str, use_ema: bool) -> Mapping[str, torch.Tensor]:
         except ImportError as e:
             raise ValueError(f"{key}: {path} is a safetensors file; pip install safetensors to read it") from e
         return load_file(path)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # a truncated or foreign file
-        raise ValueError(f"{key}: could not read {path}: {e}") from e
+    from .checkpoints import load_checkpoint
+
+    try:  # NOTE [checkpoints are data]
+        obj = load_checkpoint(path, trusted=trusted, trust="pretrained_params: {trusted: true}", torch_modules=True)
+    except ValueError as e:  # a truncated, foreign or untrusted file
+        raise type(e)(f"{key}: {e}") from None
     if isinstance(obj, nn.Module):
         obj = obj.state_dict()
     if isinstance(obj, Mapping) and obj.get("shards") is not None:  # NOTE [sharded checkpoints]
         from .sharded_checkpoints import full_state_dict
 
-        return full_state_dict(path, ema=use_ema)
+        return full_state_dict(path, ema=use_ema, trusted=trusted)
     if not isinstance(obj, Mapping):
         raise ValueError(f"{key}: {path} holds a {type(obj).__name__}; allowed: a state dict, a module or a "
                          f"checkpoint dict with one under {_NESTED}")
@@ -87,7 +89,7 @@ def _remap(sd: Mapping[str, torch.Tensor], key_map: Mapping[str, str]) -> Dict[s
 
 
 def load_pretrained(model: nn.Module, path: str, strict: bool = False, key_map: Optional[Mapping[str, str]] = None,
-                    use_ema: bool = False) -> LoadReport:
+                    use_ema: bool = False, trusted: bool = False) -> LoadReport:
     """Copy the weights of ``path`` into ``model`` and report what did not fit.
 
     Keys are remapped by ``key_map`` (checkpoint prefix -> model prefix; the
@@ -96,8 +98,9 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False, key_map: 
     skipped. Returns ``{"loaded", "missing", "unexpected", "mismatched"}``
     (key lists; mismatched entries read ``key: checkpoint shape -> model
     shape``). With ``strict`` anything but a full match raises; without it,
-    loading nothing at all raises too (a wrong file or prefix)."""
-    sd = _read_state_dict(path, use_ema)
+    loading nothing at all raises too (a wrong file or prefix). The file is
+    read as data unless ``trusted`` (NOTE [checkpoints are data])."""
+    sd = _read_state_dict(path, use_ema, trusted)
     own = model.state_dict()
     key_map = dict(key_map or {})
     if not any(k.startswith("module.") for k in own) and sd and all(k.startswith("module.") for k in sd):
@@ -162,18 +165,36 @@ def frozen_bn_modules(model: nn.Module) -> List[nn.Module]:
     return out
 
 
-def lr_scales(model: nn.Module, multipliers: Mapping[str, float], layer_decay: Optional[Mapping[str, Any]]
-              ) -> Dict[str, float]:
-    """The lr multiplier of every trainable parameter: the first matching
-    ``multipliers`` pattern (1.0 for none) times the layer-wise decay."""
+def prefix_scales(names: Sequence[str], initial_lr: Any) -> Dict[str, float]:
+    """``initial_lr`` by parameter-name prefix ({default: .., prefix: ..}): each
+    name's rate relative to ``default``, from the longest prefix it starts with
+    (1.0 for a plain float)."""
+    if not isinstance(initial_lr, Mapping):
+        return {n: 1.0 for n in names}
+    default = float(initial_lr["default"])
+    prefixes = sorted((k for k in initial_lr if k != "default"), key=len, reverse=True)
+    unused = [pre for pre in prefixes if not any(n.startswith(pre) for n in names)]
+    if unused:
+        raise ValueError(f"training_params.initial_lr: prefix(es) {unused} match no trainable parameter (e.g. "
+                         f"{_few(list(names))})")
+    return {n: next((float(initial_lr[pre]) / default for pre in prefixes if n.startswith(pre)), 1.0)
+            for n in names}
+
+
+def lr_scales(model: nn.Module, multipliers: Mapping[str, float], layer_decay: Optional[Mapping[str, Any]],
+              initial_lr: Any = None) -> Dict[str, float]:
+    """The lr multiplier of every trainable parameter: its per-prefix
+    ``initial_lr`` relative to the default one, times the first matching
+    ``multipliers`` pattern (1.0 for none), times the layer-wise decay."""
     names = [n for n, q in model.named_parameters() if q.requires_grad]
+    by_prefix = prefix_scales(names, initial_lr)
     unused = [pat for pat in multipliers if not any(matches(n, pat) for n in names)]
     if unused:
         raise ValueError(f"training_params.lr_multipliers: {unused} match(es) no trainable parameter (e.g. "
                          f"{_few(names)})")
     scales = {}
     for n in names:
-        scales[n] = next((float(m) for pat, m in multipliers.items() if matches(n, pat)), 1.0)
+        scales[n] = by_prefix[n] * next((float(m) for pat, m in multipliers.items() if matches(n, pat)), 1.0)
     if layer_decay:
         for n, s in _layer_decay(names, layer_decay).items():
             scales[n] *= s
@@ -206,11 +227,11 @@ def _layer_decay(names: Sequence[str], cfg: Mapping[str, Any]) -> Dict[str, floa
 
 
 def param_groups(model: nn.Module, zero_decay_1d: bool, multipliers: Mapping[str, float],
-                 layer_decay: Optional[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+                 layer_decay: Optional[Mapping[str, Any]], initial_lr: Any = None) -> List[Dict[str, Any]]:
     """The optimizer's param groups: one per (lr scale, weight decay off) pair,
     in order of first appearance; each carries ``lr_scale``, which every
     schedule multiplies the learning rate by."""
-    scales = lr_scales(model, multipliers, layer_decay)
+    scales = lr_scales(model, multipliers, layer_decay, initial_lr)
     groups: Dict[Any, Dict[str, Any]] = {}
     for n, q in model.named_parameters():
         if not q.requires_grad:

@@ -23,7 +23,22 @@ import torch
 
 from .data.sharding import _loader_kwargs
 
-__all__ = ["rng_state", "set_rng_state", "resume_iterator", "can_skip_in_sampler"]
+__all__ = ["rng_state", "set_rng_state", "numpy_state_as_data", "resume_iterator", "can_skip_in_sampler"]
+
+
+def numpy_state_as_data(state: Any) -> Dict[str, Any]:
+    """A NumPy random state ``(name, keys, pos, has_gauss, gauss)`` as data (NOTE [checkpoints are data]):
+    its keys as a tensor."""
+    name, key, pos, has_gauss, gauss = state
+    return {"name": name, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "gauss": float(gauss)}
+
+
+def _set_numpy_state(state: Any) -> None:
+    if isinstance(state, dict):
+        state = (state["name"], state["key"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
+                 state["gauss"])
+    np.random.set_state(state)  # a tuple: a trusted checkpoint of an older fusetrain
 
 
 def rng_state(loader: Any) -> Dict[str, Any]:
@@ -31,7 +46,7 @@ def rng_state(loader: Any) -> Dict[str, Any]:
     gen = getattr(loader, "generator", None)
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "numpy": np.random.get_state(), "python": random.getstate(),
+            "numpy": numpy_state_as_data(np.random.get_state()), "python": random.getstate(),
             "loader": gen.get_state() if isinstance(gen, torch.Generator) else None}
 
 
@@ -39,7 +54,7 @@ def set_rng_state(state: Dict[str, Any], loader: Any) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    np.random.set_state(state["numpy"])
+    _set_numpy_state(state["numpy"])
     random.setstate(state["python"])
     gen = getattr(loader, "generator", None)
     if state.get("loader") is not None and isinstance(gen, torch.Generator):

@@ -48,7 +48,7 @@ NOTES = {
     "max_train_batches": "applied; it changes the steps per epoch, so the schedule, which continues at the "
                          "restored step, spans a different number of epochs",
 }
-IGNORED = ("resume", "resume_path", "overwrite_experiment")
+IGNORED = ("resume", "resume_path", "resume_trusted", "overwrite_experiment")
 
 
 def _diff(old: Any, new: Any, key: str) -> List[str]:
@@ -76,7 +76,7 @@ def check_changes(saved: Optional[Dict[str, Any]], p: TrainingParams, path: str)
             note = KEPT.get(k) or NOTES.get(k, "applied")
             lines += [f"  {d} ({note})" for d in _diff(saved[k], new[k], k)]
         warnings.warn(f"resume from {path}: training_params changed since the checkpoint was written:\n"
-                      + "\n".join(lines), stacklevel=4)
+                      + "\n".join(lines), stacklevel=5)
 
 
 def restore(ck: Dict[str, Any], path: str, model, opt, scaler, ema) -> None:

@@ -1,73 +1,102 @@
-"""The state of one training run: everything the Trainer's loop phases read
-and update, in one object instead of long parameter lists."""
+"""One training run (one process of it): the parts the Trainer built and the
+phases of its loop, as methods. Its progress (epoch, step, best metric,
+early-stopping count, the epoch's row) lives in ``state``, the
+:class:`~fusetrain.training.callbacks.TrainerState` that callbacks read; its
+checkpoints belong to ``checkpoints``, the
+:class:`~fusetrain.training.checkpoint_manager.CheckpointManager`."""
 
 from __future__ import annotations
 
+import copy
+import itertools
+import json
+import os
+import resource
+import sys
+import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from ..amp import LossScaler, Precision
+from ..amp import SCALE_FLOOR, Precision
+from ..export import export_model
+from . import distributed as _dist
+from . import preflight
+from .batches import call_model, count_samples, split_batch, to_device
 from .callbacks import CallbackList, TrainerState
+from .checkpoint_manager import AVERAGE, CheckpointManager
+from .data.sharding import set_epoch
 from .distributed import DistContext
+from .evaluation import LossSums, evaluate
 from .metrics import MetricSet
 from .params import TrainingParams
-from .schedules import LRSchedule
+from .schedules import LRSchedule, run_epochs
 from .step import TrainStep
+from .triggers import StepTriggers, TrainingInterrupted
 
-__all__ = ["Run", "LossSums", "component_key"]
-
-
-def component_key(name: str) -> str:
-    """How a loss component is logged: its name when it starts with ``loss``,
-    else ``loss_<name>`` (``train_loss_box``, ``valid_loss_classifier``)."""
-    return name if name.startswith("loss") else f"loss_{name}"
+__all__ = ["Run", "Progress"]
 
 
-class LossSums:
-    """Sample-weighted running sums of the loss and its components, in float64
-    device tensors (never read per step)."""
+def _memory_mb(device: torch.device) -> Dict[str, float]:
+    if device.type == "cuda":
+        return {"reserved_memory_mb": torch.cuda.memory_reserved(device) / 2**20,
+                "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+    # CPU: the process's peak resident set size (ru_maxrss is in KiB on Linux).
+    return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.loss = torch.zeros((), dtype=torch.float64, device=device)
-        self.components: Dict[str, Tensor] = {}
 
-    def reset(self) -> None:
-        self.loss.zero_()
-        for t in self.components.values():
-            t.zero_()
+def _prefixed(phase: str, name: str, results: Dict[str, float]) -> Dict[str, float]:
+    prefix = f"{phase}_{name}_" if name else f"{phase}_"
+    return {prefix + k: v for k, v in results.items()}
 
-    def add(self, loss: Tensor, components: Dict[str, Tensor], n: int) -> None:
-        self.loss += loss.double() * n
-        for k, v in components.items():
-            acc = self.components.get(k)
-            if acc is None:
-                acc = self.components[k] = torch.zeros((), dtype=torch.float64, device=self.device)
-            acc += v.double() * n
 
-    def tensors(self) -> List[Tensor]:
-        """The sums in a fixed order (for a cross-rank reduction)."""
-        return [self.loss] + [self.components[k] for k in sorted(self.components)]
+class Progress:
+    """tqdm bar whose rate (and so ETA) excludes the first, warm-up step."""
 
-    def state_dict(self) -> Dict[str, Any]:
-        """The sums as CPU tensors (for a mid-epoch checkpoint)."""
-        return {"loss": self.loss.cpu(), "components": {k: v.cpu() for k, v in self.components.items()}}
+    def __init__(self, enabled: bool, total: int, desc: str) -> None:
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.reset()
-        self.loss.copy_(state["loss"])
-        for k, v in state["components"].items():
-            self.components.setdefault(k, torch.zeros((), dtype=torch.float64, device=self.device)).copy_(v)
+                self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
+            except ImportError:
+                warnings.warn("progress_bar=True but tqdm is not installed, so no progress bar is shown; install it "
+                              "with `pip install tqdm` or `pip install fusetrain[logging]`, or set progress_bar=False",
+                              stacklevel=3)
+                self.bar = None
+        self.total = total
 
-    def means(self, samples: float) -> Dict[str, float]:
-        """``{"loss": mean, "loss_<component>": mean, ...}`` (one host read)."""
-        n = max(1.0, samples)
-        out = {"loss": float(self.loss.item()) / n}
-        out.update({component_key(k): float(v.item()) / n for k, v in sorted(self.components.items())})
-        return out
+    def first_step_done(self) -> None:
+        if self.bar is not None:
+            self.bar.reset(total=self.total)  # restart the clock after warm-up/compilation
+            self.bar.update(1)
+
+    def update(self, **postfix) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if postfix:
+                self.bar.set_postfix(**postfix)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def set_lr(opt, value: float) -> None:
+    """Each group's lr: ``value * lr_scale`` (filling the lr tensors of NOTE [lr tensor] in place)."""
+    seen = set()
+    for g in opt.param_groups:
+        lr, scaled = g["lr"], value * g.get("lr_scale", 1.0)
+        if isinstance(lr, torch.Tensor):
+            if id(lr) not in seen:
+                seen.add(id(lr))
+                lr.fill_(scaled)
+        else:
+            g["lr"] = scaled
 
 
 @dataclass
@@ -82,7 +111,7 @@ class Run:
     eval_model: nn.Module  # the EMA module or the model, compiled with torch_compile
     opt: torch.optim.Optimizer
     fused: bool
-    scaler: LossScaler
+    scaler: Any
     precision: Precision
     ema: Any
     loss_fn: Optional[Callable[..., Any]]  # None: the model computes its own loss
@@ -94,20 +123,393 @@ class Run:
     train_metrics: MetricSet
     valid_metrics: Dict[str, MetricSet]
     callbacks: CallbackList
-    state: TrainerState
+    state: TrainerState  # the run's progress (epoch, step, best, ...), read by callbacks
+    checkpoints: CheckpointManager
     logger: Any
     watch_key: str  # the row key of metric_to_watch
+    experiment_dir: str
+    triggers: StepTriggers  # validation, checkpoints and a graceful stop inside epochs
+    step_log: Any  # StepLog: per-step scalars to training_params.loggers
     split_fn: Optional[Callable[[Any], Any]] = None
     model_input: Any = "auto"
-    sums: Optional[LossSums] = None
     start_epoch: int = 0
-    global_step: int = 0
-    best: Dict[str, Any] = field(default_factory=dict)
-    stale_epochs: int = 0
-    skipped_before: float = 0.0  # steps skipped by the loss scaler in earlier sessions of a resumed run
-    skipped_seen: float = 0.0  # the skipped-step count at the end of the previous epoch (host value)
     frozen_bn: List[nn.Module] = field(default_factory=list)  # kept in eval mode (freeze_bn_stats)
-    step_log: Any = None  # StepLog: per-step scalars to training_params.loggers
-    triggers: Any = None  # StepTriggers: validation, checkpoints and a graceful stop inside epochs
-    resume_position: Optional[Dict[str, Any]] = None  # this rank's part of a mid-epoch checkpoint's position
-    epoch_start: Dict[str, Any] = field(default_factory=dict)  # the epoch's random states before its iterator
+    sums: Optional[LossSums] = None
+
+    def __post_init__(self) -> None:
+        self.sums = LossSums(self.device)
+        self.start_epoch = self.state.epoch
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+
+    def loop(self) -> Dict[str, Any]:
+        state, cbs = self.state, self.callbacks
+        # A resumed run that has nothing left to do reports the checkpoint's last epoch.
+        last: Dict[str, Any] = dict(self.logger.rows[-1]) if self.logger.rows else {}
+        test: Dict[str, float] = {}
+        completed = False
+        cbs("on_train_start", state)
+        try:
+            with self.triggers.stop:  # NOTE [graceful stop]
+                last = self.epochs(last)
+            completed = True
+        finally:
+            if self.ema is not None:
+                self.ema.detach()
+            if self.logger.rows:
+                try:
+                    self.logger.plot()
+                except Exception as e:  # the plot is a convenience, never a failure
+                    warnings.warn(f"could not write the metrics plot: {e}", stacklevel=2)
+            self.logger.close()
+            self.step_log.close()
+            cbs("on_train_end", state)
+        if completed and self.test_loaders:
+            test = self.run_tests()
+        result = {"final": last, "best": state.best, "test": test, "experiment_dir": self.experiment_dir}
+        if completed and self.p.average_best_models and self.ctx.is_main:
+            result["average_model"] = self.validate_average()
+        return result
+
+    def epochs(self, last: Dict[str, Any]) -> Dict[str, Any]:
+        """The epochs from ``start_epoch``; returns the last epoch's row."""
+        p, ctx, state, cbs = self.p, self.ctx, self.state, self.callbacks
+        n_epochs = run_epochs(p, self.steps_per_epoch)
+        # With max_steps the epochs go on until the step count is reached (a loader without a length may
+        # give fewer steps per epoch than counted).
+        epochs = itertools.count(self.start_epoch) if p.max_steps else range(self.start_epoch, n_epochs)
+        for epoch in epochs:
+            if self.steps_done():
+                break
+            state.epoch = epoch
+            if ctx.enabled:  # per rank and epoch, so a resumed run re-derives it
+                _dist.seed_everything(_dist.epoch_seed(p.seed, ctx.rank, epoch))
+            set_epoch(self.train_loader, epoch)
+            cbs("on_epoch_start", state)
+            row = self.train_epoch(epoch)
+            ctx.broadcast_buffers([self.model, self.ema.module if self.ema is not None else None])
+            if (epoch + 1) % p.run_validation_freq == 0 or epoch + 1 == n_epochs or self.steps_done():
+                self.validate(row)
+                self.schedule.observe(row.get(self.watch_key), p.greater_metric_to_watch_is_better)
+            row.update(_memory_mb(self.device))
+            cbs("on_epoch_end", state)
+            self.end_epoch(epoch, row)
+            last = row
+            if self.triggers.stop_at_epoch_end():
+                raise self.interrupted()
+            stop = self.stop_message(epoch)
+            if stop:
+                if ctx.is_main:
+                    print(stop, flush=True)
+                break
+        return last
+
+    def interrupted(self) -> TrainingInterrupted:
+        return TrainingInterrupted(
+            f"training stopped on {self.triggers.stop.signal} after optimizer step {self.state.global_step}; "
+            f"{self.checkpoints.latest_path} continues it with resume=True")
+
+    def steps_done(self) -> bool:
+        return bool(self.p.max_steps) and self.state.global_step >= self.p.max_steps
+
+    def stop_message(self, epoch: int) -> str:
+        p, state = self.p, self.state
+        if p.early_stopping and state.stale_epochs >= p.early_stopping["patience"]:
+            return (f"Early stopping after epoch {epoch + 1}: no improvement of {p.metric_to_watch} for "
+                    f"{state.stale_epochs} validation(s)")
+        return f"Stopping after epoch {epoch + 1}: {state.stop_reason}" if state.stop_training else ""
+
+    # ---- one epoch of training -----------------------------------------------------------------------------
+
+    def train_epoch(self, epoch: int) -> Dict[str, Any]:
+        p, train_step, state, cbs, sums = self.p, self.train_step, self.state, self.callbacks, self.sums
+        batch_hooks, step_hooks = cbs.has("on_train_batch_end"), cbs.has("on_step_end")
+        self.train_mode()
+        self.train_metrics.reset()
+        sums.reset()
+        loader = self.train_loader
+        has_len = (n_batches := preflight.loader_length(loader)) is not None
+        if p.max_train_batches:
+            n_batches = min(n_batches or p.max_train_batches, p.max_train_batches)
+        batch_iter, batches, resumed_samples = self.checkpoints.begin_epoch(loader, sums, self.train_metrics)
+        step0, samples, first_batch = self.checkpoints.epoch_start["step0"], resumed_samples, 0
+        progress = Progress(p.progress_bar and self.ctx.is_main, n_batches or 0,
+                            f"epoch {epoch + 1}/{run_epochs(p, self.steps_per_epoch)}")
+        t0 = time.perf_counter()
+        warmup_time = None
+        for i, batch in enumerate(batch_iter, batches):
+            if p.max_train_batches and i >= p.max_train_batches:
+                break
+            batch = to_device(batch, self.device)
+            x, y, extras = split_batch(batch, self.split_fn)
+            batches += 1
+            # Once per session, with a cross-entropy loss: one read of the targets' range.
+            first = warmup_time is None and epoch == self.start_epoch and preflight.class_loss(p)
+            # The step (channels_last conversion, forward, loss, backward and, on
+            # the last micro-batch of a group, the optimizer tail: TrainStep).
+            last_micro = n_batches is not None and i + 1 == n_batches
+            do_step = train_step.will_step(last_micro)
+            if do_step:
+                set_lr(self.opt, self.schedule(state.global_step))
+            rng = preflight.target_range(y) if first else None
+            try:
+                with self.ctx.grad_sync(train_step.model, do_step):  # DDP: all-reduce only on the stepping batch
+                    out_d, loss_d = train_step(x, y, last=last_micro)
+            except Exception as e:
+                if not self.ctx.fsdp:  # its forward would be a collective the other ranks never join
+                    self.explain_failure(e, x, y, rng)
+                raise
+            if first:
+                cause = preflight.targets_out_of_range(out_d, y, rng, p.loss_params.get("ignore_index", -100))
+                if cause:
+                    raise ValueError(f"Trainer.train: {cause}")
+            if do_step:
+                state.global_step += 1
+                self.log_step(loss_d)
+            n = count_samples(x, self.model_input)
+            sums.add(loss_d, train_step.components, n)
+            self.train_metrics.update(out_d, y, loss_d)
+            samples += n
+            if batch_hooks or step_hooks:
+                state.batch_idx, state.batch = i, (x, y, extras)
+                state.outputs, state.loss, state.loss_components = out_d, loss_d, train_step.components
+                cbs("on_train_batch_end", state)
+                if do_step:
+                    cbs("on_step_end", state)
+            if warmup_time is None:
+                warmup_time = time.perf_counter() - t0
+                t_steady = time.perf_counter()
+                first_batch = n
+                progress.first_step_done()
+            elif p.log_interval and progress.bar is not None and (i + 1) % p.log_interval == 0:
+                # One host read per log interval, not per step.
+                progress.update(loss=f"{self.interval_read(samples):.4f}")
+            else:
+                progress.update()
+            if do_step and self.steps_done():  # max_steps: the run ends at this step
+                break
+            if do_step and not last_micro:
+                self.between_steps(epoch, i + 1, samples)
+        progress.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        steady = time.perf_counter() - t_steady if warmup_time is not None else 0.0
+        world = self.ctx.world_size
+        # first_batch also leaves out the samples trained on before a mid-epoch resume (from the throughput).
+        first_batch = world * first_batch + world * resumed_samples
+        samples = int(self.ctx.sum_(sums.tensors() + self.train_metrics.state_tensors(), [samples])[0])
+        if samples == 0:
+            raise ValueError(f"Trainer.train: the train loader yielded no batches in epoch {epoch + 1}; it must "
+                             f"yield at least one per epoch")
+        if not has_len and batches < n_batches:
+            warnings.warn(f"the train loader (no length) ended after {batches} batches, before max_train_batches="
+                          f"{n_batches}, which the lr schedule and the EMA count as one epoch; set max_train_batches "
+                          f"to the batches of an epoch", stacklevel=3)
+        row: Dict[str, Any] = {"epoch": epoch + 1}
+        row.update(_prefixed("train", "", sums.means(samples)))
+        row.update({k: v for k, v in _prefixed("train", "", self.train_metrics.compute()).items() if k not in row})
+        row["lr"] = self.schedule(max(0, state.global_step - 1))
+        row["epoch_time_s"] = elapsed
+        row["warmup_time_s"] = warmup_time or 0.0
+        row["samples_per_s"] = (samples - first_batch) / steady if steady > 0 else 0.0
+        if self.scaler.is_enabled() and self.scaler.skipped_steps is not None:
+            row["skipped_steps"] = self.checkpoints.skipped_steps()
+            row["loss_scale"] = self.scaler.get_scale()
+            self.check_divergence(epoch, row, state.global_step - step0)
+        state.metrics = row
+        cbs("on_train_epoch_end", state)
+        return row
+
+    def train_mode(self) -> None:
+        self.model.train()
+        for m in self.frozen_bn:  # freeze_bn_stats: pretrained running statistics stay
+            m.eval()
+
+    def log_step(self, loss: torch.Tensor) -> None:
+        """The step's scalars into the step log (device copies; NOTE [step log without syncs])."""
+        if not self.step_log.loggers:
+            return
+        scale = self.scaler.get_scale_tensor() if self.scaler.is_enabled() else None
+        norm = self.opt.last_grad_norm if self.fused else None
+        step = self.state.global_step - 1
+        self.step_log.record(step, self.schedule(step), loss, scale, norm)
+
+    def interval_read(self, samples: int) -> float:
+        """The running loss (for the progress bar), read with the loss scale at
+        no extra sync: a scale at its floor is reported at once."""
+        scale = self.scaler.get_scale_tensor() if self.scaler.is_enabled() else None
+        if scale is None:
+            return self.sums.loss.item() / samples
+        loss, scale_v = torch.stack([self.sums.loss, scale.double()]).tolist()
+        if scale_v <= SCALE_FLOOR and not self.state.stop_training:
+            warnings.warn(f"the run diverged at step {self.state.global_step}: the loss scale is at its floor "
+                          f"2**-126 (every recent step had non-finite gradients); training stops at the end of this "
+                          f"epoch", RuntimeWarning, stacklevel=3)
+            self.state.request_stop("the run diverged (loss scale at its floor)")
+        return loss / samples
+
+    def check_divergence(self, epoch: int, row: Dict[str, Any], steps: int) -> None:
+        """NOTE [divergence]: read from the epoch's row (no extra sync). A scale
+        at its floor means every recent step had non-finite gradients: the run
+        stops, saying so. A fully skipped epoch above the floor only warns (the
+        scale may still be settling)."""
+        skipped = row["skipped_steps"] - self.checkpoints.skipped_seen
+        self.checkpoints.skipped_seen = row["skipped_steps"]
+        if row["loss_scale"] <= SCALE_FLOOR:
+            msg = (f"the run diverged: the loss scale reached its floor 2**-126 in epoch {epoch + 1} ({skipped:.0f} of "
+                   f"its {steps} steps skipped for non-finite gradients; a skipped step leaves the weights as they "
+                   f"were); stopping. Lower initial_lr, set clip_grad_norm or check the data for inf/NaN, and start "
+                   f"again from an earlier checkpoint")
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            self.state.request_stop(msg)
+        elif steps and skipped >= steps:
+            warnings.warn(f"every optimizer step of epoch {epoch + 1} ({steps}) was skipped for non-finite gradients; "
+                          f"the optimizer did not change the weights in this epoch (loss scale now "
+                          f"{row['loss_scale']:g})", RuntimeWarning, stacklevel=3)
+
+    def explain_failure(self, exc: Exception, x, y, rng) -> None:
+        """Raise a ValueError naming the cause of a failed step when it is a usual one."""
+        def forward(inputs):
+            with self.precision.autocast():
+                return call_model(self.model, inputs, self.model_input)
+
+        rng = rng if rng is not None else preflight.target_range(y)
+        cause = preflight.explain_batch_error(self.model, x, y, rng, self.p.loss_params.get("ignore_index", -100),
+                                              forward)
+        if cause:
+            raise ValueError(f"Trainer.train: the training step failed: {cause}") from exc
+
+    # ---- validation, the epoch's end -----------------------------------------------------------------------
+
+    def validate(self, row: Dict[str, Any], model: Optional[nn.Module] = None) -> None:
+        for name, loader in self.valid_loaders.items():
+            res = evaluate(self.p, model or self.eval_model, loader, self.loss_fn, self.precision,
+                           self.valid_metrics[name], self.device, self.p.max_valid_batches, self.ctx,
+                           what=f"valid_loader[{name!r}]" if name else "valid_loader")
+            row.update(_prefixed("valid", name, res))
+            if model is None:
+                self.callbacks("on_validation_end", self.state, name, res)
+
+    def end_epoch(self, epoch: int, row: Dict[str, Any]) -> None:
+        """Best metric and early-stopping count, the epoch's log line and files, checkpoints."""
+        improved = self.update_best(row, epoch)
+        state = self.state
+        state.stale_epochs = 0 if improved else state.stale_epochs + (1 if self.watch_key in row else 0)
+        self.logger.log_epoch(row)
+        self.step_log.flush()
+        if self.ctx.is_main:
+            self.print_epoch(row)
+        self.checkpoints.save_epoch_end(epoch, improved, row, self.watch_key)
+        self.triggers.checkpoint_written()
+        self.ctx.barrier()
+
+    def update_best(self, row: Dict[str, Any], epoch: int, step: Optional[int] = None) -> bool:
+        p, best, key = self.p, self.state.best, self.watch_key
+        if key not in row:
+            return False
+        v = row[key]
+        min_delta = p.early_stopping["min_delta"] if p.early_stopping else 0.0
+        if best["value"] is None:
+            better = True
+        elif p.greater_metric_to_watch_is_better:
+            better = v > best["value"] + min_delta
+        else:
+            better = v < best["value"] - min_delta
+        if better:
+            best.update(value=v, epoch=epoch + 1)
+            if step is not None:  # a valid_every_n_steps validation: the optimizer steps done
+                best["step"] = step
+            else:
+                best.pop("step", None)
+        return better
+
+    @staticmethod
+    def print_epoch(row: Dict[str, Any]) -> None:
+        parts = [f"Epoch: {row['epoch']}", f"Loss: {row['train_loss']:.4f}"]
+        for k, v in row.items():
+            if k.startswith(("train_", "valid_")) and k != "train_loss":
+                parts.append(f"{k}: {v:.4f}")
+        parts.append(f"Elapsed Time: {row['epoch_time_s']:.2f}sec")
+        if "reserved_memory_mb" in row:
+            parts.append(f"Reserved Memory: {row['reserved_memory_mb']:.2f}MB")
+        parts.append(f"Peak Memory: {row['peak_memory_mb']:.2f}MB")
+        parts.append(f"Throughput: {row['samples_per_s']:.1f} samples/s")
+        print(", ".join(parts), flush=True)
+
+    # ---- between two steps of an epoch ---------------------------------------------------------------------
+
+    def between_steps(self, epoch: int, batches: int, samples: int) -> None:
+        """Validation, a checkpoint and a graceful stop after an optimizer step
+        inside an epoch, when ``valid_every_n_steps``, ``ckpt_every_n_steps``,
+        ``ckpt_every_minutes`` or a signal ask for them (host tests only)."""
+        validate, checkpoint, stop = self.triggers.after_step(self.state.global_step)
+        improved = self.validate_at_step(epoch) if validate else False
+        if checkpoint or improved:
+            self.checkpoints.save_mid_epoch(epoch, batches, samples, self.sums, self.train_metrics,
+                                            latest=checkpoint, best=improved)
+            if checkpoint:
+                self.triggers.checkpoint_written()
+            self.ctx.barrier()
+        if stop:
+            raise self.interrupted()
+
+    def validate_at_step(self, epoch: int) -> bool:
+        """``valid_every_n_steps``: validate, report at the step; returns whether the watched metric improved."""
+        step = self.state.global_step - 1  # the index of the step just taken, as in the step log
+        row: Dict[str, Any] = {"epoch": epoch + 1, "step": step}
+        self.validate(row)
+        self.train_mode()
+        improved = self.update_best(row, epoch, step=self.state.global_step)
+        values = {k: v for k, v in row.items() if k.startswith("valid_")}
+        self.step_log.write(step, values)
+        if self.ctx.is_main:
+            print(f"Step: {self.state.global_step}, " + ", ".join(f"{k}: {v:.4f}" for k, v in values.items()),
+                  flush=True)
+            self.logger.log_step_validation(row)
+        return improved
+
+    # ---- after training ------------------------------------------------------------------------------------
+
+    def run_tests(self) -> Dict[str, float]:
+        """Each test loader once, on the final weights (the EMA's with ``ema``)."""
+        out: Dict[str, float] = {}
+        model = self.ema.module if self.ema is not None else self.model
+        for name, loader in self.test_loaders.items():
+            metrics = MetricSet(self.p.valid_metrics, "test").to(self.device)
+            res = evaluate(self.p, model, loader, self.loss_fn, self.precision, metrics, self.device, None,
+                           self.ctx, what=f"test_loader[{name!r}]" if name else "test_loader")
+            out.update(_prefixed("test", name, res))
+            self.callbacks("on_test_end", self.state, name, res)
+        if self.ctx.is_main:
+            print("Test: " + ", ".join(f"{k}: {v:.4f}" for k, v in out.items()), flush=True)
+            os.makedirs(self.experiment_dir, exist_ok=True)
+            with open(os.path.join(self.experiment_dir, "test_metrics.json"), "w") as f:
+                json.dump(out, f, indent=2)
+        return out
+
+    def validate_average(self) -> Dict[str, Any]:
+        """``average_best_models``: the averaged weights validated (on a copy of the watched model) and where
+        they are; ``{"path", "averaged": [{"epoch", "value"}], "valid": {valid_<metric>: ...}}``."""
+        out: Dict[str, Any] = {"path": os.path.join(self.experiment_dir, AVERAGE),
+                               "averaged": self.checkpoints.best_models.summary()}
+        weights = self.checkpoints.average_model()
+        if weights is not None and self.valid_loaders and not self.ctx.enabled:
+            model = copy.deepcopy(self.ema.module if self.ema is not None else self.model)
+            model.load_state_dict(weights)
+            row: Dict[str, Any] = {}
+            self.validate(row, model=model)
+            out["valid"] = row
+        return out
+
+    def export(self) -> List[Dict[str, Any]]:
+        """training_params.export: the final weights (the EMA's with ema) to files in the experiment folder, each
+        checked against the eager model on the first validation batch."""
+        model = self.ema.module if self.ema is not None else self.model
+        loader = next(iter(self.valid_loaders.values()), None) or self.train_loader
+        inputs, _, _ = split_batch(to_device(next(iter(loader)), self.device), self.split_fn)
+        was_training = model.training
+        try:
+            return [export_model(model, inputs, os.path.join(self.experiment_dir, name)) for name in self.p.export]
+        finally:
+            model.train(was_training)

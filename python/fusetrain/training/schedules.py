@@ -15,7 +15,14 @@ import math
 import os
 from typing import Callable, Optional, Sequence
 
-__all__ = ["LRSchedule", "run_epochs", "run_steps", "write_schedule"]
+__all__ = ["LRSchedule", "run_epochs", "run_steps", "write_schedule", "base_lr"]
+
+
+def base_lr(initial_lr) -> float:
+    """The rate the schedule scales: ``initial_lr``, or its ``default`` entry
+    when it sets rates by parameter-name prefix (each group's ``lr_scale``
+    carries its rate relative to it)."""
+    return float(initial_lr["default"] if isinstance(initial_lr, dict) else initial_lr)
 
 
 def run_steps(params, steps_per_epoch: int) -> int:
@@ -42,14 +49,21 @@ class LRSchedule:
 
     def __init__(self, params, steps_per_epoch: int) -> None:
         self.mode = params.lr_mode
-        self.initial_lr = float(params.initial_lr)
+        self.initial_lr = base_lr(params.initial_lr)
         self.steps_per_epoch = max(1, int(steps_per_epoch))
         self.total_steps = run_steps(params, self.steps_per_epoch)
         warmup = params.lr_warmup_steps or params.lr_warmup_epochs * self.steps_per_epoch
         self.warmup_steps = min(int(warmup), self.total_steps)
         self.warmup_mode = params.lr_warmup_mode
+        # NOTE [cooldown]: the decaying schedules end at sched_end; the cooldown steps after it repeat the lr of
+        # the step before it.
+        cooldown = min(params.lr_cooldown_epochs * self.steps_per_epoch, self.total_steps - self.warmup_steps - 1)
+        self.sched_end = self.total_steps - max(0, cooldown)
         wil = params.warmup_initial_lr
-        self.warmup_initial_lr = self.initial_lr * 0.01 if wil is None else float(wil)
+        if wil is None:
+            wil = (self.initial_lr / (params.lr_warmup_epochs + 1) if self.warmup_mode == "linear_epoch"
+                   else self.initial_lr * 0.01)
+        self.warmup_initial_lr = float(wil)
         self.p = params
         # plateau: reductions so far, the best watched value and the validations since it improved
         self.reductions, self.best, self.bad = 0, None, 0
@@ -83,18 +97,22 @@ class LRSchedule:
             return _user_lr(self.mode, step)
         if step < self.warmup_steps:
             return self._warmup(step)
+        if step >= self.sched_end:  # NOTE [cooldown]
+            step = max(self.warmup_steps, self.sched_end - 1)
         p, lr0 = self.p, self.initial_lr
         k = step - self.warmup_steps  # steps since warmup
         # Progress after warmup, in [0, 1]: 0 at the first step after warmup, 1 at
-        # the last step of the run (the documented final values are those of the
-        # last optimizer step).
-        span = max(1, self.total_steps - self.warmup_steps - 1)
+        # the last scheduled step of the run (the documented final values are
+        # those of the last optimizer step before any cooldown).
+        span = max(1, self.sched_end - self.warmup_steps - 1)
         t = min(1.0, k / span)
         if self.mode == "constant":
             return lr0
         if self.mode == "plateau":
             return lr0 * p.lr_decay_factor ** self.reductions
         if self.mode == "step":
+            if p.step_lr_update_freq is not None:
+                return lr0 * p.lr_decay_factor ** self._decays_every(step, p.step_lr_update_freq)
             epoch = step // self.steps_per_epoch
             passed = sum(1 for e in p.lr_updates if epoch >= e)
             return lr0 * (p.lr_decay_factor ** passed)
@@ -106,7 +124,7 @@ class LRSchedule:
             return lr0 + (final - lr0) * t
         if self.mode == "poly":
             # k / K with K the post-warmup steps: the last step keeps a small positive rate.
-            frac = min(1.0, k / max(1, self.total_steps - self.warmup_steps))
+            frac = min(1.0, k / max(1, self.sched_end - self.warmup_steps))
             return lr0 * (1.0 - frac) ** p.poly_power
         if self.mode == "exponential":
             return lr0 * p.lr_decay_factor ** (k / self.steps_per_epoch)
@@ -130,10 +148,32 @@ class LRSchedule:
             return low + (lr0 - low) * tri
         raise ValueError(f"training_params.lr_mode: unknown mode {self.mode!r}")
 
+    def _decays_every(self, step: int, freq: float) -> int:
+        """The decays of ``step_lr_update_freq`` passed at ``step``: the points
+        x * freq epochs (x = 1, 2, ...), each at the first step at or after it
+        (ceil(x * P) with P = freq * steps_per_epoch), counting those at or
+        after the end of warmup."""
+        period = freq * self.steps_per_epoch
+        eps = 1e-9  # x * P lands on a whole step despite rounding (0.1 * 30)
+        upto = math.floor(step / period + eps)  # ceil(x * P) <= step
+        before = math.floor((self.warmup_steps - 1) / period + eps) if self.warmup_steps > 0 else 0
+        return max(0, upto - before)  # ceil(x * P) >= warmup_steps
+
     def _warmup(self, step: int) -> float:
         """Warmup step ``step`` of W: from ``warmup_initial_lr`` to ``initial_lr``
-        at the last warmup step (linear, geometric) or flat at ``warmup_initial_lr``."""
+        at the last warmup step (linear, geometric) or flat at ``warmup_initial_lr``;
+        ``linear_epoch``: a staircase of one rate per epoch; ``linspace``: the
+        first step at ``warmup_initial_lr``, the last of at most one epoch at
+        ``initial_lr``."""
         start, lr0 = self.warmup_initial_lr, self.initial_lr
+        if self.warmup_mode == "linear_epoch":
+            epochs = max(1, self.p.lr_warmup_epochs)  # W of the staircase, even when the run is shorter
+            return start + (lr0 - start) * (step // self.steps_per_epoch) / epochs
+        if self.warmup_mode == "linspace":
+            n = min(self.warmup_steps, self.steps_per_epoch)
+            if step >= n:
+                return lr0
+            return start if n == 1 else start + (lr0 - start) * step / (n - 1)
         frac = (step + 1) / self.warmup_steps
         if self.warmup_mode == "constant":
             return start

@@ -6,10 +6,11 @@ other runs hold except the sharded tensors, plus ``"shards"``: the name of a
 folder under ``<experiment>/shards/`` into which every rank wrote its shards
 with ``dcp.save`` (the weights, the optimizer state with master weights, the
 EMA weights), keyed by parameter names, so any number of processes (one
-included, without a process group) can load it. The folder is written first
-and is complete when ``dcp.save`` returns (its ``.metadata`` is written last,
-after every rank's files); only then does rank 0 write the small file,
-atomically. A crash mid-save leaves the previous file and the folder it names.
+included, without a process group) can load it; its metadata and
+non-tensor values are read as data (NOTE [checkpoints are data]). The
+folder is written first and is complete when ``dcp.save`` returns (its
+``.metadata`` is written last, after every rank's files); only then does
+rank 0 write the small file, atomically. A crash mid-save leaves the previous file and the folder it names.
 After each save, folders that no checkpoint file names are deleted.
 
 :func:`full_state_dict` reads the full weights of any checkpoint (sharded or
@@ -21,7 +22,9 @@ plain ``state_dict`` file.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import pickle
 import re
 import shutil
 import uuid
@@ -32,12 +35,72 @@ import torch
 from torch import nn
 
 from ..optim._base import FusedOptimizer
-from .checkpoints import atomic_save, load_checkpoint
+from .checkpoints import UntrustedCheckpointError, atomic_save, load_checkpoint
 
 __all__ = ["SHARDS", "new_name", "save", "load", "collect_garbage", "full_state_dict"]
 
 SHARDS = "shards"
 _CKPT_FILE = re.compile(r"ckpt_.*\.pth")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads a DCP ``.metadata`` file as data (NOTE [checkpoints are data]): the only globals it resolves are
+    DCP's metadata classes, torch dtypes and sizes, layouts and paths; anything else is refused."""
+
+    _DCP = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = getattr(importlib.import_module(module), name, None) if module in self._DCP + (
+            "torch", "pathlib", "torch.serialization") else None
+        allowed = (isinstance(obj, type) and module in self._DCP and obj.__module__ == module
+                   or isinstance(obj, torch.dtype) or obj is torch.Size
+                   or (module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath",
+                                                        "PureWindowsPath"))
+                   or (module == "torch.serialization" and name == "_get_layout"))
+        if not allowed:
+            raise pickle.UnpicklingError(f"the sharded checkpoint's metadata names {module}.{name}, which is not "
+                                         f"data; it is not read")
+        return obj
+
+
+def _reader(path: str):
+    """DCP's file reader for ``path``, reading the metadata and the non-tensor values as data; a metadata file
+    that is not data is refused here, with the error naming it."""
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise UntrustedCheckpointError(f"{os.path.join(path, '.metadata')}: {e}") from None
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class DataReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return DataReader(path)
+
+
+def _planner():
+    """DCP's load planner, reading the non-tensor values (optimizer settings) with weights_only=True."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class DataLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return DataLoadPlanner()
 
 
 def folder(ckpt_path: str, name: str) -> str:
@@ -88,7 +151,7 @@ def load(ck: Dict[str, Any], ckpt_path: str, model: nn.Module, opt, ema_module: 
     state = _states(model, opt, ema_module if ck.get("ema") is not None else None)
     with warnings.catch_warnings():  # one process without a process group: DCP says so
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=_reader(path), planner=_planner())
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if "ema" in state:
         set_model_state_dict(ema_module, state["ema"])
@@ -103,16 +166,21 @@ def collect_garbage(experiment_dir: str) -> None:
     named = set()
     for f in os.listdir(experiment_dir):
         if _CKPT_FILE.fullmatch(f):
-            named.add(load_checkpoint(os.path.join(experiment_dir, f), mmap=True).get("shards"))
+            try:
+                named.add(load_checkpoint(os.path.join(experiment_dir, f), mmap=True).get("shards"))
+            except ValueError:  # a file not read as data (an older checkpoint) may name any folder: keep them
+                return
     for name in os.listdir(root):
         if name not in named:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def full_state_dict(ckpt_path: str, ema: bool = False) -> Dict[str, torch.Tensor]:
+def full_state_dict(ckpt_path: str, ema: bool = False, trusted: bool = False,
+                    trust: str = "trusted=True") -> Dict[str, torch.Tensor]:
     """The full weights (``model.state_dict()`` keys, CPU tensors) of a
-    checkpoint file, sharded or not; ``ema=True``: the EMA's weights."""
-    ck = load_checkpoint(ckpt_path)
+    checkpoint file, sharded or not; ``ema=True``: the EMA's weights. Read as
+    data unless ``trusted`` (NOTE [checkpoints are data])."""
+    ck = load_checkpoint(ckpt_path, trusted=trusted, trust=trust)
     if ema and ck.get("ema") is None:
         raise ValueError(f"{ckpt_path} has no EMA weights (trained without ema); allowed: ema=False")
     if ck.get("shards") is None:
@@ -125,7 +193,7 @@ def full_state_dict(ckpt_path: str, ema: bool = False) -> Dict[str, torch.Tensor
         raise FileNotFoundError(f"{ckpt_path} names the sharded state {path}, which is missing or incomplete")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        return _load_state_dict_from_keys(keys={key}, checkpoint_id=path)[key]
+        return _load_state_dict_from_keys(keys={key}, storage_reader=_reader(path))[key]
 
 
 def main(argv=None) -> None:
@@ -135,8 +203,11 @@ def main(argv=None) -> None:
     parser.add_argument("checkpoint", help="a checkpoint file, e.g. checkpoints/<experiment>/ckpt_best.pth")
     parser.add_argument("output", help="the state_dict file to write")
     parser.add_argument("--ema", action="store_true", help="the EMA's weights instead of the model's")
+    parser.add_argument("--trusted", action="store_true",
+                        help="read the checkpoint with any pickle allowed (it may run code from the file)")
     args = parser.parse_args(argv)
-    atomic_save(full_state_dict(args.checkpoint, ema=args.ema), args.output)
+    weights = full_state_dict(args.checkpoint, ema=args.ema, trusted=args.trusted, trust="--trusted")
+    atomic_save(weights, args.output)
     print(f"wrote {args.output}")
 
 

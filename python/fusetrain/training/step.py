@@ -128,7 +128,9 @@ class TrainStep:
       precision: a :class:`fusetrain.Precision` (default: fp32 on the model's
         device type).
       mode: ``"off"``, ``"compile"`` or ``"cuda_graph"``.
-      accumulate: micro-batches per optimizer step; each loss is divided by it.
+      accumulate: micro-batches per optimizer step; each loss is divided by it
+        (``accumulate_reduction="mean"``) or not (``"sum"``: the step sees the
+        sum of the micro-batches' gradients).
       ema: a :class:`fusetrain.ModelEMA`. With a fusetrain optimizer it is
         attached to it (its update rides in the fused pass); otherwise it is
         updated after each step, skipped on non-finite fp16 steps.
@@ -159,7 +161,7 @@ class TrainStep:
                  scaler: Optional[LossScaler] = None, precision: Optional[Precision] = None, *, mode: str = "off",
                  accumulate: int = 1, ema: Optional[ModelEMA] = None, compile_options: Optional[Dict[str, Any]] = None,
                  warmup_steps: int = 3, channels_last: bool = False, clip_grad_norm: Optional[float] = None,
-                 model_input: Any = "auto") -> None:
+                 model_input: Any = "auto", accumulate_reduction: str = "mean") -> None:
         if not isinstance(mode, str) or mode not in MODES:
             raise ValueError(f"TrainStep: mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r}")
         if not isinstance(model, nn.Module):
@@ -174,6 +176,8 @@ class TrainStep:
             raise TypeError(f"TrainStep: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"TrainStep: accumulate must be an int >= 1, got {accumulate!r}")
+        if accumulate_reduction not in ("mean", "sum"):
+            raise ValueError(f"TrainStep: accumulate_reduction must be 'mean' or 'sum', got {accumulate_reduction!r}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"TrainStep: warmup_steps must be an int >= 1, got {warmup_steps!r}")
         if scaler is not None and not isinstance(scaler, LossScaler):
@@ -209,6 +213,7 @@ class TrainStep:
         if ema is not None and self.fused and ema._optimizer is not optimizer:
             ema.attach(optimizer)
         self.accumulate = accumulate
+        self.accumulate_reduction = accumulate_reduction
         self.compile_options = compile_options
         self.warmup_steps = warmup_steps
         self.channels_last = bool(channels_last)
@@ -274,6 +279,8 @@ class TrainStep:
     def _build(self) -> None:
         model, loss_fn, opt, scaler, precision = self.model, self.loss_fn, self.optimizer, self.scaler, self.precision
         acc, ema, model_input = self.accumulate, self.ema, self.model_input
+        if self.accumulate_reduction == "sum":
+            acc = 1  # the loss is not divided: the gradients of the micro-batches add up
         own_loss = loss_fn is None
         # Persistent .grad tensors under capture: the graph reads them at fixed addresses.
         set_to_none = self._mode != "cuda_graph"

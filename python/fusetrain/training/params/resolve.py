@@ -18,7 +18,9 @@ from ..losses import MODEL_LOSS, loss_factory
 from ..metrics import build_metric
 from .table import (FUSED_RESERVED, KEY_HINTS, LOSS_RESERVED, OPTIMIZER_RESERVED, OPTIMIZERS, TRAINING_PARAMS,
                     _V_OPTIMIZER)
-from .validators import ROOT, Invalid, TrainingParamsError, check_keys, init_kwargs, show, type_name, unknown_key
+from .synonyms import METRIC_NAME_SYNONYMS
+from .validators import (ROOT, Invalid, TrainingParamsError, check_keys, init_kwargs, show, suggestion, type_name,
+                         unknown_key)
 
 __all__ = ["TrainingParams", "resolve_training_params", "optimizer_class", "watch_candidates"]
 
@@ -125,6 +127,9 @@ def _check_fsdp(values: Dict[str, Any]) -> List[str]:
         errors.append(f"{ROOT}.export: got {values['export']!r} with multi_gpu 'fsdp'; no rank holds the whole "
                       f"model; allowed with fsdp: [] (export from the full weights afterwards: python -m "
                       f"fusetrain.training.sharded_checkpoints CKPT OUT, then load them into the model)")
+    if values["average_best_models"]:
+        errors.append(f"{ROOT}.average_best_models: got True with multi_gpu 'fsdp'; no rank holds the whole model "
+                      f"to average; allowed with fsdp: False (or multi_gpu 'ddp')")
     if values["compile_step"] != "off":
         errors.append(f"{ROOT}.compile_step: got {values['compile_step']!r} with multi_gpu 'fsdp'; allowed with "
                       f"fsdp: 'off' (torch_compile compiles the sharded model's forward and backward; FSDP2's "
@@ -173,7 +178,8 @@ def _check_watch(values: Dict[str, Any]) -> List[str]:
     if names is None or watch in names or any(watch.endswith("_" + n) for n in names):
         return []  # <loader>_<name> with several validation loaders: checked when the loaders are known
     return [f"{ROOT}.metric_to_watch: got {watch!r} (str); allowed: 'loss' or one of valid_metrics ({names!r}); "
-            f"add it to valid_metrics or watch 'loss'"]
+            f"add it to valid_metrics or watch 'loss'" + suggestion(watch, names + ["loss"], METRIC_NAME_SYNONYMS,
+                                                                   valid_hints_only=True)]
 
 
 def _cross_checks(values: Dict[str, Any]) -> List[str]:
@@ -204,7 +210,8 @@ def _cross_checks(values: Dict[str, Any]) -> List[str]:
         if problem:
             errors.append(f"{ROOT}.layer_decay.pattern: got {ld['pattern']!r} ({problem}); allowed: a regex whose "
                           f"group 1 captures the block index, e.g. 'blocks\\.(\\d+)\\.'")
-    if values["lr_mode"] == "step":
+    errors += _check_schedule_extras(values)
+    if values["lr_mode"] == "step" and values["step_lr_update_freq"] is None:
         ups, max_epochs = values["lr_updates"], values["max_epochs"]
         if not ups or ups != sorted(set(ups)) or ups[-1] >= max_epochs:
             errors.append(f"{ROOT}.lr_updates: got {show(ups)} (list); allowed: for lr_mode 'step', a non-empty "
@@ -217,6 +224,35 @@ def _cross_checks(values: Dict[str, Any]) -> List[str]:
     errors += _check_optimizer(values)
     errors += _check_loss_params(values)
     errors += _check_compile_step(values)
+    return errors
+
+
+#: Losses whose outputs are class scores, for which the default train_metrics is [accuracy].
+CLASSIFICATION_LOSSES = ("cross_entropy", "CrossEntropyLoss", "nll", "NLLLoss")
+
+
+def default_train_metrics(loss: Any) -> List[str]:
+    """``train_metrics: None``: top-1 accuracy for a classification loss on
+    logits, nothing for any other loss (detection, a model's own loss, ...)."""
+    return ["accuracy"] if isinstance(loss, str) and loss in CLASSIFICATION_LOSSES else []
+
+
+def _check_schedule_extras(values: Dict[str, Any]) -> List[str]:
+    """lr_cooldown_epochs, step_lr_update_freq and the epoch-based warmups."""
+    errors: List[str] = []
+    we, cool, max_epochs = values["lr_warmup_epochs"], values["lr_cooldown_epochs"], values["max_epochs"]
+    if cool and values["max_steps"] is None and we + cool >= max_epochs:
+        errors.append(f"{ROOT}.lr_cooldown_epochs: got {cool!r} with lr_warmup_epochs {we!r} and max_epochs "
+                      f"{max_epochs!r}; allowed: lr_warmup_epochs + lr_cooldown_epochs < max_epochs")
+    freq = values["step_lr_update_freq"]
+    if freq is not None and values["lr_updates"]:
+        errors.append(f"{ROOT}.step_lr_update_freq: got {freq!r} with lr_updates {show(values['lr_updates'])}; "
+                      f"allowed: at most one of them (lr_updates lists the decay epochs, step_lr_update_freq spaces "
+                      f"them evenly)")
+    if values["lr_warmup_mode"] == "linear_epoch" and values["lr_warmup_steps"] > 0:
+        errors.append(f"{ROOT}.lr_warmup_mode: got 'linear_epoch' with lr_warmup_steps {values['lr_warmup_steps']!r}; "
+                      f"allowed: lr_warmup_epochs for an epoch staircase (or lr_warmup_mode 'linear' / 'linspace' "
+                      f"for a warmup in steps)")
     return errors
 
 
@@ -253,6 +289,8 @@ def resolve_training_params(user: Optional[Mapping[str, Any]] = None) -> "Traini
     errors = _cross_checks(values)
     if errors:
         raise TrainingParamsError(errors)
+    if values["train_metrics"] is None:
+        values["train_metrics"] = default_train_metrics(values["loss"])
     return TrainingParams._from_values(values)
 
 

@@ -19,7 +19,8 @@ from ..callbacks import CALLBACKS, Callback
 from ..losses import LOSS_ALIASES, MODEL_LOSS, loss_factory
 from ..metrics import METRICS, Metric
 from ..registry import import_path, resolve_name, split_spec
-from .validators import (Invalid, Validator, any_of, boolean, callable_value, choice, dict_of, float_range,
+from .synonyms import DEVICE_SYNONYMS, KEY_SYNONYMS, LR_MODE_SYNONYMS, OPTIMIZER_SYNONYMS, WARMUP_MODE_SYNONYMS
+from .validators import (Invalid, Validator, show, any_of, boolean, callable_value, choice, dict_of, float_range,
                          int_range, kwargs_of, list_of, optional, record, regex, reject, str_dict, string,
                          subclass_of)
 
@@ -32,7 +33,7 @@ OPTIMIZERS: Mapping[str, Type[torch.optim.Optimizer]] = MappingProxyType(
      "RAdam": RAdam, "NAdam": NAdam, "RMSpropTF": RMSpropTF, "Lamb": Lamb, "AdamP": AdamP, "Muon": Muon})
 LR_MODES = ("constant", "step", "cosine", "onecycle", "cyclic", "linear", "poly", "exponential", "cosine_restarts",
             "plateau")
-WARMUP_MODES = ("linear", "constant", "exponential")
+WARMUP_MODES = ("linear", "constant", "exponential", "linear_epoch", "linspace")
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 PRECISIONS = ("fp16", "bf16", "fp32")
 
@@ -76,7 +77,7 @@ def _logger_object(v: Any, path: str) -> Any:
 
 
 _V_LOGGER_OBJECT = Validator("an object with log_scalars(step, values) and close() (from Python)", _logger_object)
-_V_OPTIMIZER = any_of(choice(*OPTIMIZERS, case_insensitive=True),
+_V_OPTIMIZER = any_of(choice(*OPTIMIZERS, case_insensitive=True, hints=OPTIMIZER_SYNONYMS),
                       subclass_of(torch.optim.Optimizer, "a torch.optim.Optimizer subclass (the class, not an "
                                                          "instance)"))
 LOSS_DESC = ("a loss name (a torch.nn loss class name such as 'CrossEntropyLoss', one of "
@@ -216,6 +217,28 @@ def _compile_step_check(v: Any, path: str) -> str:
 _V_COMPILE_STEP = Validator(_COMPILE_STEP_DESC, _compile_step_check)
 
 
+_INITIAL_LR_DESC = ("a float > 0, or a dict of parameter-name prefix -> learning rate > 0 with a 'default' entry "
+                    "(e.g. {default: 0.01, backbone: 0.001})")
+
+
+def _initial_lr_check(v: Any, path: str) -> Any:
+    if isinstance(v, Mapping):
+        rates = dict_of(float_range(min=0, min_inclusive=False), _INITIAL_LR_DESC)(v, path)
+        if "default" not in rates:
+            raise Invalid(f"{path}: got {show(v)} (dict) without a 'default' entry; allowed: {_INITIAL_LR_DESC}")
+        if "" in rates:
+            raise Invalid(f"{path}: got an empty prefix ''; allowed: {_INITIAL_LR_DESC} (the 'default' entry is the "
+                          f"rate of every parameter no prefix fits)")
+        return rates
+    try:
+        return float_range(min=0, min_inclusive=False)(v, path)
+    except Invalid:
+        reject(path, v, _INITIAL_LR_DESC)
+
+
+_V_INITIAL_LR = Validator(_INITIAL_LR_DESC, _initial_lr_check)
+
+
 def _p(name: str, validator: Validator, default: Any, doc: str) -> ParamSpec:
     return ParamSpec(name, validator.description, default, " ".join(doc.split()), validator)
 
@@ -245,10 +268,15 @@ _SPECS = [
         signature; values are checked by the optimizer when it is built. The learning rate comes from `initial_lr`
         and the parameters from the model, so `lr` and `params` are not allowed here; for fusetrain optimizers
         `max_grad_norm` is set from `clip_grad_norm`."""),
-    _p("initial_lr", float_range(min=0, min_inclusive=False), 1e-3, """
+    _p("initial_lr", _V_INITIAL_LR, 1e-3, """
         The base (peak) learning rate: the value reached at the end of warmup, from which the schedule of `lr_mode`
-        starts."""),
-    _p("lr_mode", any_of(choice(*LR_MODES), callable_value("a function step -> lr (from Python)")), "constant", """
+        starts. A dict `{default: 0.01, encoder.backbone: 0.001}` sets absolute learning rates by parameter-name
+        prefix: a parameter whose name starts with a prefix (the longest one that fits) runs at that prefix's
+        rate, the others at `default` (required). Every schedule and warmup then scales each group's rate the same
+        way (a group's learning rate at every step is its own initial rate times the schedule's factor); the
+        groups multiply with `lr_multipliers` and `layer_decay`. A prefix that matches no trainable parameter is
+        an error; freeze parameters with `freeze`."""),
+    _p("lr_mode", any_of(choice(*LR_MODES, hints=LR_MODE_SYNONYMS), callable_value("a function step -> lr (from Python)")), "constant", """
         The learning-rate schedule after warmup, evaluated for each optimizer step on the host from the step index
         and written into the optimizer's learning-rate tensor (no host synchronisation, no recompilation under
         `torch.compile`). `constant` keeps `initial_lr`; `step` multiplies it by `lr_decay_factor` at each epoch of
@@ -272,6 +300,12 @@ _SPECS = [
         For `lr_mode: step`, the epochs at which the learning rate is multiplied by `lr_decay_factor`: an entry `e`
         applies from the moment `e` epochs are complete. With `lr_mode: step` the list must be non-empty, in
         increasing order without duplicates, and each entry below `max_epochs`; other modes ignore it."""),
+    _p("step_lr_update_freq", optional(float_range(min=0, min_inclusive=False)), None, """
+        For `lr_mode: step`, instead of `lr_updates`: multiply the learning rate by `lr_decay_factor` every
+        `step_lr_update_freq` epochs of the run (fractions allowed: with 2.5 after 2.5, 5, 7.5, ... epochs, each at
+        the first optimizer step at or after that point). Decays that fall within the warmup are left out (the
+        one at its very end counts), and none happens during `lr_cooldown_epochs`. At most one of `lr_updates`
+        and `step_lr_update_freq` may be set."""),
     _p("lr_decay_factor", float_range(min=0, max=1, min_inclusive=False), 0.1, """
         For `lr_mode: step`, the factor applied at each epoch of `lr_updates`; after `k` of them the learning rate
         is `initial_lr * lr_decay_factor ** k`. For `lr_mode: exponential`, the factor per epoch: after `e`
@@ -318,12 +352,27 @@ _SPECS = [
     _p("lr_warmup_steps", int_range(min=0), 0, """
         Length of the linear learning-rate warmup in optimizer steps, for runs whose epochs are long; otherwise as
         `lr_warmup_epochs` (at most one of the two may be non-zero)."""),
-    _p("lr_warmup_mode", choice(*WARMUP_MODES), "linear", """
+    _p("lr_warmup_mode", choice(*WARMUP_MODES, hints=WARMUP_MODE_SYNONYMS), "linear", """
         The form of the warmup: `linear` (above), `exponential` rises geometrically (step k of W runs at
         `warmup_initial_lr * (initial_lr / warmup_initial_lr) ** ((k + 1) / W)`, so `warmup_initial_lr` must be
-        > 0), `constant` runs every warmup step at `warmup_initial_lr` and switches to the schedule after."""),
+        > 0), `constant` runs every warmup step at `warmup_initial_lr` and switches to the schedule after.
+        `linear_epoch` is a staircase of one rate per epoch: every step of epoch e (counted from 0) of the
+        `lr_warmup_epochs` W runs at `warmup_initial_lr + (initial_lr - warmup_initial_lr) * e / W`, so the first
+        epoch runs at `warmup_initial_lr` and the schedule starts at `initial_lr` after epoch W (needs
+        `lr_warmup_epochs`). `linspace` rises linearly over S steps, the first at `warmup_initial_lr` and the last
+        at `initial_lr` (step k runs at `warmup_initial_lr + (initial_lr - warmup_initial_lr) * k / (S - 1)`),
+        with S the warmup length capped at one epoch; the warmup steps after the cap run at `initial_lr`.
+        SuperGradients' `LinearEpochLRWarmup` and `LinearBatchLRWarmup` are these two."""),
     _p("warmup_initial_lr", optional(float_range(min=0)), None, """
-        The learning rate at the start of warmup; None means `initial_lr * 0.01`."""),
+        The learning rate at the start of warmup; None means `initial_lr * 0.01`, or `initial_lr /
+        (lr_warmup_epochs + 1)` with `lr_warmup_mode: linear_epoch` (so each warmup epoch adds the same step up
+        to `initial_lr`). With per-prefix `initial_lr`, each group starts at this value times its rate relative
+        to `default`."""),
+    _p("lr_cooldown_epochs", int_range(min=0), 0, """
+        The last `lr_cooldown_epochs` epochs keep the learning rate of the last optimizer step before them: the
+        decaying schedules of `lr_mode` span the steps from the end of warmup to the start of the cooldown
+        (`cosine` reaches `initial_lr * cosine_final_lr_ratio` at the last step before it), and `step` decays
+        stop there. 0: no cooldown. `lr_warmup_epochs + lr_cooldown_epochs` must stay below `max_epochs`."""),
     _p("zero_weight_decay_on_bias_and_bn", boolean(), False, """
         Put every one-dimensional parameter (biases and the weights of normalisation layers such as BatchNorm,
         LayerNorm and GroupNorm) in a parameter group with weight decay 0; the other parameters keep the
@@ -353,14 +402,18 @@ _SPECS = [
         skipped, missing and unexpected keys are reported in the result (`pretrained`) and as a warning. See
         `pretrained_params`."""),
     _p("pretrained_params", record({"strict": boolean(), "key_map": dict_of(_V_PREFIX),
-                                    "use_ema": boolean()},
-                                   defaults={"strict": False, "key_map": {}, "use_ema": False}),
-       {"strict": False, "key_map": {}, "use_ema": False}, """
+                                    "use_ema": boolean(), "trusted": boolean()},
+                                   defaults={"strict": False, "key_map": {}, "use_ema": False, "trusted": False}),
+       {"strict": False, "key_map": {}, "use_ema": False, "trusted": False}, """
         How `pretrained_weights` is read. `key_map`: checkpoint key prefix -> model key prefix, e.g.
         `{"backbone.": "encoder."}` or `{"": "backbone."}` to load a bare backbone into `model.backbone` (the
         longest matching prefix is replaced; a `module.` prefix of a DDP-saved file is dropped by itself).
         `strict`: any missing, unexpected or shape-mismatched key is an error (otherwise only a file of which
-        nothing fits is). `use_ema`: take the EMA weights of a fusetrain checkpoint."""),
+        nothing fits is). `use_ema`: take the EMA weights of a fusetrain checkpoint. `trusted`: the file is read
+        as data (`torch.load(weights_only=True)`: tensors, numbers, strings, plain containers, and a saved module
+        built only of `torch.nn`'s own layers) unless this is true; a file that needs more (a module of other
+        classes, NumPy arrays) is refused before training starts, because reading it runs code from the file.
+        Set it only for files you trust (`docs/checkpoints.md`)."""),
     _p("freeze", list_of(string("a parameter-name pattern"), "a list of parameter-name patterns"), [], """
         Parameters whose names match one of these patterns (as in `lr_multipliers`) are frozen
         (`requires_grad` off) before the optimizer is built, e.g. `[backbone]` to train only a new head. A pattern
@@ -423,9 +476,14 @@ _SPECS = [
         skipped. None disables clipping."""),
     _p("batch_accumulate", int_range(min=1), 1, """
         Number of batches whose gradients are accumulated before each optimizer step. Each batch's loss is divided
-        by `batch_accumulate`, so the step sees the mean gradient and the effective batch size is
-        `batch_size * batch_accumulate`; a partial group at the end of an epoch also steps. Schedules count
-        optimizer steps."""),
+        by `batch_accumulate` (see `batch_accumulate_reduction`), so the step sees the mean gradient and the
+        effective batch size is `batch_size * batch_accumulate`; a partial group at the end of an epoch also
+        steps. Schedules count optimizer steps."""),
+    _p("batch_accumulate_reduction", choice("mean", "sum"), "mean", """
+        How the gradients of the `batch_accumulate` batches combine: `mean` divides each batch's loss by
+        `batch_accumulate` (the step sees the mean gradient); `sum` does not divide (the step sees the sum of the
+        batches' gradients, `batch_accumulate` times larger, as SuperGradients accumulates). The logged loss is
+        the undivided one in both cases."""),
     _p("sync_bn", boolean(), False, """
         Convert BatchNorm layers to `torch.nn.SyncBatchNorm`, which synchronises batch statistics across processes.
         Only meaningful in a `torch.distributed` run; otherwise a warning is issued and the layers stay local."""),
@@ -451,7 +509,7 @@ _SPECS = [
         `cross_entropy`; keys are checked against its signature. For torch.nn losses, `weight` and `pos_weight`
         given as lists (class weights in a recipe) become tensors. Must be empty when `loss` is a callable or
         `model`."""),
-    _p("train_metrics", _V_METRICS, ["accuracy"], """
+    _p("train_metrics", optional(_V_METRICS), None, """
         Metrics accumulated on the device over each epoch's training batches and read once at its end, reported as
         `train_<name>`. Built in (`fusetrain.training.metrics`): `accuracy` (top-1; per pixel for segmentation
         scores), `top5`, `loss` (the mean loss), `mean_iou` and `pixel_accuracy` (segmentation, from a confusion
@@ -463,7 +521,9 @@ _SPECS = [
         metrics read the model's prediction: the output tensor, a dict's `out` or `logits` entry, or a tuple's
         first item; detection metrics read per-image dicts of boxes, scores and labels. A metric that cannot handle
         the outputs stops training at the first batch with an error naming it. The mean training loss is always
-        reported as `train_loss`."""),
+        reported as `train_loss`. None (the default) fits the task: `[accuracy]` when the loss is a
+        classification loss on logits (`cross_entropy`, `CrossEntropyLoss`, `nll`, `NLLLoss`), else `[]` (a model
+        computing its own loss, detection and other losses whose outputs are not class scores)."""),
     _p("valid_metrics", _V_METRICS, ["accuracy"], """
         Metrics computed on the validation loader(s), reported as `valid_<name>` (with several validation loaders,
         `valid_<loader>_<name>`), and on the test loader(s) after training (`test_<name>`); the same choices as
@@ -493,6 +553,18 @@ _SPECS = [
         Epochs (counted from 1) after which an extra checkpoint `ckpt_epoch_<N>.pth` is kept in the experiment
         directory, besides `ckpt_latest.pth` (written after every epoch) and `ckpt_best.pth` (the best
         `metric_to_watch` so far)."""),
+    _p("average_best_models", boolean(), False, """
+        Keep the `number_of_models_to_average` best models by `metric_to_watch` (the EMA's weights with `ema`)
+        and write their weight average to `average_model.pth` in the experiment folder after each epoch-end
+        validation (a fusetrain checkpoint with the weights under `model`, usable as `pretrained_weights`), as
+        SuperGradients' option of the same name does. A model joins when fewer are kept or when it beats the worst
+        kept one; a non-finite metric never joins. Floating tensors (weights, BatchNorm running mean and
+        variance) are averaged; integer ones (BatchNorm's `num_batches_tracked`) take the mean rounded down.
+        After training the result reports it under `average_model` (validated, in a single-process run). The kept
+        models are held on the CPU and saved to `average_model_snapshots.pth`, so a resume continues the
+        average. Needs a `valid_loader`; not with `multi_gpu: fsdp`."""),
+    _p("number_of_models_to_average", int_range(min=1), 10, """
+        How many of the best models `average_best_models` averages."""),
     _p("ckpt_every_n_steps", int_range(min=0), 0, """
         Also write `ckpt_latest.pth` every `ckpt_every_n_steps` optimizer steps, in the middle of epochs (0: at
         epoch ends only). A mid-epoch checkpoint records the position in the epoch (the batches already trained
@@ -522,6 +594,12 @@ _SPECS = [
     _p("resume_path", optional(string("a non-empty string (a checkpoint path)")), None, """
         The checkpoint file to resume from; setting it implies `resume`. None: the experiment's `ckpt_latest.pth`
         when `resume` is true."""),
+    _p("resume_trusted", boolean(), False, """
+        Read the checkpoint of `resume` with any pickle allowed. A checkpoint is read as data
+        (`torch.load(weights_only=True)`); one that needs more (a checkpoint of an older fusetrain, whose random
+        states hold NumPy arrays) is refused before anything is loaded or written, because reading it runs code
+        from the file. Set it only for a file you trust, or rewrite the file once with `python -m
+        fusetrain.training.convert_checkpoint PATH` (`docs/checkpoints.md`)."""),
     _p("overwrite_experiment", boolean(), False, """
         A fresh run (not `resume`) into an experiment folder that holds an earlier run's files (checkpoints,
         metrics, TensorBoard events) fails unless this is true; true deletes those files first. Two runs never
@@ -582,7 +660,7 @@ _SPECS = [
         read on the host by the loop. Given as objects, or (from a recipe) as names registered with
         `fusetrain.register_callback` (built in: `ThresholdStop`), class paths or one-entry mappings
         `{name: {arguments}}`."""),
-    _p("device", any_of(choice("auto", "cpu", "cuda"), regex(r"cuda:\d+", "'cuda:N'"),
+    _p("device", any_of(choice("auto", "cpu", "cuda", hints=DEVICE_SYNONYMS), regex(r"cuda:\d+", "'cuda:N'"),
                          description="'auto', 'cpu', 'cuda' or 'cuda:N' (N a device index)"), "auto", """
         Where to train: `auto` picks CUDA when available, else the CPU; `cuda` is the current CUDA device,
         `cuda:N` a given one."""),
@@ -638,5 +716,4 @@ TRAINING_PARAMS: Mapping[str, ParamSpec] = MappingProxyType({s.name: s for s in 
 del _SPECS
 
 # Common names from other libraries, pointed at the key that does the job.
-KEY_HINTS = {"lr": "initial_lr", "learning_rate": "initial_lr", "weight_decay": "optimizer_params.weight_decay",
-              "momentum": "optimizer_params.momentum", "amp": "mixed_precision", "epochs": "max_epochs"}
+KEY_HINTS = KEY_SYNONYMS

@@ -139,9 +139,12 @@ def string(description: str = "a non-empty string") -> Validator:
     return Validator(description, check)
 
 
-def choice(*choices: str, case_insensitive: bool = False, description: Optional[str] = None) -> Validator:
+def choice(*choices: str, case_insensitive: bool = False, description: Optional[str] = None,
+           hints: Optional[Mapping[str, str]] = None) -> Validator:
     """One of ``choices``; with ``case_insensitive`` matched ignoring case and
-    normalised to the spelling in ``choices``."""
+    normalised to the spelling in ``choices``. A string that is none of them
+    gets a "did you mean" from ``hints`` (other libraries' names) or the
+    closest choices."""
     desc = description or ("one of " + ", ".join(repr(c) for c in choices)
                            + (" (case-insensitive)" if case_insensitive else ""))
     canonical = {(c.lower() if case_insensitive else c): c for c in choices}
@@ -151,6 +154,8 @@ def choice(*choices: str, case_insensitive: bool = False, description: Optional[
             key = v.lower() if case_insensitive else v
             if key in canonical:
                 return canonical[key]
+            raise Invalid(f"{path}: got {show(v)} ({type_name(v)}); allowed: {desc}"
+                          + suggestion(v, choices, hints))
         reject(path, v, desc)
 
     return Validator(desc, check)
@@ -178,7 +183,9 @@ def optional(inner: Validator) -> Validator:
             return inner(v, path)
         except Invalid as e:
             if str(e).startswith(f"{path}: got "):  # the value itself is wrong: say that None works too
-                reject(path, v, desc)
+                hint = str(e).rsplit("; did you mean", 1)[1] if "; did you mean" in str(e) else ""
+                raise Invalid(f"{path}: got {show(v)} ({type_name(v)}); allowed: {desc}"
+                              + (f"; did you mean{hint}" if hint else "")) from None
             raise  # a problem inside it (a nested key) keeps its own message
 
     return Validator(desc, check)
@@ -190,12 +197,14 @@ def any_of(*alternatives: Validator, description: Optional[str] = None) -> Valid
     desc = description or (descs[0] if len(descs) == 1 else ", ".join(descs[:-1]) + " or " + descs[-1])
 
     def check(v: Any, path: str) -> Any:
+        hint = ""
         for a in alternatives:
             try:
                 return a(v, path)
-            except Invalid:
-                pass
-        reject(path, v, desc)
+            except Invalid as e:
+                hint = hint or ("; did you mean" + str(e).rsplit("; did you mean", 1)[1]
+                                if "; did you mean" in str(e) else "")
+        raise Invalid(f"{path}: got {show(v)} ({type_name(v)}); allowed: {desc}{hint}")
 
     return Validator(desc, check)
 
@@ -262,15 +271,54 @@ def dict_of(value: Validator, description: Optional[str] = None) -> Validator:
     return Validator(desc, check)
 
 
+DOCS_HINT = "see docs/training_params.md"
+
+
+def _fold(text: str) -> str:
+    """``text`` without case, spaces and punctuation: ``mAP@0.50`` and ``map_50`` differ, ``Top-5`` and ``top5`` not."""
+    return re.sub(r"[^0-9a-z]", "", text.lower())
+
+
+def closest(name: str, valid: Sequence[str], n: int = 3) -> List[str]:
+    """The valid names closest to ``name``: an exact match ignoring case and
+    punctuation first, then difflib's closest spellings (ignoring case)."""
+    folded = [v for v in valid if _fold(v) == _fold(name)]
+    if folded:
+        return folded[:1]
+    lower = {v.lower(): v for v in valid}
+    ranked = [(difflib.SequenceMatcher(None, name.lower(), m).ratio(), m) for m in
+              difflib.get_close_matches(name.lower(), list(lower), n=n, cutoff=0.6)]
+    # Only names about as close as the best one: 'max_epoch' is 'max_epochs', not also 'max_steps'.
+    return [lower[m] for r, m in ranked if r >= ranked[0][0] - 0.1]
+
+
+def suggestion(name: str, valid: Sequence[str], hints: Optional[Mapping[str, str]] = None,
+               valid_hints_only: bool = False) -> str:
+    """"; did you mean ...?" for ``name``: the synonym table ``hints`` first
+    (with ``valid_hints_only``, a synonym that is one of ``valid``), then the
+    closest valid names other than ``name`` (empty when nothing is close)."""
+    if hints:
+        hint = hints.get(name)
+        if hint is None:
+            hint = next((h for k, h in hints.items() if _fold(k) == _fold(name)), None)
+        if hint is not None and hint != name and (hint in valid or not valid_hints_only):
+            return f"; did you mean {hint!r}?"
+    close = [c for c in closest(name, valid) if c != name]
+    if not close:
+        return ""
+    return "; did you mean " + " or ".join(repr(c) for c in close) + "?"
+
+
 def unknown_key(path: str, key: str, valid: Sequence[str], hints: Optional[Mapping[str, str]] = None) -> str:
-    """The message for an unknown key, suggesting the closest valid one."""
-    if hints and key in hints:
-        return f"{path}: unknown key {key!r}; did you mean {hints[key]!r}?"
-    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
-    if close:
-        return f"{path}: unknown key {key!r}; did you mean {close[0]!r}?"
-    listed = ", ".join(valid) if valid else "(none)"
-    return f"{path}: unknown key {key!r}; valid keys: {listed}"
+    """The message for an unknown key: a known synonym, else the few closest
+    valid keys, else where the keys are listed (never all of them)."""
+    hint = suggestion(key, valid, hints)
+    if hint:
+        return f"{path}: unknown key {key!r}{hint}"
+    if len(valid) <= 12:
+        listed = ", ".join(valid) if valid else "(none)"
+        return f"{path}: unknown key {key!r}; valid keys: {listed}"
+    return f"{path}: unknown key {key!r}; no valid key is close ({DOCS_HINT} for all {len(valid)})"
 
 
 def check_keys(path: str, mapping: Mapping[str, Any], valid: Sequence[str], reserved: Mapping[str, str],

@@ -9,16 +9,14 @@ example (ONNX through onnxruntime when it is installed); outputs that differ
 from the eager model's beyond the tolerance are an error, and the file is
 removed. Files are written atomically.
 
-From a recipe and a checkpoint::
+From a recipe and a checkpoint, :mod:`fusetrain.export.cli`::
 
     python -m fusetrain.export --config-name=default --checkpoint runs/default/ckpt_best.pth --out model.onnx
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import tempfile
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -26,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["FORMATS", "check_onnx_packages", "export_model", "main"]
+__all__ = ["FORMATS", "check_onnx_packages", "export_model"]
 
 FORMATS = {".pt2": "torch_export", ".onnx": "onnx"}
 
@@ -136,51 +134,3 @@ def _run_saved(fmt: str, path: str, args: Tuple[Any, ...]) -> Optional[list]:
     feeds = [t.detach().cpu().numpy() for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
     names = [i.name for i in session.get_inputs()]
     return [torch.from_numpy(o) for o in session.run(None, dict(zip(names, feeds)))]
-
-
-# ---- command line -------------------------------------------------------------------------------------------
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fusetrain.export",
-                                description="Export a recipe's model with a checkpoint's weights (torch.export .pt2 "
-                                            "or ONNX .onnx), checked against the eager model on a validation batch.")
-    p.add_argument("--config-name", "-cn", default="default", help="the recipe the model was trained with")
-    p.add_argument("--config-dir", "-cd", default=None, help="directory of your own recipes")
-    p.add_argument("--checkpoint", required=True, help="a fusetrain checkpoint (ckpt_best.pth, ckpt_latest.pth)")
-    p.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights")
-    p.add_argument("--out", required=True, help="output path ending in .pt2 or .onnx")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides of the recipe (as when training)")
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
-    from .train_from_recipe import EXIT_RECIPE_ERROR, RecipeError, load_recipe
-    from .models import build_model
-    from .training.batches import split_batch
-    from .training.checkpoints import load_checkpoint
-    from .training.sharded_checkpoints import full_state_dict
-    from .training.data import build_dataloaders
-
-    try:
-        recipe = load_recipe(args.config_name, args.overrides, args.config_dir)
-        arch = dict(recipe["arch_params"])
-        model = build_model(arch.pop("name"), **arch)
-        if args.ema and not load_checkpoint(args.checkpoint, mmap=True).get("ema"):
-            raise ValueError(f"--ema: {args.checkpoint} has no EMA weights (train with ema: true)")
-        model.load_state_dict(full_state_dict(args.checkpoint, ema=args.ema))  # sharded or not
-        _, valid_loader = build_dataloaders(recipe["dataset_params"])
-        inputs, _, _ = split_batch(next(iter(valid_loader)))
-        result = export_model(model, inputs, args.out)
-    except (RecipeError, ValueError, FileNotFoundError, RuntimeError, KeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_RECIPE_ERROR
-    print(f"exported {result['format']} to {result['path']} (dynamic batch: {result['dynamic_batch']}; "
-          + (f"outputs match the eager model, max abs diff {result['max_abs_diff']:.3g})" if result["checked"]
-             else "not run: install onnxruntime to check the outputs)"))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m fusetrain.export``: see :mod:`fusetrain.export.cli`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,29 @@
+"""``python -m fusetrain.training.convert_checkpoint OLD.pth [--out NEW.pth]``:
+rewrite a checkpoint you trust (one written by an older fusetrain) so that it
+reads as data (NOTE [checkpoints are data]); see
+:func:`fusetrain.training.checkpoints.convert`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+from .checkpoints import convert
+
+__all__ = ["main"]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fusetrain.training.convert_checkpoint",
+                                     description="Rewrite a checkpoint you trust (e.g. one written by an older "
+                                                 "fusetrain) so that it reads as data (torch.load "
+                                                 "weights_only=True); the result is checked before it replaces "
+                                                 "anything.")
+    parser.add_argument("checkpoint", help="the file to read (its pickle may run code: only files you trust)")
+    parser.add_argument("--out", default=None, help="where to write (default: replace the file)")
+    args = parser.parse_args(argv)
+    print(f"wrote {convert(args.checkpoint, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

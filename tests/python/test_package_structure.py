@@ -1,0 +1,83 @@
+"""The package's structure: no import cycle among its modules (every import
+statement counts, those inside functions too), and importing it leaves the
+process's warning filters as they were."""
+
+import ast
+import os
+import subprocess
+import sys
+
+import fusetrain
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(fusetrain.__file__))
+
+
+def _modules():
+    """``{module name: source path}`` of the package's Python modules."""
+    root = os.path.dirname(PACKAGE_DIR)
+    out = {}
+    for directory, _, files in os.walk(PACKAGE_DIR):
+        for f in files:
+            if f.endswith(".py"):
+                name = os.path.relpath(os.path.join(directory, f), root)[:-3].replace(os.sep, ".")
+                out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = os.path.join(directory, f)
+    return out
+
+
+def _imports(name, path, modules):
+    """The package modules that ``name`` imports. An import of one of its own parent packages is left out
+    (a parent is always imported first)."""
+    is_package = path.endswith("__init__.py")
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t != name and not name.startswith(t + "."):
+                found.add(t)
+    return found
+
+
+def test_no_import_cycle():
+    modules = _modules()
+    assert "fusetrain.training.trainer" in modules and "fusetrain.export.cli" in modules
+    graph = {m: _imports(m, p, modules) for m, p in modules.items()}
+    cycles = []
+    state = {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t, stack)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_import_leaves_warning_filters_alone():
+    """torch's own import adds its filters; importing fusetrain's modules after it adds none."""
+    code = ("import warnings\nimport torch\nbefore = list(warnings.filters)\n"
+            "import fusetrain, fusetrain.training.trainer, fusetrain.train_from_recipe, fusetrain.export.cli\n"
+            "import fusetrain.training.data, fusetrain.training.sharded_checkpoints, fusetrain.training.fsdp\n"
+            "after = list(warnings.filters)\nassert after == before, [f for f in after if f not in before]\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
