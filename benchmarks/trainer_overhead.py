@@ -131,7 +131,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import fusetrain.training.trainer as trainer_mod
+import fusetrain.training.checkpoint_manager as checkpoint_mod
 from fusetrain.models import build_model
 from fusetrain.training.params import resolve_training_params
 from fusetrain.training.trainer import Trainer
@@ -275,8 +275,8 @@ _SAVES_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def timed_checkpoint_writes():
-    """Wrap the Trainer's ``atomic_save`` to time each checkpoint write."""
-    original = trainer_mod.atomic_save
+    """Wrap the checkpoint manager's ``atomic_save`` to time each checkpoint write."""
+    original = checkpoint_mod.atomic_save
 
     def timed_atomic_save(obj, path):
         t0 = time.perf_counter()
@@ -286,11 +286,11 @@ def timed_checkpoint_writes():
         with _SAVES_LOCK:
             _SAVES.setdefault(threading.current_thread().name, []).append(rec)
 
-    trainer_mod.atomic_save = timed_atomic_save
+    checkpoint_mod.atomic_save = timed_atomic_save
     try:
         yield
     finally:
-        trainer_mod.atomic_save = original
+        checkpoint_mod.atomic_save = original
 
 
 # ---------------------------------------------------------------- runs

@@ -40,7 +40,7 @@ endfunction()
 # nvcc flags for an architecture list. Entries: "NN" (machine code and PTX),
 # "NN-real" (machine code), "NN-virtual" (PTX); NN may carry an "a" or "f"
 # suffix (architecture-specific features, e.g. 90a). `supported` is the list of
-# sm_NN the toolkit knows (from `nvcc --list-gpu-code`); empty skips that check.
+# sm_NN the toolkit builds (fusetrain_cuda_buildable_codes); empty skips that check.
 function(fusetrain_cuda_arch_flags archs supported out_var)
   set(flags "")
   if(archs STREQUAL "")
@@ -75,6 +75,28 @@ function(fusetrain_cuda_arch_flags archs supported out_var)
   endforeach()
   list(REMOVE_DUPLICATES flags)
   set(${out_var} "${flags}" PARENT_SCOPE)
+endfunction()
+
+# The sm_NN a CUDA compiler builds, for the entries of `archs`: `listed` (from
+# `nvcc --list-gpu-code`) plus each architecture-specific entry ("90a", "100f")
+# that nvcc accepts. NOTE [arch-specific codes]: nvcc lists only the base
+# architectures (sm_90, not sm_90a) although it builds both; an entry with a
+# suffix is checked by asking nvcc to plan a compile for it (--dryrun: nvcc
+# rejects an unknown architecture before it runs anything, in milliseconds).
+function(fusetrain_cuda_buildable_codes nvcc archs listed out_var)
+  set(codes ${listed})
+  foreach(entry IN LISTS archs)
+    if(entry MATCHES "^([0-9]+[af])(-real|-virtual)?$" AND NOT "sm_${CMAKE_MATCH_1}" IN_LIST codes)
+      set(name "${CMAKE_MATCH_1}")
+      execute_process(COMMAND "${nvcc}" --dryrun "--generate-code=arch=compute_${name},code=sm_${name}"
+                              -x cu -c /dev/null -o /dev/null
+                      RESULT_VARIABLE rc OUTPUT_QUIET ERROR_QUIET)
+      if(rc EQUAL 0)
+        list(APPEND codes "sm_${name}")
+      endif()
+    endif()
+  endforeach()
+  set(${out_var} "${codes}" PARENT_SCOPE)
 endfunction()
 
 # torch's CMake (find_package(Torch)) adds -gencode flags of its own to

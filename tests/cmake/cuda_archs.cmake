@@ -1,5 +1,6 @@
 # Runs one function of cmake/FusetrainCuda.cmake for tests/python/test_build_config.py:
-#   cmake -DACTION=defaults|flags|check|strip -DVERSION=... -DARCHS=... -DSUPPORTED=... -DFLAGS=... -P cuda_archs.cmake
+#   cmake -DACTION=defaults|flags|codes|check|strip -DVERSION=... -DARCHS=... -DSUPPORTED=... -DFLAGS=...
+#         -DNVCC=... -P cuda_archs.cmake
 # and prints "RESULT=<value>" (lists joined with '|').
 cmake_minimum_required(VERSION 3.24)
 include("${CMAKE_CURRENT_LIST_DIR}/../../cmake/FusetrainCuda.cmake")
@@ -9,6 +10,11 @@ elseif(ACTION STREQUAL "flags")
   string(REPLACE "," ";" archs "${ARCHS}")
   string(REPLACE "," ";" supported "${SUPPORTED}")
   fusetrain_cuda_arch_flags("${archs}" "${supported}" out)
+elseif(ACTION STREQUAL "codes")
+  string(REPLACE "," ";" archs "${ARCHS}")
+  string(REPLACE "," ";" supported "${SUPPORTED}")
+  fusetrain_cuda_buildable_codes("${NVCC}" "${archs}" "${supported}" codes)
+  fusetrain_cuda_arch_flags("${archs}" "${codes}" out)
 elseif(ACTION STREQUAL "check")
   fusetrain_check_cuda_toolkit("${VERSION}")
   set(out "ok")

@@ -4,6 +4,7 @@
 // set, the results are written there (torch::pickle_save of a dict of
 // tensors) for tests/python/test_conformance.py, which runs the same cases
 // through the Python front end and requires bit-identical results.
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -14,8 +15,15 @@ namespace {
 
 using Case = std::map<std::string, std::string>;
 
+// The checkout holding tests/conformance: $FUSETRAIN_SOURCE_DIR when set (a test
+// binary run on another machine than the one that built it), else the build's.
+std::string source_dir() {
+  const char* env = std::getenv("FUSETRAIN_SOURCE_DIR");
+  return env && *env ? env : FUSETRAIN_SOURCE_DIR;
+}
+
 std::vector<Case> read_cases() {
-  std::ifstream in(FUSETRAIN_SOURCE_DIR "/tests/conformance/cases.txt");
+  std::ifstream in(source_dir() + "/tests/conformance/cases.txt");
   EXPECT_TRUE(in.good()) << "cannot read tests/conformance/cases.txt";
   std::vector<Case> cases;
   std::string line;

@@ -70,6 +70,53 @@ def test_bad_archs_fail_naming_the_option(archs, supported, message):
     assert re.search(message, " ".join(err.split())), err
 
 
+# What `nvcc --list-gpu-code` prints for CUDA 13.0: base architectures only, no sm_90a.
+LISTED_13_0 = "sm_75,sm_80,sm_86,sm_87,sm_88,sm_89,sm_90,sm_100,sm_110,sm_103,sm_120,sm_121"
+
+
+def fake_nvcc(tmp_path, buildable):
+    """A stand-in for nvcc that accepts a --generate-code flag only for the sm_NN in `buildable` (as nvcc's
+    --dryrun does for the architectures it knows) and logs each call."""
+    path = tmp_path / "nvcc"
+    path.write_text("#!/bin/sh\n"
+                    f"echo \"$*\" >> {tmp_path / 'calls.txt'}\n"
+                    "for a in \"$@\"; do case $a in\n"
+                    + "".join(f"  *code=sm_{b}) exit 0;;\n" for b in buildable) +
+                    "  --generate-code=*) exit 1;;\nesac; done\nexit 2\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_arch_specific_entries_are_accepted_when_nvcc_builds_them(tmp_path):
+    nvcc = fake_nvcc(tmp_path, ["90a", "100f"])
+    rc, out, err = cmake("codes", NVCC=nvcc, ARCHS="90a-real,90-virtual,100f-real", SUPPORTED=LISTED_13_0)
+    assert rc == 0, err
+    assert out == [gen("90a", "sm_90a"), gen(90, "compute_90"), gen("100f", "sm_100f")]
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert len(calls) == 2 and "--dryrun" in calls[0], "only the suffixed entries are probed, without compiling"
+
+
+def test_arch_specific_entries_nvcc_refuses_fail_naming_the_option(tmp_path):
+    nvcc = fake_nvcc(tmp_path, ["90a"])
+    rc, _, err = cmake("codes", NVCC=nvcc, ARCHS="90a-real,80a-real", SUPPORTED=LISTED_13_0)
+    assert rc != 0
+    assert re.search(r"FUSETRAIN_CUDA_ARCHS entry '80a-real': this CUDA compiler cannot build sm_80a",
+                     " ".join(err.split())), err
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_installed_nvcc_builds_90a_although_it_lists_only_sm_90():
+    nvcc = shutil.which("nvcc")
+    listed = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True).stdout.split()
+    if "sm_90" not in listed:
+        pytest.skip(f"this nvcc does not build sm_90: {listed}")
+    rc, out, err = cmake("codes", NVCC=nvcc, ARCHS="90a-real,90-virtual", SUPPORTED=",".join(listed))
+    assert rc == 0, err
+    assert out == [gen("90a", "sm_90a"), gen(90, "compute_90")]
+    rc, _, err = cmake("codes", NVCC=nvcc, ARCHS="75a-real", SUPPORTED=",".join(listed))
+    assert rc != 0 and "cannot build sm_75a" in " ".join(err.split())
+
+
 def test_torch_gencode_flags_are_removed():
     flags = "-DONNX_NAMESPACE=onnx_c2 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -Xcudafe x"
     rc, out, _ = cmake("strip", FLAGS=flags)

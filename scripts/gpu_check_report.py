@@ -1,0 +1,199 @@
+"""The report of a scripts/gpu-check run: gpu_check_<device>.json from the
+run's log folder, rewritten after every stage so that a run cut short still
+leaves one.
+
+    python3 scripts/gpu_check_report.py LOGS OUT_DIR [--final]
+
+LOGS holds what gpu-check writes: info.json (device and versions), items.tsv
+(one line per item: stage, name, kind, status, rc, seconds, cap, result file)
+and <name>.log per item. Counts come from the logs as they are, so an item
+cut off by its limit still reports the tests it finished. Only the standard
+library: it runs under whatever Python calls it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from typing import Dict, List, Optional
+
+_OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+_PYTEST_LINE = re.compile(r"^(?:\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (\S+::\S+)"
+                          r"|(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b)")
+_PYTEST_SUMMARY = re.compile(r"^=+ (.*\d+ (?:passed|failed|skipped|errors?|deselected).*) in [\d.]+s")
+_GTEST_LINE = re.compile(r"^\[\s+(OK|FAILED|SKIPPED)\s+\] (\w+(?:/\w+)?\.\w+(?:/\w+)?) \(")
+_SANITIZER_SUMMARY = re.compile(r"=+ (ERROR|RACECHECK) SUMMARY: (\d+) (?:errors?|hazards?)")
+_SANITIZER_FINDING = re.compile(r"^=+ ((?:Invalid|Race|Uninitialized|Barrier|Program hit|Leaked|Malformed)[^\n]*)")
+
+
+def pytest_counts(text: str) -> Dict[str, object]:
+    """Outcome counts of a ``pytest -v`` log; from the final summary line when
+    the run reached it, else from the per-test lines (``complete`` False)."""
+    per_test: Dict[str, str] = {}
+    names = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "error", "XFAIL": "xfailed",
+             "XPASS": "xpassed"}
+    for line in text.splitlines():
+        m = _PYTEST_LINE.match(line)
+        if m:
+            outcome, node = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+            # A test failing in teardown after passing reports twice: the failure wins.
+            if per_test.get(node) not in ("failed", "error"):
+                per_test[node] = names[outcome]
+    counts: Dict[str, object] = {k: 0 for k in _OUTCOMES}
+    summary = None
+    for line in text.splitlines():
+        m = _PYTEST_SUMMARY.match(line)
+        if m:
+            summary = m.group(1)
+    if summary is not None:
+        for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", summary):
+            counts["error" if word.startswith("error") else word] = int(n)
+    else:
+        for outcome in per_test.values():
+            counts[outcome] += 1
+    counts["complete"] = summary is not None
+    counts["failed_tests"] = sorted(n for n, o in per_test.items() if o in ("failed", "error"))
+    return counts
+
+
+def gtest_counts(text: str) -> Dict[str, object]:
+    """Outcome counts of a GoogleTest log (one line per finished test)."""
+    status: Dict[str, str] = {}
+    for line in text.splitlines():
+        m = _GTEST_LINE.match(line)
+        if m:
+            status[m.group(2)] = {"OK": "passed", "FAILED": "failed", "SKIPPED": "skipped"}[m.group(1)]
+    counts: Dict[str, object] = {k: sum(1 for v in status.values() if v == k) for k in ("passed", "failed", "skipped")}
+    counts["complete"] = bool(re.search(r"^\[==========\] \d+ tests? from .* ran", text, re.M))
+    counts["failed_tests"] = sorted(n for n, v in status.items() if v == "failed")
+    return counts
+
+
+def sanitizer_findings(text: str) -> Dict[str, object]:
+    """compute-sanitizer's summary (errors or hazards; None when the run did not
+    reach it) and the first findings as printed."""
+    found = _SANITIZER_SUMMARY.findall(text)
+    # One ERROR SUMMARY per sanitized process; racecheck's own summary counts only where none came.
+    totals = [int(n) for kind, n in found if kind == "ERROR"] or [int(n) for _, n in found]
+    findings = [m.group(1).strip() for m in map(_SANITIZER_FINDING.match, text.splitlines()) if m]
+    return {"findings": sum(totals) if totals else None, "first": findings[:10]}
+
+
+def benchmark_targets(path: str) -> Dict[str, object]:
+    """A benchmark report's verdicts (``all_targets_met`` and each target line)."""
+    with open(path) as f:
+        report = json.load(f)
+    targets, met = report.get("targets"), report.get("all_targets_met")
+    if met is None and isinstance(targets, list) and targets and all(isinstance(t, dict) and "met" in t for t in targets):
+        met = all(t["met"] is not False for t in targets)  # a report that lists its verdicts only
+    return {"all_targets_met": met, "targets": targets}
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def device_slug(name: Optional[str]) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``; no GPU -> ``"cpu"``."""
+    if not name:
+        return "cpu"
+    m = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Za-z]?)\b", name)
+    return (m.group(1) if m else re.sub(r"[^A-Za-z0-9]+", "_", name)).lower()
+
+
+def build_report(logs: str, final: bool) -> Dict[str, object]:
+    info_text = _read(os.path.join(logs, "info.json"))
+    info = json.loads(info_text) if info_text else {}
+    started = os.path.getmtime(os.path.join(logs, "info.json")) if info_text else 0.0
+    items: List[Dict[str, object]] = []
+    for line in _read(os.path.join(logs, "items.tsv")).splitlines():
+        stage, name, kind, status, rc, seconds, cap, result = (line.split("\t") + [""] * 8)[:8]
+        item: Dict[str, object] = {"stage": stage, "name": name, "kind": kind, "status": status,
+                                   "rc": int(rc) if rc.lstrip("-").isdigit() else None,
+                                   "seconds": int(seconds) if seconds.isdigit() else None,
+                                   "limit_s": int(cap) if cap.isdigit() else None}
+        text = _read(os.path.join(logs, f"{name}.log"))
+        if status.startswith("SKIPPED"):
+            pass
+        elif kind == "pytest":
+            item["tests"] = pytest_counts(text)
+        elif kind == "gtest":
+            item["tests"] = gtest_counts(text)
+        elif kind.startswith("sanitize"):
+            item["tests"] = pytest_counts(text) if kind.endswith("pytest") else gtest_counts(text)
+            item["sanitizer"] = sanitizer_findings(text)
+        elif kind == "bench":
+            item["result_file"] = result
+            # Only a report this run wrote (an item cut off leaves an older one in place).
+            if result and os.path.exists(result) and os.path.getmtime(result) >= started:
+                item.update(benchmark_targets(result))
+        items.append(item)
+    totals = {k: 0 for k in ("passed", "failed", "error", "skipped")}
+    for item in items:
+        if item["kind"] in ("pytest", "gtest") and "tests" in item:
+            for k in totals:
+                totals[k] += int(item["tests"].get(k, 0))
+    sanitized = [i["sanitizer"]["findings"] for i in items if "sanitizer" in i]  # the items that ran
+    return {
+        "device": info.get("device"),
+        "device_slug": device_slug(info.get("device")),
+        "rehearsal": info.get("rehearsal", False),
+        "versions": info.get("versions", {}),
+        "wheel": info.get("wheel"),
+        "started_utc": info.get("started_utc"),
+        "complete": final,
+        "stages": items,
+        "tests": totals,
+        "sanitizer_findings": (sum(f for f in sanitized if f is not None)
+                               if sanitized and all(f is not None for f in sanitized) else None),
+        "benchmarks_all_targets_met": {i["name"]: i.get("all_targets_met") for i in items if i["kind"] == "bench"},
+    }
+
+
+def summary_lines(report: Dict[str, object]) -> List[str]:
+    lines = [f"device: {report['device'] or 'no GPU'}{' (rehearsal)' if report['rehearsal'] else ''}"]
+    for item in report["stages"]:
+        extra = ""
+        if "tests" in item:
+            t = item["tests"]
+            extra = (f"passed {t['passed']} failed {t['failed'] + t.get('error', 0)} skipped {t['skipped']}"
+                     f"{'' if t['complete'] else ' (cut off)'}")
+        if "sanitizer" in item:
+            extra += f"; sanitizer findings {item['sanitizer']['findings']}"
+        if item["kind"] == "bench":
+            extra = f"targets met: {item.get('all_targets_met')}"
+        lines.append(f"{item['stage']:9s} {item['name']:26s} {item['status']:18s} {item['seconds'] or 0:4d}s  {extra}")
+    t = report["tests"]
+    lines.append(f"tests: passed {t['passed']} failed {t['failed'] + t['error']} skipped {t['skipped']}; "
+                 f"sanitizer findings: {report['sanitizer_findings']}")
+    return lines
+
+
+def main(argv=None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    final = "--final" in args
+    args = [a for a in args if a != "--final"]
+    if len(args) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    logs, out_dir = args
+    report = build_report(logs, final)
+    path = os.path.join(out_dir, f"gpu_check_{report['device_slug']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    if final:
+        print("\n".join(summary_lines(report)))
+        print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""The scripts that build a wheel and run the GPU checks from it, checked on
+the CPU without building anything: scripts/build-wheel refuses bad arguments
+before it installs or compiles, scripts/gpu-check --dry-run names what is
+missing, its limits and stages are checked, a rehearsal cut off by its limits
+still writes its report, and the report reads real pytest output."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from _test_helpers import REPO
+
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import gpu_check_report as report  # noqa: E402
+
+BUILD_WHEEL = os.path.join(REPO, "scripts", "build-wheel")
+GPU_CHECK = os.path.join(REPO, "scripts", "gpu-check")
+
+
+def run(cmd, env=None, timeout=120):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, **(env or {})})
+
+
+# ---- scripts/build-wheel: argument checking ---------------------------------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bogus"], "unknown argument '--bogus'"),
+    (["--out"], "--out needs a value"),
+    (["--max-mib", "x"], "--max-mib 'x' is not a positive whole number"),
+    (["--max-mib", "0"], "--max-mib '0' is not a positive whole number"),
+    (["--python", "3.99"], "--python 3.99: no Python 3.99 under"),
+    (["--python", "/nonexistent/python3"], "--python '/nonexistent/python3' is neither a Python version"),
+])
+def test_build_wheel_refuses_bad_arguments(args, message):
+    r = run([BUILD_WHEEL] + args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr
+    assert "[build-wheel] building" not in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
+@pytest.mark.parametrize("archs, message", [
+    ("90a-real;61-real", "entry '61-real': the kernels need compute capability >= 70"),
+    ("sm_90", "entry 'sm_90' is not valid"),
+])
+def test_build_wheel_checks_the_archs_before_installing(archs, message):
+    r = run([BUILD_WHEEL, "--python", sys.executable, "--archs", archs])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "FUSETRAIN_CUDA_ARCHS" in r.stderr and message in r.stderr
+    assert f"--archs '{archs}' refused" in r.stderr
+    assert "installing" not in r.stdout
+
+
+def test_build_wheel_help_lists_its_options():
+    r = run([BUILD_WHEEL, "--help"])
+    assert r.returncode == 0
+    for option in ("--python", "--archs", "--with-tests", "--out", "--max-mib"):
+        assert option in r.stdout
+
+
+# ---- scripts/gpu-check: what it refuses without a GPU -------------------------------------------
+
+
+def test_dry_run_without_a_wheel_says_how_to_build_one(tmp_path):
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    r = run([GPU_CHECK, "--dry-run"], env={"GPU_CHECK_WHEELS": str(tmp_path / "none"), "GPU_CHECK_DEPS": str(deps)})
+    assert r.returncode == 1
+    assert f"no folder {tmp_path / 'none'}" in r.stderr
+    assert "scripts/build-wheel --with-tests" in r.stderr
+    assert "no wheel of hydra-core==1.3.8" in r.stderr and "scripts/gpu-check --fetch-wheels" in r.stderr
+    assert r.stderr.rstrip().endswith("gpu-check --dry-run: FAILED")
+
+
+def test_dry_run_with_an_empty_wheel_folder_counts_the_wheels(tmp_path):
+    (tmp_path / "fusetrain-0.1.0-cp311-cp311-linux_x86_64.whl").write_bytes(b"")
+    r = run([GPU_CHECK, "--dry-run"], env={"GPU_CHECK_WHEELS": str(tmp_path), "GPU_CHECK_DEPS": str(tmp_path)})
+    assert r.returncode == 1
+    assert "holds 0 fusetrain wheels for cp312 (want 1)" in r.stderr
+    assert f"no {tmp_path}/fusetrain_cpp_tests" in r.stderr
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["bench", "bogus"], {}, "unknown stage 'bogus'; stages: seed tests sanitize bench"),
+    (["--bogus"], {}, "unknown option '--bogus'"),
+    (["--list"], {"GPU_CHECK_LIMITS": "optim_stepp=30"}, "GPU_CHECK_LIMITS entry 'optim_stepp=30' is not ITEM=SECONDS"),
+    (["--list"], {"GPU_CHECK_LIMITS": "optim_step=3m"}, "GPU_CHECK_LIMITS entry 'optim_step=3m'"),
+    (["--list"], {"GPU_CHECK_SECONDS": "9m"}, "GPU_CHECK_SECONDS='9m' is not a number of seconds"),
+])
+def test_gpu_check_refuses_bad_stages_and_limits(args, env, message):
+    r = run([GPU_CHECK] + args, env=env)
+    assert r.returncode == 2
+    assert message in r.stderr
+
+
+def test_list_names_every_stage_in_order_with_the_limits_given():
+    r = run([GPU_CHECK, "--list"], env={"GPU_CHECK_LIMITS": "optim_step=33"})
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines()]
+    stages = [row[0] for row in rows]
+    assert stages == sorted(stages, key=["seed", "tests", "sanitize", "bench"].index)
+    assert {row[1] for row in rows} >= {"seed_mnist_amp", "seed_compile_table_ddrnet", "trainer_overhead", "pytest_cuda",
+                                        "cpp_tests", "memcheck_ops", "racecheck_captured_steps", "optim_step",
+                                        "step_host_time", "amp_ema_step", "optim_family"}
+    assert ["optim_step", "33s"] == [row for row in rows if row[1] == "optim_step"][0][1:3]
+
+
+@pytest.mark.slow
+def test_rehearsal_cut_off_by_its_limits_still_writes_the_report(tmp_path):
+    # A limit of 1 s cuts the first item off, the deadline the next; the report still comes out.
+    env = {"GPU_CHECK_OUT": str(tmp_path), "GPU_CHECK_WHEELS": str(tmp_path / "none"), "GPU_CHECK_SECONDS": "12",
+           "GPU_CHECK_LIMITS": "pytest_cuda=1"}
+    r = run([GPU_CHECK, "--cpu-rehearsal", "tests", "bench"], env=env, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    result = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
+    assert result["rehearsal"] and result["complete"] and result["device"] is None
+    status = {item["name"]: item["status"] for item in result["stages"]}
+    assert status["pytest_cuda"] == "TIMEOUT after 1s"
+    assert status["cpp_tests"] == "SKIPPED (no C++ test binary)"
+    assert any(s == "SKIPPED (deadline)" for name, s in status.items() if name in ("optim_family", "amp_ema_step"))
+    assert result["stages"][0]["tests"]["complete"] is False
+    assert (tmp_path / "summary.txt").read_text().count("TIMEOUT") >= 1
+    assert (tmp_path / "gpu-check.tar.gz").exists()
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+SAMPLE_TESTS = textwrap.dedent("""
+    import pytest
+
+    def test_ok():
+        pass
+
+    @pytest.mark.parametrize("x", [1, 2])
+    def test_param(x):
+        assert x == 1
+
+    @pytest.mark.skip(reason="not here")
+    def test_skipped():
+        pass
+""")
+
+
+def test_pytest_counts_read_a_real_verbose_log(tmp_path):
+    (tmp_path / "test_sample.py").write_text(SAMPLE_TESTS)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "test_sample.py"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    counts = report.pytest_counts(r.stdout)
+    assert (counts["passed"], counts["failed"], counts["skipped"], counts["complete"]) == (2, 1, 1, True)
+    assert counts["failed_tests"] == ["test_sample.py::test_param[2]"]
+    # Cut off before the summary: counted from the lines of the finished tests.
+    cut = "\n".join(line for line in r.stdout.splitlines() if "test_skipped" not in line and not line.startswith("="))
+    counts = report.pytest_counts(cut)
+    assert (counts["passed"], counts["failed"], counts["skipped"], counts["complete"]) == (2, 1, 0, False)
+
+
+def test_xdist_lines_and_gtest_and_sanitizer_logs():
+    xdist = ("[gw0] [ 50%] PASSED tests/python/test_a.py::test_x[cuda]\n"
+             "[gw1] [100%] FAILED tests/python/test_a.py::test_y[cuda]\n")
+    counts = report.pytest_counts(xdist)
+    assert (counts["passed"], counts["failed"], counts["complete"]) == (1, 1, False)
+    gtest = ("[ RUN      ] GradStats.FlagsInfAndNaN\n[       OK ] GradStats.FlagsInfAndNaN (3 ms)\n"
+             "[ RUN      ] Devices/FusedAdam.Fp32/cuda\n[  FAILED  ] Devices/FusedAdam.Fp32/cuda (1 ms)\n"
+             "[  SKIPPED ] CaptureCuda.Replays (0 ms)\n[==========] 3 tests from 3 test suites ran. (5 ms total)\n"
+             "[  FAILED  ] Devices/FusedAdam.Fp32/cuda\n")
+    counts = report.gtest_counts(gtest)
+    assert (counts["passed"], counts["failed"], counts["skipped"], counts["complete"]) == (1, 1, 1, True)
+    assert counts["failed_tests"] == ["Devices/FusedAdam.Fp32/cuda"]
+    memcheck = ("========= COMPUTE-SANITIZER\n========= Invalid __global__ write of size 4 bytes\n"
+                "=========     at fused_update_kernel+0x1a0\n========= ERROR SUMMARY: 1 error\n")
+    assert report.sanitizer_findings(memcheck) == {"findings": 1, "first": ["Invalid __global__ write of size 4 bytes"]}
+    racecheck = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+    assert report.sanitizer_findings(racecheck)["findings"] == 0
+    assert report.sanitizer_findings("killed before the end\n")["findings"] is None
+
+
+@pytest.mark.parametrize("name, slug", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                        ("NVIDIA A100-SXM4-80GB", "a100"), (None, "cpu")])
+def test_device_slug(name, slug):
+    assert report.device_slug(name) == slug
+
+
+# ---- the wheel's build record ------------------------------------------------------------------
+
+
+def _wheel_like_the_tree(path, skip=None):
+    """A zip holding this tree's Python package as a wheel does, the native members by name only, and a build
+    record of this tree's native sources."""
+    import zipfile
+
+    import wheel_record
+
+    with zipfile.ZipFile(path, "w") as z:
+        for rel in wheel_record._files([wheel_record.PACKAGE]):
+            name = "fusetrain/" + rel[len(wheel_record.PACKAGE) + 1:]
+            if rel.endswith(".py") and name != skip:
+                z.write(os.path.join(REPO, rel), name)
+        for name in ("fusetrain/_C.cpython-312-x86_64-linux-gnu.so", "fusetrain/libfusetrain_core.so",
+                     "fusetrain/_build_config.py"):
+            z.writestr(name, b"")
+    with open(wheel_record.record_path(str(path)), "w") as f:
+        json.dump(wheel_record.snapshot(), f)
+
+
+def test_a_wheel_of_this_tree_is_fresh_and_one_missing_a_file_is_stale(tmp_path):
+    import wheel_record
+
+    wheel = tmp_path / "fusetrain-0.1.0-cp312-cp312-linux_x86_64.whl"
+    _wheel_like_the_tree(wheel)
+    assert wheel_record.check_contents(str(wheel)) == []
+    assert wheel_record.stale_files(str(wheel)) == []
+    _wheel_like_the_tree(wheel, skip="fusetrain/amp.py")
+    assert wheel_record.stale_files(str(wheel)) == ["python/fusetrain/amp.py"]
+    record = json.loads(open(wheel_record.record_path(str(wheel))).read())
+    record["native_sources"]["csrc/ops/gone.cpp"] = "0" * 16
+    with open(wheel_record.record_path(str(wheel)), "w") as f:
+        json.dump(record, f)
+    r = run([sys.executable, "scripts/wheel_record.py", "check-fresh", str(wheel)])
+    assert r.returncode == 1
+    assert "rebuild it with scripts/build-wheel" in r.stderr
+    assert "csrc/ops/gone.cpp" in r.stderr and "python/fusetrain/amp.py" in r.stderr
+
+
+def test_a_wheel_without_the_native_core_is_refused(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "fusetrain-0.1.0-cp312-cp312-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("fusetrain/__init__.py", b"")
+        z.writestr("fusetrain/_build_config.py", b"")
+    r = run([sys.executable, "scripts/wheel_record.py", "contents", str(wheel)])
+    assert r.returncode == 1
+    assert r"fusetrain/_C\.cpython" in r.stderr and r"libfusetrain_core\.so" in r.stderr
+    assert "_build_config" not in r.stderr
+
+
+def test_report_reads_only_benchmark_reports_written_by_this_run(tmp_path):
+    logs, results = tmp_path / "logs", tmp_path / "results"
+    logs.mkdir()
+    results.mkdir()
+    old, new = results / "optim_step_cuda.json", results / "amp_ema_step_cuda.json"
+    old.write_text(json.dumps({"all_targets_met": False}))
+    os.utime(old, (1_000_000, 1_000_000))  # from an earlier run
+    (logs / "info.json").write_text(json.dumps({"device": "NVIDIA H200", "versions": {"torch": "2.11.0+cu130"}}))
+    new.write_text(json.dumps({"targets": [{"name": "step", "met": True}, {"name": "ema", "met": None}]}))
+    (logs / "items.tsv").write_text(f"bench\toptim_step\tbench\tTIMEOUT after 20s\t124\t20\t20\t{old}\n"
+                                    f"bench\tamp_ema_step\tbench\tok\t0\t12\t20\t{new}\n")
+    assert report.main([str(logs), str(tmp_path), "--final"]) == 0
+    result = json.loads((tmp_path / "gpu_check_h200.json").read_text())
+    assert result["device"] == "NVIDIA H200" and result["complete"]
+    assert result["benchmarks_all_targets_met"] == {"optim_step": None, "amp_ema_step": True}
+    assert [item["limit_s"] for item in result["stages"]] == [20, 20]
