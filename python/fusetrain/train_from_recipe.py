@@ -369,7 +369,7 @@ def _load(name: str, args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # overrides may come before and after the options
     name = args.config_name
     if name.endswith((".yaml", ".yml")):
         name = os.path.splitext(name)[0]

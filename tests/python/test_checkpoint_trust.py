@@ -181,3 +181,30 @@ def test_sharded_state_reads_as_data(tmp_path):
     with pytest.raises(UntrustedCheckpointError, match=r"\.metadata: .*names io\.open"):
         sharded_checkpoints.load(load_checkpoint(path), path, other, other_opt, None)
     assert not os.path.exists(marker)
+
+
+def test_convert_refuses_a_missing_or_non_checkpoint_file_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out.pth"
+    out.write_bytes(b"kept")
+    text = tmp_path / "notes.pth"
+    text.write_text("not a checkpoint\n")
+    tensor = tmp_path / "tensor.pth"
+    torch.save(torch.ones(2), tensor)
+    cases = [(tmp_path / "missing.pth", "checkpoint not found"),
+             (text, "not a file torch.save wrote, or a truncated one"),
+             (tensor, "holds a Tensor, not a checkpoint")]
+    for path, expected in cases:
+        for argv in ([str(path)], [str(path), "--out", str(out)]):
+            before = listing(tmp_path)
+            assert convert_checkpoint.main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("error: ") and str(path) in err and expected in err, err
+            assert listing(tmp_path) == before
+    assert out.read_bytes() == b"kept" and text.read_text() == "not a checkpoint\n"
+    # --out a directory: refused before anything is read.
+    ck = tmp_path / "ck.pth"
+    torch.save({"model": {"w": torch.ones(1)}}, ck)
+    assert convert_checkpoint.main([str(ck), "--out", str(tmp_path)]) == 2
+    assert f"out {tmp_path} is a directory" in capsys.readouterr().err
+    assert convert_checkpoint.main([str(ck), "--out", str(out)]) == 0
+    assert torch.equal(torch.load(out, weights_only=True)["model"]["w"], torch.ones(1))

@@ -184,6 +184,12 @@ def test_cli_broken_override_exits_2(tmp_path, override, needs_params, expected)
     (["experiment_name=a/b"], ["experiment_name: got 'a/b'"]),
     (["training_params.max_epochs=[1"], ["no viable alternative at input '[1'"]),
     (["--config-dir=MISSING_DIR"], ["--config-dir: directory not found"]),
+    # Overrides before and after the options.
+    (["training_params.max_epochs=1", "--config-dir=MISSING_DIR"], ["--config-dir: directory not found"]),
+    # A per-prefix learning rate whose prefix names no parameter of the built model.
+    (["+training_params.initial_lr={default: 0.1, features.9: 0.01}"],
+     ["training_params.initial_lr: prefix 'features.9' matches no trainable parameter",
+      "closest parameter-name prefixes: 'features.0'"]),
 ])
 def test_main_recipe_errors(tmp_path, monkeypatch, capsys, argv, expected):
     pytest.importorskip("fusetrain.training.params")

@@ -2,6 +2,8 @@
 linear_epoch and linspace warmups, batch_accumulate_reduction and the
 task-fitting default train_metrics, each against hand-computed values."""
 
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -132,6 +134,40 @@ def test_prefix_learning_rates_are_checked():
         finetune.param_groups(EncoderHead(), False, {}, None, p.initial_lr)
 
 
+def test_an_unmatched_prefix_names_the_closest_and_writes_nothing(tmp_path):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fusetrain.training.trainer import Trainer
+
+    class Net(EncoderHead):
+        def forward(self, x):
+            return self.head(self.encoder.neck(self.encoder.backbone(x)))
+
+    data = DataLoader(TensorDataset(torch.randn(4, 3), torch.tensor([0, 1, 0, 1])), batch_size=2)
+    run = tmp_path / "exp"
+    run.mkdir()
+    (run / "ckpt_best.pth").write_bytes(b"an earlier run's weights")
+    params = {"max_epochs": 1, "device": "cpu", "overwrite_experiment": True, "progress_bar": False,
+              "initial_lr": {"default": 0.1, "encoder.backbone3": 0.01, "encoder.neck": 0.05}}
+    with pytest.raises(TrainingParamsError) as info:
+        Trainer("exp", ckpt_root_dir=str(tmp_path)).train(Net(), params, data, data)
+    assert info.value.errors == [
+        "training_params.initial_lr: prefix 'encoder.backbone3' matches no trainable parameter of the model; its "
+        "closest parameter-name prefixes: 'encoder.backbone', 'encoder.backbone2', 'encoder.neck'; allowed: a "
+        "prefix of trainable parameter names, or 'default'"]
+    # Refused before the folder was taken: the earlier run's file is still there, nothing was added.
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt_best.pth"]
+    assert (run / "ckpt_best.pth").read_bytes() == b"an earlier run's weights"
+
+
+def test_closest_prefixes_prefer_the_shared_path_and_depth():
+    names = [n for n, _ in EncoderHead().named_parameters()]
+    # Those under encoder.backbone as deep as the prefix first, then the module itself.
+    got = finetune.closest_prefixes("encoder.backbone.conv", names)
+    assert set(got[:2]) == {"encoder.backbone.weight", "encoder.backbone.bias"} and got[2] == "encoder.backbone"
+    assert finetune.closest_prefixes("heads", names, n=2) == ["head", "encoder"]
+
+
 # ---- batch_accumulate_reduction ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
@@ -170,6 +206,20 @@ def test_default_train_metrics_fit_the_loss(loss, expected):
         "valid_metrics": ["map"], "metric_to_watch": "map"}
     assert resolve_training_params({"loss": loss, **extra}).train_metrics == expected
     assert resolve_training_params({"loss": loss, "train_metrics": ["loss"], **extra}).train_metrics == ["loss"]
+
+
+def test_default_train_metrics_follow_the_final_loss():
+    regression = {"valid_metrics": ["loss"], "metric_to_watch": "loss"}
+    p = resolve_training_params({})
+    assert p.train_metrics == ["accuracy"]
+    q = p.replace(loss="mse", **regression)
+    assert q.train_metrics == []
+    assert q.replace(loss="cross_entropy").train_metrics == ["accuracy"]
+    assert pickle.loads(pickle.dumps(p)).replace(loss="mse").train_metrics == []
+    # A value given explicitly stays.
+    given = resolve_training_params({"train_metrics": ["top5"]})
+    assert given.replace(loss="mse", **regression).train_metrics == ["top5"]
+    assert p.replace(train_metrics=["loss"]).replace(loss="mse").train_metrics == ["loss"]
 
 
 def test_linear_epoch_warmup_longer_than_the_run_keeps_its_steps():

@@ -67,3 +67,47 @@ def test_a_malformed_sg_override_is_a_recipe_error(tmp_path, capsys):
     path = os.path.join(SG_RECIPES_DIR, "cifar10_resnet_train_params.yaml")
     rc = main(["--from-super-gradients", path, f"ckpt_root_dir={tmp_path}", "super_gradients.max_epochs"])
     assert rc == 2 and "super_gradients.KEY=VALUE" in capsys.readouterr().err
+
+
+def sg_error(tmp_path, capsys, path, *overrides):
+    """The CLI's refusal (exit 2, one error line first, no traceback) of an SG file; nothing was written."""
+    rc = main([f"ckpt_root_dir={tmp_path / 'ck'}", "--from-super-gradients", str(path), *overrides])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("error: --from-super-gradients") and "Traceback" not in err
+    assert not (tmp_path / "ck").exists()
+    return err
+
+
+def test_bad_sg_files_and_keys_end_with_an_error_line(tmp_path, capsys):
+    cifar = os.path.join(SG_RECIPES_DIR, "cifar10_resnet_train_params.yaml")
+    # A misspelled SG key, on the command line (after the options or before them) and in a file.
+    assert "max_epoch: not an SG training hyperparameter this translation knows; did you mean 'max_epochs'?" in \
+        sg_error(tmp_path, capsys, cifar, "super_gradients.max_epoch=1")
+    rc = main([f"ckpt_root_dir={tmp_path / 'ck'}", "super_gradients.max_epoch=1", "--from-super-gradients", cifar])
+    assert rc == 2 and "did you mean 'max_epochs'?" in capsys.readouterr().err
+    misspelled = tmp_path / "misspelled.yaml"
+    misspelled.write_text("defaults:\n  - default_train_params\nmax_epochs: 1\ninitial_lr: 0.1\nloss: "
+                          "CrossEntropyLoss\nlr_warmup_epoch: 2\n")
+    assert "lr_warmup_epoch: not an SG training hyperparameter this translation knows; did you mean " \
+           "'lr_warmup_epochs'?" in sg_error(tmp_path, capsys, misspelled)
+    # A missing file, a broken YAML file, a broken YAML value.
+    assert f"no file at {tmp_path / 'missing.yaml'}" in sg_error(tmp_path, capsys, tmp_path / "missing.yaml")
+    assert f"fusetrain ships a file of that name: {cifar}" in sg_error(
+        tmp_path, capsys, tmp_path / "cifar10_resnet_train_params.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("max_epochs: 1\ninitial_lr: {default: 0.1\n")
+    assert f"{broken} is not readable YAML (line 3, column 1)" in sg_error(tmp_path, capsys, broken)
+    assert "'super_gradients.initial_lr={default: 0.1': the value is not readable YAML" in \
+        sg_error(tmp_path, capsys, cifar, "super_gradients.initial_lr={default: 0.1")
+
+
+def test_an_sg_prefix_learning_rate_the_model_lacks_is_refused_before_training(tmp_path, capsys):
+    cifar = os.path.join(SG_RECIPES_DIR, "cifar10_resnet_train_params.yaml")
+    rc = main(["--from-super-gradients", cifar, f"ckpt_root_dir={tmp_path}",
+               "super_gradients.initial_lr={default: 0.1, encoder.backbone: 0.01}"] + SHORT)
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.startswith("error: recipe 'default': training_params.initial_lr: prefix 'encoder.backbone' matches "
+                          "no trainable parameter of the model; its closest parameter-name prefixes: ")
+    assert not os.listdir(tmp_path)

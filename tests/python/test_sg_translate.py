@@ -236,3 +236,13 @@ def test_no_warmup_callback_keeps_initial_lr_through_the_warmup_epochs():
     schedule = LRSchedule(resolve_training_params(params), 2)
     assert [schedule(k) for k in range(3)] == pytest.approx([0.1, 0.1, 0.1])
     assert any("warmup_mode empty" in r for r in report.reproduced)
+
+
+def test_a_broken_yaml_file_is_a_value_error_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("defaults:\n  - default_train_params\nmax_epochs: [1\n")
+    with pytest.raises(ValueError, match=rf"{path} is not readable YAML \(line 4, column 1\): expected ',' or ']'"):
+        translate(str(path))
+    path.write_bytes(b"\x80\x81")
+    with pytest.raises(ValueError, match=rf"{path} is not readable YAML: 'utf-8' codec"):
+        translate(str(path))

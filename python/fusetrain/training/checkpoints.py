@@ -142,7 +142,8 @@ def load_checkpoint(path: str, map_location="cpu", mmap: bool = False, trusted: 
                 return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         if trusted or "weights_only" not in str(e):
-            raise ValueError(f"could not read checkpoint {path}: {e}") from e
+            raise ValueError(f"could not read checkpoint {path} (not a file torch.save wrote, or a truncated one): "
+                             f"{e}") from e
         found = sorted(set(re.findall(r"(?:Unsupported global|Unsupported operand[^:]*): (?:GLOBAL )?([\w.]+)",
                                       str(e))))
         what = f" (it names {', '.join(found)})" if found else ""
@@ -151,7 +152,8 @@ def load_checkpoint(path: str, map_location="cpu", mmap: bool = False, trusted: 
             f"code from the file, so it is not read. If you trust the file, set {trust}, or rewrite it once as "
             f"data with `python -m fusetrain.training.convert_checkpoint {path}` (docs/checkpoints.md)") from None
     except Exception as e:  # a truncated or foreign file
-        raise ValueError(f"could not read checkpoint {path}: {e}") from e
+        raise ValueError(f"could not read checkpoint {path} (not a file torch.save wrote, or a truncated one): "
+                         f"{e}") from e
 
 
 def as_data(obj: Any) -> Any:
@@ -181,8 +183,14 @@ def convert(path: str, out: Optional[str] = None) -> str:
     allowed) as data (:func:`as_data`) at ``out`` (default: in place,
     atomically); the result is checked to read with ``weights_only=True``
     before it replaces anything. Returns the path written."""
+    if out is not None and os.path.isdir(out):
+        raise ValueError(f"convert: out {out} is a directory; allowed: a file path")
     out = out or path
-    data = as_data(load_checkpoint(path, trusted=True))
+    raw = load_checkpoint(path, trusted=True)
+    if not isinstance(raw, dict):
+        raise ValueError(f"convert: {path} holds a {type(raw).__name__}, not a checkpoint; allowed: a file "
+                         f"torch.save wrote a checkpoint or state dict (a dict) to")
+    data = as_data(raw)
     directory = os.path.dirname(os.path.abspath(out))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(out), dir=directory)

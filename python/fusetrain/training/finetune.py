@@ -11,6 +11,7 @@ also matches everything below that module (``backbone`` = ``backbone.*``).
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import os
 import re
@@ -19,6 +20,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
+
+from .params import TrainingParamsError
 
 __all__ = ["load_pretrained", "freeze", "frozen_bn_modules", "lr_scales", "param_groups", "LoadReport"]
 
@@ -143,8 +146,8 @@ def freeze(model: nn.Module, patterns: Sequence[str]) -> List[str]:
     names = [n for n, _ in model.named_parameters()]
     unused = [pat for pat in patterns if not any(matches(n, pat) for n in names)]
     if unused:
-        raise ValueError(f"training_params.freeze: {unused} match(es) no parameter of the model (e.g. "
-                         f"{_few(names)})")
+        raise TrainingParamsError([f"training_params.freeze: {unused} match(es) no parameter of the model (e.g. "
+                                   f"{_few(names)})"])
     frozen = []
     for n, q in model.named_parameters():
         if any(matches(n, pat) for pat in patterns):
@@ -165,6 +168,30 @@ def frozen_bn_modules(model: nn.Module) -> List[nn.Module]:
     return out
 
 
+def closest_prefixes(prefix: str, names: Sequence[str], n: int = 3) -> List[str]:
+    """The ``n`` module paths and parameter names of ``names`` nearest to
+    ``prefix``: those sharing more of its leading dotted parts first, then
+    those as deep as it, then by string similarity."""
+    candidates: Dict[str, None] = {}
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            candidates.setdefault(".".join(parts[:i]))
+    wanted = prefix.split(".")
+
+    def shared(candidate: str) -> int:
+        k = 0
+        for a, b in zip(candidate.split("."), wanted):
+            if a != b:
+                break
+            k += 1
+        return k
+
+    ranked = sorted(candidates, key=lambda c: (-shared(c), abs(c.count(".") - prefix.count(".")),
+                                               -difflib.SequenceMatcher(None, prefix, c).ratio()))
+    return ranked[:n]
+
+
 def prefix_scales(names: Sequence[str], initial_lr: Any) -> Dict[str, float]:
     """``initial_lr`` by parameter-name prefix ({default: .., prefix: ..}): each
     name's rate relative to ``default``, from the longest prefix it starts with
@@ -175,8 +202,10 @@ def prefix_scales(names: Sequence[str], initial_lr: Any) -> Dict[str, float]:
     prefixes = sorted((k for k in initial_lr if k != "default"), key=len, reverse=True)
     unused = [pre for pre in prefixes if not any(n.startswith(pre) for n in names)]
     if unused:
-        raise ValueError(f"training_params.initial_lr: prefix(es) {unused} match no trainable parameter (e.g. "
-                         f"{_few(list(names))})")
+        raise TrainingParamsError([
+            f"training_params.initial_lr: prefix {pre!r} matches no trainable parameter of the model; its closest "
+            f"parameter-name prefixes: {', '.join(map(repr, closest_prefixes(pre, names)))}; allowed: a prefix "
+            f"of trainable parameter names, or 'default'" for pre in sorted(unused)])
     return {n: next((float(initial_lr[pre]) / default for pre in prefixes if n.startswith(pre)), 1.0)
             for n in names}
 
@@ -190,8 +219,8 @@ def lr_scales(model: nn.Module, multipliers: Mapping[str, float], layer_decay: O
     by_prefix = prefix_scales(names, initial_lr)
     unused = [pat for pat in multipliers if not any(matches(n, pat) for n in names)]
     if unused:
-        raise ValueError(f"training_params.lr_multipliers: {unused} match(es) no trainable parameter (e.g. "
-                         f"{_few(names)})")
+        raise TrainingParamsError([f"training_params.lr_multipliers: {unused} match(es) no trainable parameter "
+                                   f"(e.g. {_few(names)})"])
     scales = {}
     for n in names:
         scales[n] = by_prefix[n] * next((float(m) for pat, m in multipliers.items() if matches(n, pat)), 1.0)
@@ -211,8 +240,9 @@ def _layer_decay(names: Sequence[str], cfg: Mapping[str, Any]) -> Dict[str, floa
         ids[n] = int(m.group(1)) + 1 if m else None
     blocks = [i for i in ids.values() if i is not None]
     if not blocks:
-        raise ValueError(f"training_params.layer_decay.pattern: {cfg['pattern']!r} matches no trainable parameter "
-                         f"(e.g. {_few(list(names))}); allowed: a regex whose group 1 is the block index")
+        raise TrainingParamsError([f"training_params.layer_decay.pattern: {cfg['pattern']!r} matches no trainable "
+                                   f"parameter (e.g. {_few(list(names))}); allowed: a regex whose group 1 is the "
+                                   f"block index"])
     last = max(blocks)
     seen_block = False
     out = {}

@@ -162,6 +162,8 @@ class Trainer:
         resume_ck = CheckpointManager.read(resume_path, p) if resume_path is not None else None
         pretrained = self._prepare_model(model, p, resume_path)
         preflight.check_trainable(model)
+        # Name prefixes and patterns (initial_lr, lr_multipliers, layer_decay) are checked before the folder is opened.
+        finetune.lr_scales(model, p.lr_multipliers, p.layer_decay, p.initial_lr)
         preflight.check_not_empty(train_loader, "train_loader")
         for what, loaders in (("valid_loader", valid_loader), ("test_loader", test_loader)):
             for name, loader in _named_loaders(loaders, what).items():

@@ -82,11 +82,22 @@ def _objects(value: Any) -> Any:
 
 
 def _read_yaml(path: str) -> Dict[str, Any]:
+    import yaml
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"super_gradients: no file at {path}")
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sg_recipes", os.path.basename(path))
+        hint = f" (fusetrain ships a file of that name: {shipped})" if os.path.isfile(shipped) else ""
+        raise FileNotFoundError(f"super_gradients: no file at {path}{hint}")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except (yaml.YAMLError, UnicodeDecodeError, OmegaConfBaseException) as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"super_gradients: {path} is not readable YAML{line}: {problem}; allowed: a YAML file of "
+                         f"SG training hyperparameters") from None
     if not isinstance(data, dict):
         raise ValueError(f"super_gradients: {path} holds a {type(data).__name__}; allowed: a mapping of SG training "
                          f"hyperparameters")

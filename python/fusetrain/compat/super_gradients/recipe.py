@@ -27,7 +27,12 @@ def split_overrides(overrides: Sequence[str]) -> Tuple[List[str], Dict[str, Any]
             key, sep, value = text[len(SG_PREFIX):].partition("=")
             if not sep or not key:
                 raise ValueError(f"{text!r}: allowed: super_gradients.KEY=VALUE (a YAML value)")
-            sg[key] = yaml.safe_load(value) if value else None
+            try:
+                sg[key] = yaml.safe_load(value) if value else None
+            except yaml.YAMLError as e:
+                problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+                raise ValueError(f"{text!r}: the value is not readable YAML ({problem}); allowed: "
+                                 f"super_gradients.KEY=VALUE (a YAML value)") from None
             continue
         hydra.append(text)
         bare = text.lstrip("+~")

@@ -9,7 +9,7 @@ import copy
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, List, Optional, Type
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Type
 
 import torch
 
@@ -289,9 +289,11 @@ def resolve_training_params(user: Optional[Mapping[str, Any]] = None) -> "Traini
     errors = _cross_checks(values)
     if errors:
         raise TrainingParamsError(errors)
+    defaulted = ()
     if values["train_metrics"] is None:
         values["train_metrics"] = default_train_metrics(values["loss"])
-    return TrainingParams._from_values(values)
+        defaulted = ("train_metrics",)
+    return TrainingParams._from_values(values, defaulted)
 
 
 def _thaw(value: Any) -> Any:
@@ -333,18 +335,29 @@ class TrainingParams(Mapping):
     ``params["max_epochs"]``. ``TrainingParams(user)`` is
     ``resolve_training_params(user)``; ``replace(**changes)`` returns a new,
     re-validated copy. Container values (lists, dicts) are returned as copies,
-    so changing them never changes the parameters."""
+    so changing them never changes the parameters.
 
-    __slots__ = ("_values",)
+    NOTE [task defaults]: a value that follows other keys when not given
+    (``train_metrics`` follows ``loss``) is re-derived by ``replace``, so it
+    fits the final params; ``_defaulted`` names those values."""
+
+    __slots__ = ("_values", "_defaulted")
 
     def __init__(self, user: Optional[Mapping[str, Any]] = None) -> None:
-        object.__setattr__(self, "_values", resolve_training_params(user)._values)
+        resolved = resolve_training_params(user)
+        object.__setattr__(self, "_values", resolved._values)
+        object.__setattr__(self, "_defaulted", resolved._defaulted)
 
     @classmethod
-    def _from_values(cls, values: Dict[str, Any]) -> "TrainingParams":
+    def _from_values(cls, values: Dict[str, Any], defaulted: Sequence[str] = ()) -> "TrainingParams":
         obj = object.__new__(cls)
         object.__setattr__(obj, "_values", values)
+        object.__setattr__(obj, "_defaulted", tuple(defaulted))
         return obj
+
+    def _given(self) -> Dict[str, Any]:
+        """The parameters without the task defaults (NOTE [task defaults])."""
+        return {k: _thaw(v) for k, v in self._values.items() if k not in self._defaulted}
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -374,7 +387,7 @@ class TrainingParams(Mapping):
         raise AttributeError(f"TrainingParams is immutable: cannot delete {name!r}")
 
     def __reduce__(self):
-        return (resolve_training_params, (self.to_dict(),))
+        return (resolve_training_params, (self._given(),))
 
     def __repr__(self) -> str:
         return "TrainingParams(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
@@ -389,4 +402,4 @@ class TrainingParams(Mapping):
 
     def replace(self, **changes: Any) -> "TrainingParams":
         """A new TrainingParams with ``changes`` applied and everything re-validated."""
-        return resolve_training_params({**self.to_dict(), **changes})
+        return resolve_training_params({**self._given(), **changes})

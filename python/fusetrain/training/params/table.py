@@ -275,7 +275,8 @@ _SPECS = [
         rate, the others at `default` (required). Every schedule and warmup then scales each group's rate the same
         way (a group's learning rate at every step is its own initial rate times the schedule's factor); the
         groups multiply with `lr_multipliers` and `layer_decay`. A prefix that matches no trainable parameter is
-        an error; freeze parameters with `freeze`."""),
+        an error raised before anything is written, naming the model's closest parameter-name prefixes; freeze
+        parameters with `freeze`."""),
     _p("lr_mode", any_of(choice(*LR_MODES, hints=LR_MODE_SYNONYMS), callable_value("a function step -> lr (from Python)")), "constant", """
         The learning-rate schedule after warmup, evaluated for each optimizer step on the host from the step index
         and written into the optimizer's learning-rate tensor (no host synchronisation, no recompilation under
@@ -523,7 +524,8 @@ _SPECS = [
         the outputs stops training at the first batch with an error naming it. The mean training loss is always
         reported as `train_loss`. None (the default) fits the task: `[accuracy]` when the loss is a
         classification loss on logits (`cross_entropy`, `CrossEntropyLoss`, `nll`, `NLLLoss`), else `[]` (a model
-        computing its own loss, detection and other losses whose outputs are not class scores)."""),
+        computing its own loss, detection and other losses whose outputs are not class scores), and follows the
+        final `loss`: `TrainingParams.replace(loss=...)` derives it again."""),
     _p("valid_metrics", _V_METRICS, ["accuracy"], """
         Metrics computed on the validation loader(s), reported as `valid_<name>` (with several validation loaders,
         `valid_<loader>_<name>`), and on the test loader(s) after training (`test_<name>`); the same choices as
