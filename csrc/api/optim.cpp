@@ -11,9 +11,11 @@
 #include <torch/serialize/archive.h>
 #include <torch/utils.h>
 
+#include <cstring>
 #include <map>
 #include <tuple>
 
+#include "../ops/optim_kind.h"
 #include "capture.h"
 #include "optim_internal.h"
 
@@ -63,7 +65,69 @@ void FusedParamState::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, master);
 }
 
+torch::Tensor* FusedParamState::find(const char* name) {
+  const std::pair<const char*, torch::Tensor*> slots[] = {
+      {"exp_avg", &exp_avg_},       {"exp_avg_sq", &exp_avg_sq_},       {"max_exp_avg_sq", &max_exp_avg_sq_},
+      {"momentum_buffer", &momentum_buffer_}, {"square_avg", &square_avg_}, {"grad_avg", &grad_avg_},
+      {"acc_delta", &acc_delta_},   {"mu_product", &mu_product_}};
+  for (const auto& [n, t] : slots)
+    if (std::strcmp(n, name) == 0) return t;
+  return nullptr;
+}
+
 // ---- FusedOptimizer ------------------------------------------------------------
+void FusedOptimizer::check_kind() {
+  const auto& spec = detail::find_kind(kind());
+  KindValues values;
+  kind_fields(defaults(), values);
+  std::vector<bool> seen(spec.fields.size(), false);
+  field_slot_.clear();
+  for (const auto& [name, _] : values) {
+    const int j = spec.field_index(name);
+    TORCH_CHECK(j >= 0, "fusetrain: the '", kind(), "' optimizer gives a record field '", name,
+                "' that its entry in the kind table lacks (csrc/ops/fused_", kind(), ".cpp)");
+    TORCH_CHECK(!seen[j], "fusetrain: the '", kind(), "' optimizer gives the record field '", name, "' twice");
+    seen[j] = true;
+    field_slot_.push_back(j);
+  }
+  for (size_t j = 0; j < seen.size(); ++j)
+    TORCH_CHECK(seen[j], "fusetrain: the '", kind(), "' optimizer gives no value for the record field '",
+                spec.fields[j].name, "' of its kind table entry");
+  for (const auto& s : spec.states)
+    TORCH_CHECK(FusedParamState().find(s.name) != nullptr, "fusetrain: FusedParamState has no state '", s.name,
+                "' of the kind '", kind(), "'");
+  spec_ = &spec;
+}
+
+std::vector<double> FusedOptimizer::kind_record(const torch::optim::OptimizerOptions& o) const {
+  KindValues values;
+  kind_fields(o, values);
+  TORCH_INTERNAL_ASSERT(spec_ != nullptr && values.size() == field_slot_.size(), "fusetrain: the '", kind(),
+                        "' optimizer's constructor did not call check_kind()");
+  std::vector<double> fields(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    TORCH_INTERNAL_ASSERT(std::strcmp(values[i].first, spec_->fields[field_slot_[i]].name) == 0);
+    fields[field_slot_[i]] = values[i].second;
+  }
+  return fields;
+}
+
+void FusedOptimizer::init_state(FusedParamState& s, const at::Tensor& p, const double* fields) const {
+  for (int k = 0; k < 3; ++k) {
+    const detail::KindState* st = spec_->slot_state(fields, k);
+    if (st == nullptr) continue;
+    at::Tensor* t = s.find(st->name);
+    if (t->defined()) continue;
+    const double v = spec_->initial_value(*st, fields);
+    if (st->scalar) {
+      *t = at::full({}, v, p.options().dtype(at::kFloat));
+    } else {
+      *t = state_zeros_like(p);
+      if (v != 0.0) t->fill_(v);
+    }
+  }
+}
+
 torch::Tensor FusedOptimizer::step(LossClosure closure) {
   torch::Tensor loss;
   if (closure != nullptr) {
@@ -95,14 +159,20 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
     }
     if (params.empty()) continue;
     if (sizes.empty()) capturing = detail::stream_is_capturing(params.front().device());
+    const auto& common = dynamic_cast<const FusedCommonOptions&>(opts);
+    const std::vector<double> fields = kind_record(opts);
+    const detail::KindState* slots[3];
+    for (int k = 0; k < 3; ++k) slots[k] = spec_->slot_state(fields.data(), k);
+    std::vector<at::Tensor>* lists[3] = {&l.state1, &l.state2, &l.state3};
     size_t with_ema = 0;
     for (const auto& p : params) {
-      auto& st = ensure_state(p, opts, capturing);
+      auto& st = ensure_state(p, opts, fields, capturing);
       l.params.push_back(p);
       l.grads.push_back(p.grad());
       l.steps.push_back(st.step());
-      if (group_master_weights(opts) && needs_master(p)) l.masters.push_back(st.master());
-      collect_state(l, st, opts);
+      if (common.master_weights_ && needs_master(p)) l.masters.push_back(st.master());
+      for (int k = 0; k < 3; ++k)
+        if (slots[k] != nullptr) lists[k]->push_back(*st.find(slots[k]->name));
       if (ema_ == nullptr) continue;
       at::Tensor e = ema_->ema_for(p);
       if (!e.defined()) continue;
@@ -114,9 +184,9 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
                 "; the EMA model must hold every param of a group, or none");
     sizes.push_back(static_cast<int64_t>(params.size()));
     lrs.push_back(lr_tensor(gi, params.front().device(), opts.get_lr()));
-    hyper.insert(hyper.end(), {group_max_grad_norm(opts), group_master_weights(opts) ? 1.0 : 0.0,
-                               with_ema > 0 ? 1.0 : 0.0, group_maximize(opts) ? 1.0 : 0.0});
-    kind_fields(opts, hyper);
+    hyper.insert(hyper.end(), {common.max_grad_norm_, common.master_weights_ ? 1.0 : 0.0, with_ema > 0 ? 1.0 : 0.0,
+                               common.maximize_ ? 1.0 : 0.0});
+    hyper.insert(hyper.end(), fields.begin(), fields.end());
   }
   if (l.params.empty()) {
     // Nothing to step: no flag from this step (a stale one would make a
@@ -157,18 +227,18 @@ const at::Tensor& FusedOptimizer::lr_tensor(size_t group, const at::Device& dev,
 }
 
 FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::optim::OptimizerOptions& opts,
-                                              bool capturing) {
+                                              const std::vector<double>& fields, bool capturing) {
   auto key_impl = p.unsafeGetTensorImpl();
   auto found = state_.find(key_impl);
   auto* s = found == state_.end() ? nullptr : static_cast<FusedParamState*>(found->second.get());
-  const bool has_master = group_master_weights(opts) && needs_master(p);
+  const bool has_master = dynamic_cast<const FusedCommonOptions&>(opts).master_weights_ && needs_master(p);
   if (capturing) {
     // Nothing may be created or moved now: check that the state is complete.
     bool ready = s != nullptr && s->step().defined() && s->step().scalar_type() == at::kFloat &&
                  (!has_master || s->master().defined());
     if (ready) {
       FusedParamState probe = *s;
-      init_state(probe, p, opts);  // defines what is missing; nothing is missing when ready
+      init_state(probe, p, fields.data());  // defines what is missing; nothing is missing when ready
       for (const auto* t : {&probe.step(), &probe.exp_avg(), &probe.exp_avg_sq(), &probe.max_exp_avg_sq(),
                             &probe.momentum_buffer(), &probe.square_avg(), &probe.grad_avg(), &probe.acc_delta(),
                             &probe.mu_product(), &probe.master()})
@@ -200,7 +270,7 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
   s->acc_delta(to_dev(s->acc_delta()));
   if (s->mu_product().defined()) s->mu_product(to_dev(s->mu_product()).to(at::kFloat));
   s->master(to_dev(s->master()));
-  init_state(*s, p, opts);  // fills whatever is still missing
+  init_state(*s, p, fields.data());  // fills whatever is still missing
   if (has_master && !s->master().defined()) s->master(p.detach().to(at::kFloat).clone());
   return *s;
 }
@@ -209,9 +279,10 @@ void FusedOptimizer::prepare_capture() {
   torch::NoGradGuard no_grad;
   for (const auto gi : c10::irange(param_groups_.size())) {
     auto& group = param_groups_[gi];
+    const std::vector<double> fields = kind_record(group.options());
     for (const auto& p : group.params()) {
       if (!p.requires_grad()) continue;
-      ensure_state(p, group.options(), /*capturing=*/false);
+      ensure_state(p, group.options(), fields, /*capturing=*/false);
       lr_tensor(gi, p.device(), group.options().get_lr());
       if (!last_grad_norm_.defined()) ensure_results(p.device(), /*capturing=*/false);
     }

@@ -94,69 +94,17 @@ void ema_update_cuda(const std::vector<at::Tensor>& ema, const std::vector<at::T
 void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
                        double growth_factor, double backoff_factor, int64_t growth_interval);
 
+// The fused update kernel of a device type: each kernel file registers its
+// own at load time (as the ops' NOTE [kernel registration] in dispatch.h), and
+// fusetrain::fused_step_ takes the one of a group's device.
+void register_update_kernel(c10::DeviceType type, UpdateKernel kernel);
+UpdateKernel update_kernel(c10::DeviceType type);
+
 // ---- op implementations (csrc/ops/<op>.cpp), registered by the kernel files ------
 // NOTE [kernel registration] in dispatch.h. Each is the op's schema in C++ types
 // with the device kernel first.
 using OptT = std::optional<at::Tensor>;
 
-void fused_adam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
-                     at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double beta1,
-                     double beta2, double weight_decay, double eps, bool amsgrad, bool maximize,
-                     bool decoupled_weight_decay, const OptT& inv_scale, const OptT& found_inf,
-                     const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay, bool bias_correction);
-void fused_sgd_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                    at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
-                    const at::Tensor& lr, double momentum, double dampening, double weight_decay, bool nesterov,
-                    bool maximize, const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm,
-                    double max_grad_norm, const OptT& ema_decay);
-void fused_lion_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                     at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
-                     const at::Tensor& lr, double beta1, double beta2, double weight_decay, bool maximize,
-                     const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
-                     const OptT& ema_decay);
-void fused_rmsprop_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
-                        at::TensorList momentum_buffers, at::TensorList grad_avgs, at::TensorList state_steps,
-                        at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double alpha,
-                        double eps, double weight_decay, double momentum, bool centered, bool maximize,
-                        const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
-                        const OptT& ema_decay, bool tf_style, bool lr_in_momentum, bool decoupled_weight_decay);
-void fused_adadelta_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
-                         at::TensorList acc_deltas, at::TensorList state_steps, at::TensorList master_params,
-                         at::TensorList ema_params, const at::Tensor& lr, double rho, double eps, double weight_decay,
-                         bool maximize, const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm,
-                         double max_grad_norm, const OptT& ema_decay);
-void fused_radam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
-                      at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
-                      double weight_decay, bool decoupled_weight_decay, bool maximize, const OptT& inv_scale,
-                      const OptT& found_inf, const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay);
-void fused_nadam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList mu_products, at::TensorList state_steps,
-                      at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double beta1,
-                      double beta2, double eps, double weight_decay, double momentum_decay,
-                      bool decoupled_weight_decay, bool maximize, const OptT& inv_scale, const OptT& found_inf,
-                      const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay);
-void fused_lamb_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                     at::TensorList exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
-                     at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
-                     double weight_decay, bool bias_correction, bool grad_averaging, bool trust_clip,
-                     bool always_adapt, bool caution, bool decoupled_weight_decay, double decay_max_lr,
-                     bool maximize, const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm,
-                     double max_grad_norm, const OptT& ema_decay);
-void fused_adamp_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
-                      at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
-                      double weight_decay, double delta, double wd_ratio, bool nesterov, bool maximize,
-                      const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
-                      const OptT& ema_decay);
-void fused_muon_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads,
-                     at::TensorList momentum_buffers, at::TensorList state_steps, at::TensorList master_params,
-                     at::TensorList ema_params,
-                     const at::Tensor& lr, double momentum, bool nesterov, double weight_decay,
-                     at::ArrayRef<double> ns_coefficients, double eps, int64_t ns_steps,
-                     c10::string_view adjust_lr_fn, const OptT& inv_scale, const OptT& found_inf,
-                     const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay);
 std::tuple<at::Tensor, at::Tensor> grad_stats_impl(GradStatsKernel kernel, at::TensorList grads,
                                                    const OptT& inv_scale);
 void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList src, const at::Tensor& decay,
@@ -179,27 +127,10 @@ inline void check_cpu_features(const char* op) {
 
 inline at::Tensor opt_or_undef(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
 
-// Argument checks and dtype bucketing shared by every update op
+// Argument checks and dtype bucketing shared by every element-wise update
 // (csrc/ops/fused_update.cpp); each bucket goes to `kernel`.
 void run_fused_update(const char* op_name, const UpdateLists& lists, const OptimHyper& hyper,
                       const UpdateScalars& scalars, UpdateKernel kernel);
-
-// An update op's state lists (empty when its configuration does not use one)
-// and their argument names, for run_update_op.
-struct OpStates {
-  at::TensorList s1, s2, s3;
-  const char* names[3];
-  at::TensorList aux = {};  // NOTE [tensor scalars]
-  const char* aux_name = "aux";
-};
-
-// What every update op does after its own checks: the lists and the tail into
-// UpdateLists/UpdateScalars, then run_fused_update.
-void run_update_op(const char* op, UpdateKernel kernel, OptimHyper h, const OpStates& states,
-                   at::TensorList params, at::TensorList grads, at::TensorList state_steps,
-                   at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, bool maximize,
-                   const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
-                   const OptT& ema_decay);
 
 }  // namespace detail
 }  // namespace fusetrain

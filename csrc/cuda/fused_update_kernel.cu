@@ -228,17 +228,9 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
 }  // namespace detail
 }  // namespace fusetrain
 
-// NOTE [kernel registration] in csrc/common/dispatch.h.
-TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
-  using namespace fusetrain::detail;
-  m.impl("fused_adam_", bind_kernel<&fused_adam_impl, &fused_update_cuda>());
-  m.impl("fused_sgd_", bind_kernel<&fused_sgd_impl, &fused_update_cuda>());
-  m.impl("fused_lion_", bind_kernel<&fused_lion_impl, &fused_update_cuda>());
-  m.impl("fused_rmsprop_", bind_kernel<&fused_rmsprop_impl, &fused_update_cuda>());
-  m.impl("fused_adadelta_", bind_kernel<&fused_adadelta_impl, &fused_update_cuda>());
-  m.impl("fused_radam_", bind_kernel<&fused_radam_impl, &fused_update_cuda>());
-  m.impl("fused_nadam_", bind_kernel<&fused_nadam_impl, &fused_update_cuda>());
-  m.impl("fused_lamb_", bind_kernel<&fused_lamb_impl, &fused_update_cuda>());
-  m.impl("fused_adamp_", bind_kernel<&fused_adamp_impl, &fused_update_cuda>());
-  m.impl("fused_muon_", bind_kernel<&fused_muon_impl, &fused_update_cuda>());
-}
+// The device's update kernel for fusetrain::fused_step_ (register_update_kernel
+// in csrc/common/update_args.h).
+namespace {
+const bool registered =
+    (fusetrain::detail::register_update_kernel(c10::DeviceType::CUDA, &fusetrain::detail::fused_update_cuda), true);
+}  // namespace

@@ -1,18 +1,17 @@
-// fusetrain::fused_adamp_ — AdamP (timm's AdamP: Adam whose update of a
+// The "adamp" kind: AdamP (timm's AdamP: Adam whose update of a
 // scale-invariant weight is projected off the weight's direction, per channel
 // or per layer, with its weight decay scaled by wd_ratio) over lists of
 // tensors, with unscale, clip, the non-finite skip, master weights and EMA
 // folded in. The projection needs per-channel reductions: the update direction
 // is an ATen stage and one fused pass applies it (NOTE [apply pass] in
 // aten_stage.h).
-#include <torch/library.h>
-
 #include <cmath>
 #include <map>
 #include <utility>
 #include <vector>
 
 #include "aten_stage.h"
+#include "optim_kind.h"
 
 namespace fusetrain {
 namespace detail {
@@ -48,21 +47,27 @@ std::pair<at::Tensor, at::Tensor> project(const at::Tensor& w, const at::Tensor&
   return {projected.view(u.sizes()), at::logical_or(use_ch, use_l).to(at::kFloat)};
 }
 
-}  // namespace
 
-void fused_adamp_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
-                      at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
-                      double weight_decay, double delta, double wd_ratio, bool nesterov, bool maximize,
-                      const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
-                      const OptT& ema_decay) {
-  const char* op = "fused_adamp_";
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1), got ", beta1);
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1), got ", beta2);
-  TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
-  TORCH_CHECK(weight_decay >= 0.0, op, ": weight_decay must be >= 0, got ", weight_decay);
-  TORCH_CHECK(delta >= 0.0, op, ": delta must be >= 0, got ", delta);
-  TORCH_CHECK(wd_ratio >= 0.0, op, ": wd_ratio must be >= 0, got ", wd_ratio);
+void check(const std::string& op, const KindRecord& r) {
+  check_in(op, r, "beta1", 0.0, 1.0);
+  check_in(op, r, "beta2", 0.0, 1.0);
+  check_in(op, r, "eps", 0.0);
+  check_in(op, r, "weight_decay", 0.0);
+  check_in(op, r, "delta", 0.0);
+  check_in(op, r, "wd_ratio", 0.0);
+}
+
+void run(const KindCall& c) {
+  const char* op = c.op;
+  const UpdateKernel kernel = c.kernel;
+  const at::TensorList params = c.params, grads = c.grads, exp_avgs = c.state[0], exp_avg_sqs = c.state[1];
+  const at::TensorList state_steps = c.steps, master_params = c.masters, ema_params = c.emas;
+  const at::Tensor& lr = c.lr;
+  const double beta1 = c["beta1"], beta2 = c["beta2"], eps = c["eps"], weight_decay = c["weight_decay"];
+  const double delta = c["delta"], wd_ratio = c["wd_ratio"];
+  const bool nesterov = c.flag("nesterov"), maximize = c.maximize;
+  const OptT &inv_scale = c.inv_scale, &found_inf = c.found_inf, &grad_norm = c.grad_norm, &ema_decay = c.ema_decay;
+  const double max_grad_norm = c.max_grad_norm;
   check_stage_lists(op, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, state_steps,
                     master_params, ema_params, lr, inv_scale, found_inf, grad_norm);
   const size_t n = params.size();
@@ -101,15 +106,21 @@ void fused_adamp_impl(UpdateKernel kernel, at::TensorList params, at::TensorList
   }
 }
 
+const KindSpec& kind = register_kind({
+    "adamp",
+    "AdamP (timm's AdamP; NOTE [adamp projection] in csrc/ops/fused_adamp.cpp)",
+    {{"beta1", "real", "first-moment decay"},
+     {"beta2", "real", "second-moment decay"},
+     {"eps", "real", "added to the denominator and the norms"},
+     {"weight_decay", "real", "decoupled weight decay (times wd_ratio where projected)"},
+     {"delta", "real", "cosine threshold of the projection"},
+     {"wd_ratio", "real", "the weight decay's factor where the projection is taken"},
+     {"nesterov", "flag", "Nesterov momentum in the direction"}},
+    {{0, "exp_avg"}, {1, "exp_avg_sq"}},
+    &check,
+    &run,
+});
+
+}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
-
-TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
-  m.set_python_module("fusetrain._ops");
-  m.def(
-      "fused_adamp_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(e!)[] state_steps, Tensor(f!)[] master_params, Tensor(g!)[] ema_params, *, Tensor lr, float beta1, "
-      "float beta2, float eps, float weight_decay, float delta, float wd_ratio, bool nesterov, bool maximize, "
-      "Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
-      "Tensor? ema_decay=None) -> ()");
-}

@@ -1,34 +1,42 @@
-// fusetrain::fused_lamb_ — Lamb (timm's Lamb: Adam moments, a per-tensor trust
+// The "lamb" kind: Lamb (timm's Lamb: Adam moments, a per-tensor trust
 // ratio ||w|| / ||update||, optional trust clipping, caution and decoupled
 // decay) over lists of tensors, with unscale, clip, the non-finite skip,
 // master weights and EMA folded in. The trust ratio is a reduction per tensor,
 // so the update direction is an ATen stage and one fused pass applies it
 // (NOTE [apply pass] in aten_stage.h).
-#include <torch/library.h>
-
 #include <cmath>
 #include <map>
 #include <vector>
 
 #include "aten_stage.h"
+#include "optim_kind.h"
 
 namespace fusetrain {
 namespace detail {
 
-void fused_lamb_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                     at::TensorList exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
-                     at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
-                     double weight_decay, bool bias_correction, bool grad_averaging, bool trust_clip,
-                     bool always_adapt, bool caution, bool decoupled_weight_decay, double decay_max_lr,
-                     bool maximize, const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm,
-                     double max_grad_norm, const OptT& ema_decay) {
-  const char* op = "fused_lamb_";
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1), got ", beta1);
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1), got ", beta2);
-  TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
-  TORCH_CHECK(weight_decay >= 0.0, op, ": weight_decay must be >= 0, got ", weight_decay);
-  TORCH_CHECK(decay_max_lr >= 0.0, op, ": decay_max_lr must be >= 0 (0: no corrected weight decay), got ",
-              decay_max_lr);
+namespace {
+
+void check(const std::string& op, const KindRecord& r) {
+  check_in(op, r, "beta1", 0.0, 1.0);
+  check_in(op, r, "beta2", 0.0, 1.0);
+  check_in(op, r, "eps", 0.0);
+  check_in(op, r, "weight_decay", 0.0);
+  check_in(op, r, "decay_max_lr", 0.0);
+}
+
+void run(const KindCall& c) {
+  const char* op = c.op;
+  const UpdateKernel kernel = c.kernel;
+  const at::TensorList params = c.params, grads = c.grads, exp_avgs = c.state[0], exp_avg_sqs = c.state[1];
+  const at::TensorList state_steps = c.steps, master_params = c.masters, ema_params = c.emas;
+  const at::Tensor& lr = c.lr;
+  const double beta1 = c["beta1"], beta2 = c["beta2"], eps = c["eps"], weight_decay = c["weight_decay"];
+  const double decay_max_lr = c["decay_max_lr"];
+  const bool bias_correction = c.flag("bias_correction"), grad_averaging = c.flag("grad_averaging");
+  const bool trust_clip = c.flag("trust_clip"), always_adapt = c.flag("always_adapt"), caution = c.flag("caution");
+  const bool decoupled_weight_decay = c.flag("decoupled_weight_decay"), maximize = c.maximize;
+  const OptT &inv_scale = c.inv_scale, &found_inf = c.found_inf, &grad_norm = c.grad_norm, &ema_decay = c.ema_decay;
+  const double max_grad_norm = c.max_grad_norm;
   check_stage_lists(op, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, state_steps,
                     master_params, ema_params, lr, inv_scale, found_inf, grad_norm);
   const size_t n = params.size();
@@ -100,16 +108,25 @@ void fused_lamb_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
   }
 }
 
+const KindSpec& kind = register_kind({
+    "lamb",
+    "Lamb (timm's Lamb; its clipping is max_grad_norm)",
+    {{"beta1", "real", "first-moment decay"},
+     {"beta2", "real", "second-moment decay"},
+     {"eps", "real", "added to the denominator"},
+     {"weight_decay", "real", "L2 (or decoupled) weight decay"},
+     {"bias_correction", "flag", "divide the moments by 1 - beta^t"},
+     {"grad_averaging", "flag", "exp_avg takes (1 - beta1) * g (else g)"},
+     {"trust_clip", "flag", "the trust ratio is at most 1"},
+     {"always_adapt", "flag", "apply the trust ratio also without weight decay"},
+     {"caution", "flag", "drop the update's entries whose sign disagrees with the gradient's"},
+     {"decoupled_weight_decay", "flag", "p *= 1 - lr * weight_decay"},
+     {"decay_max_lr", "real", "> 0: the decoupled decay is scaled by lr / decay_max_lr"}},
+    {{0, "exp_avg"}, {1, "exp_avg_sq"}},
+    &check,
+    &run,
+});
+
+}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
-
-TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
-  m.set_python_module("fusetrain._ops");
-  m.def(
-      "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(e!)[] state_steps, Tensor(f!)[] master_params, Tensor(g!)[] ema_params, *, Tensor lr, float beta1, "
-      "float beta2, float eps, float weight_decay, bool bias_correction, bool grad_averaging, bool trust_clip, "
-      "bool always_adapt, bool caution, bool decoupled_weight_decay, float decay_max_lr, bool maximize, "
-      "Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
-      "Tensor? ema_decay=None) -> ()");
-}

@@ -1,40 +1,35 @@
-// fusetrain::fused_lion_ — Lion (sign of an interpolated momentum) over lists
-// of tensors, with unscale, clip, non-finite skip and EMA folded in.
-#include <torch/library.h>
-
-#include "../common/update_args.h"
+// The "lion" kind (sign of an interpolated momentum): its table entry and
+// update, with unscale, clip, non-finite skip and EMA folded in.
+#include "optim_kind.h"
 
 namespace fusetrain {
 namespace detail {
+namespace {
 
-void fused_lion_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                     at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
-                     const at::Tensor& lr, double beta1, double beta2, double weight_decay, bool maximize,
-                     const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf,
-                     const std::optional<at::Tensor>& grad_norm, double max_grad_norm,
-                     const std::optional<at::Tensor>& ema_decay) {
-  const char* op = "fused_lion_";
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1), got ", beta1);
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1), got ", beta2);
-  TORCH_CHECK(weight_decay >= 0.0, op, ": weight_decay must be >= 0, got ", weight_decay);
-  TORCH_CHECK(exp_avgs.size() == params.size(), op, ": exp_avgs needs one tensor per param (", params.size(),
-              "), got ", exp_avgs.size());
+void check(const std::string& op, const KindRecord& r) {
+  check_in(op, r, "beta1", 0.0, 1.0);
+  check_in(op, r, "beta2", 0.0, 1.0);
+  check_in(op, r, "weight_decay", 0.0);
+}
+
+void run(const KindCall& c) {
   OptimHyper h;
   h.kind = OptimKind::Lion;
-  h.lion = LionHyper{beta1, beta2, weight_decay};
-  const OpStates st{exp_avgs, {}, {}, {"exp_avgs", "state2", "state3"}};
-  run_update_op(op, kernel, h, st, params, grads, state_steps, master_params, ema_params, lr, maximize, inv_scale,
-                found_inf, grad_norm, max_grad_norm, ema_decay);
+  h.lion = LionHyper{c["beta1"], c["beta2"], c["weight_decay"]};
+  run_kind_update(c, h, c.state[0], {}, {});
 }
 
+const KindSpec& kind = register_kind({
+    "lion",
+    "Lion",
+    {{"beta1", "real", "interpolation of the update's momentum"},
+     {"beta2", "real", "decay of exp_avg"},
+     {"weight_decay", "real", "decoupled weight decay"}},
+    {{0, "exp_avg"}},
+    &check,
+    &run,
+});
+
+}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
-
-TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
-  m.set_python_module("fusetrain._ops");
-  m.def(
-      "fused_lion_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(e!)[] state_steps, "
-      "Tensor(f!)[] master_params, Tensor(g!)[] ema_params, *, Tensor lr, float beta1, float beta2, "
-      "float weight_decay, bool maximize, Tensor? inv_scale=None, Tensor? found_inf=None, "
-      "Tensor? grad_norm=None, float max_grad_norm=0.0, Tensor? ema_decay=None) -> ()");
-}

@@ -1,8 +1,7 @@
-// fusetrain::fused_muon_ — Muon (torch.optim.Muon's update) over lists of
+// The "muon" kind: Muon (torch.optim.Muon's update) over lists of
 // matrix and convolution params, batched across params of one shape, with
 // unscale, clip, the non-finite skip, master weights and EMA folded in.
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <map>
@@ -11,6 +10,7 @@
 #include <vector>
 
 #include "aten_stage.h"
+#include "optim_kind.h"
 
 namespace fusetrain {
 namespace detail {
@@ -61,24 +61,45 @@ double lr_ratio(const std::string& fn, int64_t r, int64_t c) {
   return std::sqrt(std::max(1.0, rd / cd));
 }
 
-}  // namespace
+void check(const std::string& op, const KindRecord& r) {
+  check_in(op, r, "momentum", 0.0);
+  check_in(op, r, "weight_decay", 0.0);
+  check_in(op, r, "eps", 0.0);
+  check_in(op, r, "ns_steps", 0.0, 100.0);
+  TORCH_CHECK_VALUE(r["ns_steps"] == static_cast<double>(static_cast<int64_t>(r["ns_steps"])), op,
+                    ": ns_steps must be an integer, got ", r["ns_steps"]);
+  check_in(op, r, "adamw_beta1", 0.0, 1.0);
+  check_in(op, r, "adamw_beta2", 0.0, 1.0);
+  check_in(op, r, "adamw_eps", 0.0);
+}
 
-void fused_muon_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads,
-                     at::TensorList momentum_buffers, at::TensorList state_steps, at::TensorList master_params,
-                     at::TensorList ema_params, const at::Tensor& lr, double momentum, bool nesterov, double weight_decay,
-                     at::ArrayRef<double> ns_coefficients, double eps, int64_t ns_steps,
-                     c10::string_view adjust_lr_fn, const OptT& inv_scale, const OptT& found_inf,
-                     const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay) {
-  const char* op = "fused_muon_";
-  const std::string adjust(adjust_lr_fn);
-  TORCH_CHECK(momentum >= 0.0, op, ": momentum must be >= 0, got ", momentum);
-  TORCH_CHECK(weight_decay >= 0.0, op, ": weight_decay must be >= 0, got ", weight_decay);
-  TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
-  TORCH_CHECK(ns_coefficients.size() == 3, op, ": ns_coefficients must hold 3 values (a, b, c), got ",
-              ns_coefficients.size());
-  TORCH_CHECK(ns_steps >= 0 && ns_steps < 100, op, ": ns_steps must be in [0, 100), got ", ns_steps);
-  TORCH_CHECK(adjust == "original" || adjust == "match_rms_adamw", op,
-              ": adjust_lr_fn must be 'original' or 'match_rms_adamw', got '", adjust, "'");
+// NOTE [muon groups]: a Muon optimizer holds two kinds of groups: use_muon
+// groups (matrices and convolution filters: state momentum_buffer) and the
+// others (AdamW with the group's lr and weight_decay, adamw_beta1,
+// adamw_beta2 and adamw_eps: state exp_avg, exp_avg_sq). Both take the one
+// global norm and non-finite flag of the stats pass.
+void run_adamw(const KindCall& c) {
+  OptimHyper h;
+  h.kind = OptimKind::Adam;
+  h.adam = AdamHyper{c["adamw_beta1"], c["adamw_beta2"], c["adamw_eps"], c["weight_decay"],
+                     /*decoupled_weight_decay=*/true, /*amsgrad=*/false, /*bias_correction=*/true};
+  run_kind_update(c, h, c.state[0], c.state[1], {});
+}
+
+void run(const KindCall& c) {
+  if (!c.flag("use_muon")) return run_adamw(c);
+  const char* op = c.op;
+  const UpdateKernel kernel = c.kernel;
+  const at::TensorList params = c.params, grads = c.grads, momentum_buffers = c.state[0];
+  const at::TensorList state_steps = c.steps, master_params = c.masters, ema_params = c.emas;
+  const at::Tensor& lr = c.lr;
+  const double momentum = c["momentum"], weight_decay = c["weight_decay"], eps = c["eps"];
+  const bool nesterov = c.flag("nesterov");
+  const double ns_coefficients[3] = {c["ns_a"], c["ns_b"], c["ns_c"]};
+  const auto ns_steps = static_cast<int64_t>(c["ns_steps"]);
+  const std::string adjust = c.flag("match_rms_adamw") ? "match_rms_adamw" : "original";
+  const OptT &inv_scale = c.inv_scale, &found_inf = c.found_inf, &grad_norm = c.grad_norm, &ema_decay = c.ema_decay;
+  const double max_grad_norm = c.max_grad_norm;
   check_stage_lists(op, params, grads, {{"momentum_buffers", momentum_buffers}}, state_steps, master_params,
                     ema_params, lr, inv_scale, found_inf, grad_norm);
   const size_t n = params.size();
@@ -143,15 +164,27 @@ void fused_muon_impl(UpdateKernel kernel, at::TensorList params, at::TensorList 
   }
 }
 
+const KindSpec& kind = register_kind({
+    "muon",
+    "Muon (torch.optim.Muon's update) for use_muon groups, AdamW for the others (NOTE [muon groups])",
+    {{"use_muon", "flag", "a Muon group (else AdamW)"},
+     {"momentum", "real", "momentum factor"},
+     {"nesterov", "flag", "Nesterov momentum"},
+     {"weight_decay", "real", "decoupled weight decay (both kinds of groups)"},
+     {"ns_a", "real", "Newton-Schulz coefficient a"},
+     {"ns_b", "real", "Newton-Schulz coefficient b"},
+     {"ns_c", "real", "Newton-Schulz coefficient c"},
+     {"eps", "real", "floor of the Newton-Schulz normalisation"},
+     {"ns_steps", "int", "Newton-Schulz iterations"},
+     {"match_rms_adamw", "flag", "adjust_lr_fn 'match_rms_adamw' (else 'original')"},
+     {"adamw_beta1", "real", "AdamW groups: first-moment decay"},
+     {"adamw_beta2", "real", "AdamW groups: second-moment decay"},
+     {"adamw_eps", "real", "AdamW groups: added to the denominator"}},
+    {{0, "momentum_buffer", "use_muon"}, {0, "exp_avg", "use_muon", false}, {1, "exp_avg_sq", "use_muon", false}},
+    &check,
+    &run,
+});
+
+}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
-
-TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
-  m.set_python_module("fusetrain._ops");
-  m.def(
-      "fused_muon_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(e!)[] state_steps, "
-      "Tensor(f!)[] master_params, Tensor(g!)[] ema_params, *, Tensor lr, float momentum, bool nesterov, "
-      "float weight_decay, float[] ns_coefficients, float eps, int ns_steps, str adjust_lr_fn, "
-      "Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
-      "Tensor? ema_decay=None) -> ()");
-}

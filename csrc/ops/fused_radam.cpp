@@ -1,43 +1,38 @@
-// fusetrain::fused_radam_ — RAdam (rectified Adam; L2 or decoupled weight
-// decay) over lists of tensors, with unscale, clip, non-finite skip and EMA
-// folded in.
-#include <torch/library.h>
-
-#include "../common/update_args.h"
+// The "radam" kind (rectified Adam; L2 or decoupled weight decay): its table
+// entry and update, with unscale, clip, non-finite skip and EMA folded in.
+#include "optim_kind.h"
 
 namespace fusetrain {
 namespace detail {
+namespace {
 
-void fused_radam_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
-                      at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
-                      double weight_decay, bool decoupled_weight_decay, bool maximize, const OptT& inv_scale,
-                      const OptT& found_inf, const OptT& grad_norm, double max_grad_norm, const OptT& ema_decay) {
-  const char* op = "fused_radam_";
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1), got ", beta1);
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1), got ", beta2);
-  TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
-  TORCH_CHECK(weight_decay >= 0.0, op, ": weight_decay must be >= 0, got ", weight_decay);
-  const size_t n = params.size();
-  TORCH_CHECK(exp_avgs.size() == n && exp_avg_sqs.size() == n, op, ": exp_avgs and exp_avg_sqs need one tensor "
-              "per param (", n, "), got ", exp_avgs.size(), " and ", exp_avg_sqs.size());
+void check(const std::string& op, const KindRecord& r) {
+  check_in(op, r, "beta1", 0.0, 1.0);
+  check_in(op, r, "beta2", 0.0, 1.0);
+  check_in(op, r, "eps", 0.0);
+  check_in(op, r, "weight_decay", 0.0);
+}
+
+void run(const KindCall& c) {
   OptimHyper h;
   h.kind = OptimKind::RAdam;
-  h.radam = RAdamHyper{beta1, beta2, eps, weight_decay, decoupled_weight_decay};
-  const OpStates st{exp_avgs, exp_avg_sqs, {}, {"exp_avgs", "exp_avg_sqs", "state3"}};
-  run_update_op(op, kernel, h, st, params, grads, state_steps, master_params, ema_params, lr, maximize, inv_scale,
-                found_inf, grad_norm, max_grad_norm, ema_decay);
+  h.radam = RAdamHyper{c["beta1"], c["beta2"], c["eps"], c["weight_decay"], c.flag("decoupled_weight_decay")};
+  run_kind_update(c, h, c.state[0], c.state[1], {});
 }
 
+const KindSpec& kind = register_kind({
+    "radam",
+    "RAdam (torch.optim.RAdam)",
+    {{"beta1", "real", "first-moment decay"},
+     {"beta2", "real", "second-moment decay"},
+     {"eps", "real", "added to the denominator"},
+     {"weight_decay", "real", "L2 (or decoupled) weight decay"},
+     {"decoupled_weight_decay", "flag", "p *= 1 - lr * weight_decay"}},
+    {{0, "exp_avg"}, {1, "exp_avg_sq"}},
+    &check,
+    &run,
+});
+
+}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
-
-TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
-  m.set_python_module("fusetrain._ops");
-  m.def(
-      "fused_radam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(e!)[] state_steps, Tensor(f!)[] master_params, Tensor(g!)[] ema_params, *, Tensor lr, float beta1, "
-      "float beta2, float eps, float weight_decay, bool decoupled_weight_decay, bool maximize, "
-      "Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
-      "Tensor? ema_decay=None) -> ()");
-}

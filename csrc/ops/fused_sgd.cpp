@@ -1,45 +1,39 @@
-// fusetrain::fused_sgd_ — SGD (momentum, dampening, nesterov, weight decay)
-// over lists of tensors, with unscale, clip, non-finite skip and EMA folded in.
-#include <torch/library.h>
-
-#include "../common/update_args.h"
+// The "sgd" kind (torch.optim.SGD: momentum, dampening, nesterov, weight
+// decay): its table entry and update, with unscale, clip, non-finite skip and
+// EMA folded in.
+#include "optim_kind.h"
 
 namespace fusetrain {
 namespace detail {
+namespace {
 
-void fused_sgd_impl(UpdateKernel kernel, at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                    at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
-                    const at::Tensor& lr, double momentum, double dampening, double weight_decay, bool nesterov,
-                    bool maximize, const std::optional<at::Tensor>& inv_scale,
-                    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_norm,
-                    double max_grad_norm, const std::optional<at::Tensor>& ema_decay) {
-  const char* op = "fused_sgd_";
-  TORCH_CHECK(momentum >= 0.0, op, ": momentum must be >= 0, got ", momentum);
-  TORCH_CHECK(weight_decay >= 0.0, op, ": weight_decay must be >= 0, got ", weight_decay);
-  TORCH_CHECK(!nesterov || (momentum > 0.0 && dampening == 0.0), op,
-              ": nesterov=True needs momentum > 0 and dampening == 0, got momentum=", momentum,
-              ", dampening=", dampening);
-  TORCH_CHECK(momentum == 0.0 || momentum_buffers.size() == params.size(), op,
-              ": momentum != 0 needs one momentum_buffers tensor per param (", params.size(), "), got ",
-              momentum_buffers.size());
+void check(const std::string& op, const KindRecord& r) {
+  check_in(op, r, "momentum", 0.0);
+  check_in(op, r, "weight_decay", 0.0);
+  TORCH_CHECK_VALUE(!r.flag("nesterov") || (r["momentum"] > 0.0 && r["dampening"] == 0.0), op,
+                    ": nesterov=True needs momentum > 0 and dampening == 0, got momentum=", r["momentum"],
+                    ", dampening=", r["dampening"]);
+}
+
+void run(const KindCall& c) {
   OptimHyper h;
   h.kind = OptimKind::SGD;
-  h.sgd = SGDHyper{momentum, dampening, weight_decay, nesterov};
-  const OpStates st{momentum != 0.0 ? momentum_buffers : at::TensorList(), {}, {},
-                    {"momentum_buffers", "state2", "state3"}};
-  run_update_op(op, kernel, h, st, params, grads, state_steps, master_params, ema_params, lr, maximize, inv_scale,
-                found_inf, grad_norm, max_grad_norm, ema_decay);
+  h.sgd = SGDHyper{c["momentum"], c["dampening"], c["weight_decay"], c.flag("nesterov")};
+  run_kind_update(c, h, c.state[0], {}, {});
 }
 
+const KindSpec& kind = register_kind({
+    "sgd",
+    "SGD (torch.optim.SGD)",
+    {{"momentum", "real", "momentum factor (0: no momentum buffer)"},
+     {"dampening", "real", "dampening of the momentum"},
+     {"weight_decay", "real", "L2 weight decay"},
+     {"nesterov", "flag", "Nesterov momentum"}},
+    {{0, "momentum_buffer", "momentum"}},
+    &check,
+    &run,
+});
+
+}  // namespace
 }  // namespace detail
 }  // namespace fusetrain
-
-TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
-  m.set_python_module("fusetrain._ops");
-  m.def(
-      "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
-      "Tensor(e!)[] state_steps, Tensor(f!)[] master_params, Tensor(g!)[] ema_params, *, Tensor lr, "
-      "float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, "
-      "Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
-      "Tensor? ema_decay=None) -> ()");
-}

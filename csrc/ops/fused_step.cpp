@@ -6,10 +6,10 @@
 //   2. the results into the caller's persistent buffers (NOTE [persistent step
 //      results] in python/fusetrain/training/step.py);
 //   3. one update pass per group (and per master-weight partition) through the
-//      optimizer's update op, with unscaling, clipping, the non-finite skip and
-//      the EMA folded in.
-// It holds no kernel: the ops it calls dispatch on each group's device, so it
-// is registered once, for every backend.
+//      optimizer kind's entry in the kind table (optim_kind.h), with
+//      unscaling, clipping, the non-finite skip and the EMA folded in.
+// It holds no kernel: each group's update takes its device's kernel, so it is
+// registered once, for every backend.
 #include <ATen/TensorOperators.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/maximum.h>
@@ -22,141 +22,26 @@
 #include <vector>
 
 #include "fusetrain/ops.h"
+#include "optim_kind.h"
 
 namespace fusetrain {
 namespace detail {
 namespace {
 
 // NOTE [group records]: `hyper` holds one record per group: kCommon fields,
-// then the optimizer's own fields (flags as 0 or 1):
-//   common: max_grad_norm (<= 0: no clipping), master_weights, has_ema, maximize
-//   adam:   beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, bias_correction
-//   sgd:    momentum, dampening, weight_decay, nesterov
-//   lion:   beta1, beta2, weight_decay
-//   rmsprop: alpha, eps, weight_decay, momentum, centered, tf_style, lr_in_momentum, decoupled_weight_decay
-//   adadelta: rho, eps, weight_decay
-//   radam:  beta1, beta2, eps, weight_decay, decoupled_weight_decay
-//   nadam:  beta1, beta2, eps, weight_decay, momentum_decay, decoupled_weight_decay (state3 = mu_product, 0-d)
-//   lamb:   beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, trust_clip, always_adapt, caution,
-//           decoupled_weight_decay, decay_max_lr
-//   adamp:  beta1, beta2, eps, weight_decay, delta, wd_ratio, nesterov
-//   muon:   use_muon, momentum, nesterov, weight_decay, ns_a, ns_b, ns_c, ns_eps, ns_steps, match_rms_adamw,
-//           beta1, beta2, eps (NOTE [muon groups])
-// The state lists hold entries only for the groups that use them (adam's state3
-// = max_exp_avg_sq for amsgrad groups, sgd's state1 = momentum_buffer for groups
-// with momentum != 0; rmsprop's state2 = momentum_buffer for momentum > 0 and
-// state3 = grad_avg for centered groups); master_params one per float16/bfloat16 param of a
-// master_weights group; ema_params one per param of a has_ema group.
-//
-// NOTE [muon groups]: a Muon optimizer holds two kinds of groups: use_muon
-// groups (matrices and convolution filters: fused_muon_, state1 =
-// momentum_buffer) and the others (AdamW with the group's lr and
-// weight_decay, beta1, beta2 and eps: state1 = exp_avg, state2 = exp_avg_sq).
-// Both take the one global norm and non-finite flag of the stats pass.
+//   max_grad_norm (<= 0: no clipping), master_weights, has_ema, maximize
+// (flags as 0 or 1), then the optimizer's own fields, in the order of its
+// entry in the kind table (NOTE [kind table] in optim_kind.h; listed in
+// docs/ops.md). The state lists hold entries only for the groups whose entry
+// keeps them (e.g. adam's state3 = max_exp_avg_sq for amsgrad groups);
+// master_params one per float16/bfloat16 param of a master_weights group;
+// ema_params one per param of a has_ema group.
 constexpr int kCommon = 4;
-enum class Kind { Adam, SGD, Lion, RMSprop, Adadelta, RAdam, NAdam, Lamb, AdamP, Muon };
-
-struct KindInfo {
-  Kind kind;
-  int fields;
-};
-
-KindInfo kind_info(const std::string& name) {
-  if (name == "adam") return {Kind::Adam, kCommon + 7};
-  if (name == "sgd") return {Kind::SGD, kCommon + 4};
-  if (name == "lion") return {Kind::Lion, kCommon + 3};
-  if (name == "rmsprop") return {Kind::RMSprop, kCommon + 8};
-  if (name == "adadelta") return {Kind::Adadelta, kCommon + 3};
-  if (name == "radam") return {Kind::RAdam, kCommon + 5};
-  if (name == "nadam") return {Kind::NAdam, kCommon + 6};
-  if (name == "lamb") return {Kind::Lamb, kCommon + 11};
-  if (name == "adamp") return {Kind::AdamP, kCommon + 7};
-  if (name == "muon") return {Kind::Muon, kCommon + 13};
-  TORCH_CHECK_VALUE(false, "fused_step_: optimizer must be one of 'adam', 'sgd', 'lion', 'rmsprop', 'adadelta', "
-                    "'radam', 'nadam', 'lamb', 'adamp', 'muon', got '", name, "'");
-}
-
-// Whether a group of this kind keeps state list k (0..2).
-bool uses_state(Kind kind, const double* f, int k) {
-  switch (kind) {
-    case Kind::Adam:
-      return k < 2 || f[kCommon + 4] != 0.0;
-    case Kind::SGD:
-      return k == 0 && f[kCommon] != 0.0;
-    case Kind::Lion:
-      return k == 0;
-    case Kind::RMSprop:
-      return k == 0 || (k == 1 && f[kCommon + 3] > 0.0) || (k == 2 && f[kCommon + 4] != 0.0);
-    case Kind::Adadelta:
-    case Kind::RAdam:
-    case Kind::Lamb:
-    case Kind::AdamP:
-      return k < 2;
-    case Kind::NAdam:
-      return true;
-    case Kind::Muon:
-      return f[kCommon] != 0.0 ? k == 0 : k < 2;
-  }
-  return false;
-}
 
 // One group's slices of the flattened lists (views, no copies).
 struct Lists {
   at::TensorList params, grads, steps, s[3], masters, emas;
 };
-
-void call_update(Kind kind, const Lists& l, const at::Tensor& lr, const double* f, const FusedTail& tail) {
-  const bool maximize = f[3] != 0.0;
-  const double* k = f + kCommon;
-  switch (kind) {
-    case Kind::Adam:
-      fused_adam_(l.params, l.grads, l.s[0], l.s[1], l.s[2], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3],
-                  k[4] != 0.0, maximize, k[5] != 0.0, tail, k[6] != 0.0);
-      break;
-    case Kind::SGD:
-      fused_sgd_(l.params, l.grads, l.s[0], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3] != 0.0, maximize,
-                 tail);
-      break;
-    case Kind::Lion:
-      fused_lion_(l.params, l.grads, l.s[0], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], maximize, tail);
-      break;
-    case Kind::RMSprop:
-      fused_rmsprop_(l.params, l.grads, l.s[0], l.s[1], l.s[2], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2],
-                     k[3], k[4] != 0.0, maximize, tail, RMSpropTFForm{k[5] != 0.0, k[6] != 0.0, k[7] != 0.0});
-      break;
-    case Kind::Adadelta:
-      fused_adadelta_(l.params, l.grads, l.s[0], l.s[1], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], maximize,
-                      tail);
-      break;
-    case Kind::RAdam:
-      fused_radam_(l.params, l.grads, l.s[0], l.s[1], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3],
-                   k[4] != 0.0, maximize, tail);
-      break;
-    case Kind::NAdam:
-      fused_nadam_(l.params, l.grads, l.s[0], l.s[1], l.s[2], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3],
-                   k[4], k[5] != 0.0, maximize, tail);
-      break;
-    case Kind::Lamb:
-      fused_lamb_(l.params, l.grads, l.s[0], l.s[1], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3],
-                  maximize, tail, LambForm{k[4] != 0.0, k[5] != 0.0, k[6] != 0.0, k[7] != 0.0, k[8] != 0.0,
-                                           k[9] != 0.0, k[10]});
-      break;
-    case Kind::AdamP:
-      fused_adamp_(l.params, l.grads, l.s[0], l.s[1], l.steps, l.masters, l.emas, lr, k[0], k[1], k[2], k[3], k[4],
-                   k[5], k[6] != 0.0, maximize, tail);
-      break;
-    case Kind::Muon:  // NOTE [muon groups]
-      if (k[0] != 0.0) {
-        fused_muon_(l.params, l.grads, l.s[0], l.steps, l.masters, l.emas, lr, k[1], k[2] != 0.0, k[3],
-                    {k[4], k[5], k[6]}, k[7], static_cast<int64_t>(k[8]), k[9] != 0.0 ? "match_rms_adamw" : "original",
-                    tail);
-      } else {
-        fused_adam_(l.params, l.grads, l.s[0], l.s[1], {}, l.steps, l.masters, l.emas, lr, k[10], k[11], k[3],
-                    k[12], /*amsgrad=*/false, maximize, /*decoupled_weight_decay=*/true, tail);
-      }
-      break;
-  }
-}
 
 // Takes the next `n` entries of a flattened list.
 struct Cursor {
@@ -222,11 +107,12 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
   // every tensor list into IValues and back, per call: a few microseconds per
   // hundred tensors, on every step. fused_step_ itself passed that fallback once.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const KindInfo info = kind_info(std::string(optimizer));
+  const KindSpec& spec = find_kind(std::string(optimizer));
+  const size_t fields = kCommon + spec.fields.size();
   const size_t groups = group_sizes.size();
   TORCH_CHECK_VALUE(lrs.size() == groups, "fused_step_: got ", groups, " group_sizes but ", lrs.size(), " lrs");
-  TORCH_CHECK_VALUE(hyper.size() == groups * info.fields, "fused_step_: optimizer '", optimizer, "' takes ",
-                    info.fields, " hyper values per group (", groups, " groups), got ", hyper.size());
+  TORCH_CHECK_VALUE(hyper.size() == groups * fields, "fused_step_: optimizer '", optimizer, "' takes ", fields,
+                    " hyper values per group (", groups, " groups), got ", hyper.size());
   TORCH_CHECK_VALUE(grads.size() == params.size() && state_steps.size() == params.size(), "fused_step_: got ",
                     params.size(), " params, ", grads.size(), " grads and ", state_steps.size(), " state_steps");
   TORCH_CHECK_VALUE(!ema_decay.has_value() || ema_decay->defined(), "fused_step_: ema_decay is undefined");
@@ -234,10 +120,17 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                                                grad_norm->scalar_type() == at::kFloat),
                     "fused_step_: grad_norm must be a float32 tensor with one element");
 
+  // Every group's record is checked before anything is written.
+  bool clips = false;
+  for (size_t g = 0; g < groups; ++g) {
+    const double* f = hyper.data() + g * fields;
+    spec.check("fused_step_ (" + std::string(spec.name) + ", group " + std::to_string(g) + ")",
+               KindRecord{&spec, f + kCommon});
+    clips = clips || f[0] > 0.0;
+  }
+
   // 1. Stats pass: the norm for clipping (unless the caller measured it), the
   // flag for an unscaled step.
-  bool clips = false;
-  for (size_t g = 0; g < groups; ++g) clips = clips || hyper[g * info.fields] > 0.0;
   const bool measure =
       !params.empty() && ((clips && !grad_norm.has_value()) || (inv_scale.has_value() && !found_inf.has_value()));
   at::Tensor norm = grad_norm.has_value() ? grad_norm->reshape({}) : at::Tensor();
@@ -268,14 +161,14 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
   Cursor sc[3] = {{state1, "state1"}, {state2, "state2"}, {state3, "state3"}};
   Cursor mc{master_params, "master_params"}, ec{ema_params, "ema_params"};
   for (size_t g = 0; g < groups; ++g) {
-    const double* f = hyper.data() + g * info.fields;
+    const double* f = hyper.data() + g * fields;
     TORCH_CHECK_VALUE(group_sizes[g] >= 0, "fused_step_: group_sizes[", g, "] is negative");
     const size_t n = static_cast<size_t>(group_sizes[g]);
     Lists l;
     l.params = pc.take(n);
     l.grads = gc.take(n);
     l.steps = tc.take(n);
-    for (int k = 0; k < 3; ++k) l.s[k] = sc[k].take(uses_state(info.kind, f, k) ? n : 0);
+    for (int k = 0; k < 3; ++k) l.s[k] = sc[k].take(spec.uses_slot(f + kCommon, k) ? n : 0);
     const bool has_ema = f[2] != 0.0;
     l.emas = ec.take(has_ema ? n : 0);
     std::vector<size_t> low, full;
@@ -291,17 +184,31 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
     const at::Tensor lr = lrs[g].device() == dev && lrs[g].scalar_type() == at::kFloat
                               ? lrs[g]
                               : lrs[g].to(dev, at::kFloat);
-    FusedTail tail;
-    tail.inv_scale = on(inv_scale.has_value() ? *inv_scale : at::Tensor(), dev);
-    tail.found_inf = on(flag, dev);
-    tail.max_grad_norm = f[0] > 0.0 ? f[0] : 0.0;
-    if (f[0] > 0.0) tail.grad_norm = on(norm, dev);
+    KindCall call;
+    call.spec = &spec;
+    call.fields = f + kCommon;
+    call.kernel = update_kernel(dev.type());
+    call.lr = lr;
+    call.maximize = f[3] != 0.0;
+    call.inv_scale = on(inv_scale.has_value() ? *inv_scale : at::Tensor(), dev);
+    call.found_inf = on(flag, dev);
+    call.max_grad_norm = f[0] > 0.0 ? f[0] : 0.0;
+    if (f[0] > 0.0) call.grad_norm = on(norm, dev);
     if (has_ema) {
       TORCH_CHECK_VALUE(ema_decay.has_value(), "fused_step_: group ", g, " has EMA tensors but no ema_decay");
-      tail.ema_decay = on(*ema_decay, dev);
+      call.ema_decay = on(*ema_decay, dev);
     }
+    auto run = [&](const Lists& part) {
+      call.params = part.params;
+      call.grads = part.grads;
+      call.steps = part.steps;
+      for (int k = 0; k < 3; ++k) call.state[k] = part.s[k];
+      call.masters = part.masters;
+      call.emas = part.emas;
+      spec.run(call);
+    };
     if (!masters || full.empty()) {
-      call_update(info.kind, l, lr, f, tail);
+      run(l);
       continue;
     }
     // Float32/float64 params of a master_weights group are updated in place,
@@ -320,7 +227,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
       for (int k = 0; k < 3; ++k) part.s[k] = pick(l.s[k], v[3 + k]);
       part.emas = pick(l.emas, v[6]);
       if (idx == &low) part.masters = l.masters;
-      call_update(info.kind, part, lr, f, tail);
+      run(part);
     }
   }
   pc.expect_done();

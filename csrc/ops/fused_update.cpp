@@ -1,6 +1,6 @@
-// Checks and dtype bucketing shared by the fused optimizer update ops
-// (fused_adam_, fused_sgd_, fused_lion_); the kernel comes from the caller's
-// registration (NOTE [kernel registration] in csrc/common/dispatch.h).
+// Checks and dtype bucketing shared by the fused optimizer updates (every
+// kind of csrc/ops/optim_kind.h); the kernel is the device's
+// (register_update_kernel in csrc/common/update_args.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty_strided.h>
@@ -187,30 +187,6 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
   }
   for (auto& kv : buckets) kernel(kv.second, hyper, scalars);
   for (auto& [view, dense] : write_back) view.copy_(dense);
-}
-
-void run_update_op(const char* op, UpdateKernel kernel, OptimHyper h, const OpStates& states,
-                   at::TensorList params, at::TensorList grads, at::TensorList state_steps,
-                   at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, bool maximize,
-                   const OptT& inv_scale, const OptT& found_inf, const OptT& grad_norm, double max_grad_norm,
-                   const OptT& ema_decay) {
-  UpdateLists l;
-  std::copy(states.names, states.names + 3, l.state_names);
-  l.params = params.vec();
-  l.grads = grads.vec();
-  l.state1 = states.s1.vec();
-  l.state2 = states.s2.vec();
-  l.state3 = states.s3.vec();
-  l.steps = state_steps.vec();
-  l.aux = states.aux.vec();
-  l.aux_name = states.aux_name;
-  l.master = master_params.vec();
-  l.ema = ema_params.vec();
-  h.maximize = maximize;
-  h.max_grad_norm = max_grad_norm;
-  UpdateScalars s{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf), opt_or_undef(grad_norm),
-                  opt_or_undef(ema_decay)};
-  run_fused_update(op, l, h, s, kernel);
 }
 
 }  // namespace detail

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "../api/capture.h"
+#include "../ops/optim_kind.h"
 #include "fusetrain/build_info.h"
 
 namespace py = pybind11;
@@ -38,5 +39,27 @@ PYBIND11_MODULE(_C, m) {
       },
       "After a failed CUDA-graph capture: end the allocators' routing into the graph's pool and release it "
       "(NOTE [failed capture] in csrc/api/capture.h).");
+  m.def(
+      "optim_kinds",
+      []() {
+        py::list out;
+        for (const auto* spec : fusetrain::detail::all_kinds()) {
+          py::list fields, states;
+          for (const auto& f : spec->fields)
+            fields.append(py::dict(py::arg("name") = f.name, py::arg("type") = f.type, py::arg("doc") = f.doc));
+          auto name_or_none = [](const char* n) { return n ? py::object(py::str(n)) : py::object(py::none()); };
+          for (const auto& s : spec->states) {
+            states.append(py::dict(py::arg("slot") = s.slot, py::arg("name") = s.name,
+                                   py::arg("when") = name_or_none(s.when), py::arg("when_set") = s.when_set,
+                                   py::arg("scalar") = s.scalar, py::arg("initial") = s.initial,
+                                   py::arg("initial_when") = name_or_none(s.initial_when)));
+          }
+          out.append(py::dict(py::arg("name") = spec->name, py::arg("doc") = spec->doc, py::arg("fields") = fields,
+                              py::arg("states") = states));
+        }
+        return out;
+      },
+      "The optimizer kinds of fusetrain::fused_step_ (NOTE [kind table] in csrc/ops/optim_kind.h): each kind's "
+      "name, its record's fields in order and its per-param state.");
   fusetrain::bind_step_plan(m);
 }

@@ -19,6 +19,15 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
+def optim_kinds() -> list:
+    """The optimizer kinds of ``fused_step_`` (the C++ kind table): for each,
+    its ``name``, ``doc``, its record's own ``fields`` in order (``name``,
+    ``type``, ``doc``) and its per-param ``states`` (``slot`` in state1..3,
+    ``name``, the condition field ``when`` and ``when_set``, ``scalar``,
+    ``initial`` and ``initial_when``)."""
+    return _C.optim_kinds()
+
+
 def abandon_capture(device: torch.device, pool: tuple) -> None:
     """After a CUDA-graph capture that failed before it ended: end the device
     and pinned-host allocators' routing into the graph's memory pool and
@@ -49,8 +58,7 @@ def _update_fake(*args, **kwargs):
     return None
 
 
-for _name in ("fused_adam_", "fused_sgd_", "fused_lion_", "fused_rmsprop_", "fused_adadelta_", "fused_radam_",
-              "fused_nadam_", "fused_lamb_", "fused_adamp_", "fused_muon_", "ema_update_", "update_scale_", "fused_step_", "ema_decay_", "ema_step_"):
+for _name in ("ema_update_", "update_scale_", "fused_step_", "ema_decay_", "ema_step_"):
     torch.library.register_fake(f"fusetrain::{_name}")(_update_fake)
 
 
@@ -64,121 +72,15 @@ def grad_stats(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None) -> t
     return _ops.grad_stats(list(grads), inv_scale)
 
 
-def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, ema_params, *,
-                lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled_weight_decay, inv_scale=None,
-                found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None, bias_correction=True) -> None:
-    """In-place Adam/AdamW step over lists of tensors (see ``fusetrain::fused_adam_``)."""
-    _ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, ema_params,
-                     lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
-                     maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, inv_scale=inv_scale,
-                     found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay,
-                     bias_correction=bias_correction)
-
-
-def fused_sgd_(params, grads, momentum_buffers, state_steps, master_params, ema_params, *, lr, momentum, dampening,
-               weight_decay, nesterov, maximize, inv_scale=None, found_inf=None, grad_norm=None, max_grad_norm=0.0,
-               ema_decay=None) -> None:
-    """In-place SGD step over lists of tensors (see ``fusetrain::fused_sgd_``)."""
-    _ops.fused_sgd_(params, grads, momentum_buffers, state_steps, master_params, ema_params, lr=lr,
-                    momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                    maximize=maximize, inv_scale=inv_scale, found_inf=found_inf, grad_norm=grad_norm,
-                    max_grad_norm=max_grad_norm, ema_decay=ema_decay)
-
-
-def fused_lion_(params, grads, exp_avgs, state_steps, master_params, ema_params, *, lr, beta1, beta2, weight_decay,
-                maximize, inv_scale=None, found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
-    """In-place Lion step over lists of tensors (see ``fusetrain::fused_lion_``)."""
-    _ops.fused_lion_(params, grads, exp_avgs, state_steps, master_params, ema_params, lr=lr, beta1=beta1,
-                     beta2=beta2, weight_decay=weight_decay, maximize=maximize, inv_scale=inv_scale,
-                     found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
-
-
-def fused_rmsprop_(params, grads, square_avgs, momentum_buffers, grad_avgs, state_steps, master_params, ema_params,
-                   *, lr, alpha, eps, weight_decay, momentum, centered, maximize, inv_scale=None, found_inf=None,
-                   grad_norm=None, max_grad_norm=0.0, ema_decay=None, tf_style=False, lr_in_momentum=False,
-                   decoupled_weight_decay=False) -> None:
-    """In-place RMSprop step over lists of tensors (see ``fusetrain::fused_rmsprop_``; ``tf_style``: timm's
-    RMSpropTF form)."""
-    _ops.fused_rmsprop_(params, grads, square_avgs, momentum_buffers, grad_avgs, state_steps, master_params,
-                        ema_params, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                        centered=centered, maximize=maximize, inv_scale=inv_scale, found_inf=found_inf,
-                        grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay, tf_style=tf_style,
-                        lr_in_momentum=lr_in_momentum, decoupled_weight_decay=decoupled_weight_decay)
-
-
-def fused_adadelta_(params, grads, square_avgs, acc_deltas, state_steps, master_params, ema_params, *, lr, rho, eps,
-                    weight_decay, maximize, inv_scale=None, found_inf=None, grad_norm=None, max_grad_norm=0.0,
-                    ema_decay=None) -> None:
-    """In-place Adadelta step over lists of tensors (see ``fusetrain::fused_adadelta_``)."""
-    _ops.fused_adadelta_(params, grads, square_avgs, acc_deltas, state_steps, master_params, ema_params, lr=lr,
-                         rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize, inv_scale=inv_scale,
-                         found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
-
-
-def fused_radam_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, *, lr, beta1, beta2,
-                 eps, weight_decay, decoupled_weight_decay, maximize, inv_scale=None, found_inf=None, grad_norm=None,
-                 max_grad_norm=0.0, ema_decay=None) -> None:
-    """In-place RAdam step over lists of tensors (see ``fusetrain::fused_radam_``)."""
-    _ops.fused_radam_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, lr=lr,
-                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                      decoupled_weight_decay=decoupled_weight_decay, maximize=maximize, inv_scale=inv_scale,
-                      found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
-
-
-def fused_nadam_(params, grads, exp_avgs, exp_avg_sqs, mu_products, state_steps, master_params, ema_params, *, lr,
-                 beta1, beta2, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize, inv_scale=None,
-                 found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
-    """In-place NAdam step over lists of tensors (see ``fusetrain::fused_nadam_``); ``mu_products`` are
-    0-d float32 tensors, one per param."""
-    _ops.fused_nadam_(params, grads, exp_avgs, exp_avg_sqs, mu_products, state_steps, master_params, ema_params,
-                      lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                      momentum_decay=momentum_decay, decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
-                      inv_scale=inv_scale, found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm,
-                      ema_decay=ema_decay)
-
-
-def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, *, lr, beta1, beta2,
-                eps, weight_decay, bias_correction=True, grad_averaging=True, trust_clip=False, always_adapt=False,
-                caution=False, decoupled_weight_decay=False, decay_max_lr=0.0, maximize=False, inv_scale=None,
-                found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
-    """In-place Lamb step (timm's Lamb) over lists of tensors (see ``fusetrain::fused_lamb_``)."""
-    _ops.fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, lr=lr,
-                     beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-                     grad_averaging=grad_averaging, trust_clip=trust_clip, always_adapt=always_adapt, caution=caution,
-                     decoupled_weight_decay=decoupled_weight_decay, decay_max_lr=decay_max_lr, maximize=maximize,
-                     inv_scale=inv_scale, found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm,
-                     ema_decay=ema_decay)
-
-
-def fused_adamp_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, *, lr, beta1, beta2,
-                 eps, weight_decay, delta=0.1, wd_ratio=0.1, nesterov=False, maximize=False, inv_scale=None,
-                 found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
-    """In-place AdamP step (timm's AdamP) over lists of tensors (see ``fusetrain::fused_adamp_``)."""
-    _ops.fused_adamp_(params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, ema_params, lr=lr,
-                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, delta=delta, wd_ratio=wd_ratio,
-                      nesterov=nesterov, maximize=maximize, inv_scale=inv_scale, found_inf=found_inf,
-                      grad_norm=grad_norm, max_grad_norm=max_grad_norm, ema_decay=ema_decay)
-
-
-def fused_muon_(params, grads, momentum_buffers, state_steps, master_params, ema_params, *, lr, momentum, nesterov,
-                weight_decay, ns_coefficients, eps, ns_steps, adjust_lr_fn="original", inv_scale=None,
-                found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None) -> None:
-    """In-place Muon step over lists of matrices and convolution filters (see ``fusetrain::fused_muon_``)."""
-    _ops.fused_muon_(params, grads, momentum_buffers, state_steps, master_params, ema_params, lr=lr,
-                     momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                     ns_coefficients=list(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-                     inv_scale=inv_scale, found_inf=found_inf, grad_norm=grad_norm, max_grad_norm=max_grad_norm,
-                     ema_decay=ema_decay)
-
-
 def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
                 group_sizes, lrs, hyper, *, inv_scale=None, found_inf=None, ema_decay=None, grad_norm_out=None,
                 found_inf_out=None, grad_norm=None) -> None:
-    """The whole optimizer tail for every group of one optimizer ("adam",
-    "sgd", "lion", "rmsprop", "adadelta", "radam", "nadam", "lamb", "adamp" or "muon"): the stats pass when a group clips or the gradients are
-    loss-scaled without a flag, then one update pass per group. Lists are
+    """The whole optimizer tail for every group of one optimizer (a kind of
+    ``optim_kinds()``): the stats pass when a group clips or the gradients
+    are loss-scaled without a flag, then one update pass per group. Lists are
     flattened over groups; ``group_sizes``, ``lrs`` and ``hyper`` describe the
-    groups (NOTE [group records] in csrc/ops/fused_step.cpp). ``grad_norm_out``
+    groups (NOTE [group records] in csrc/ops/fused_step.cpp; the records'
+    fields are in ``optim_kinds()`` and docs/ops.md). ``grad_norm_out``
     and ``found_inf_out`` receive the global norm (NaN when none was measured)
     and the step's non-finite flag."""
     _ops.fused_step_(optimizer, params, grads, state_steps, state1, state2, state3, master_params, ema_params,

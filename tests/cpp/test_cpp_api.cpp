@@ -59,6 +59,38 @@ TEST(CppApiOptim, AdamWMatchesTorch) {
   }
 }
 
+// An optimizer whose record fields differ from its kind table entry.
+struct AdamMissingAField : fusetrain::Adam {
+  using fusetrain::Adam::Adam;
+  bool drop = true;
+  void kind_fields(const torch::optim::OptimizerOptions& o, fusetrain::KindValues& v) const override {
+    fusetrain::Adam::kind_fields(o, v);
+    if (drop) v.pop_back();
+    else v.emplace_back("momentum", 0.9);
+  }
+  void recheck() { check_kind(); }
+};
+
+TEST(CppApiOptim, RecordFieldsAreCheckedAgainstTheKindTable) {
+  AdamMissingAField opt(clone_params(make_params(0)));
+  try {
+    opt.recheck();
+    FAIL() << "a missing field passed";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("no value for the record field 'bias_correction'"),
+              std::string::npos) << e.what_without_backtrace();
+  }
+  opt.drop = false;
+  try {
+    opt.recheck();
+    FAIL() << "an unknown field passed";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("record field 'momentum' that its entry in the kind table "
+                                                           "lacks"),
+              std::string::npos) << e.what_without_backtrace();
+  }
+}
+
 TEST(CppApiOptim, AdamMatchesTorch) {
   auto init = make_params(2);
   auto a = clone_params(init), b = clone_params(init);

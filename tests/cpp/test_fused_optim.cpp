@@ -1,6 +1,6 @@
-// fused_adam_, fused_sgd_ and fused_lion_ against a scalar double-precision
-// reference written here (plain loops over the elements), on CPU and, when a
-// device is present, on CUDA. Every suite is instantiated for both devices;
+// The "adam", "sgd" and "lion" kinds of fusetrain::fused_step_ (one group per
+// call) against a scalar double-precision reference written here (plain loops
+// over the elements), on CPU and, when a device is present, on CUDA. Every suite is instantiated for both devices;
 // the CUDA instances skip themselves without a device.
 #include <gtest/gtest.h>
 
@@ -11,13 +11,39 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "../../csrc/ops/optim_kind.h"
+
 namespace {
 
 using TensorVec = std::vector<at::Tensor>;
+
+// The optional tail of a step: fusetrain::fused_step_'s loss scale, flag, EMA
+// decay and a given clipping norm (with the record's max_grad_norm).
+struct Tail {
+  std::optional<at::Tensor> inv_scale, found_inf, grad_norm, ema_decay;
+  double max_grad_norm = 0.0;
+};
+
+// One group of optimizer `kind` through fusetrain::fused_step_, its record
+// built by field name from the kind table; `masters` one per float16/bfloat16
+// param.
+void kind_step(const std::string& kind, const TensorVec& params, const TensorVec& grads, const TensorVec& steps,
+               const TensorVec& s1, const TensorVec& s2, const TensorVec& s3, const TensorVec& masters,
+               const TensorVec& emas, const at::Tensor& lr, const std::map<std::string, double>& fields,
+               bool maximize = false, const Tail& tail = {}) {
+  std::vector<double> hyper = {tail.max_grad_norm, masters.empty() ? 0.0 : 1.0, emas.empty() ? 0.0 : 1.0,
+                               maximize ? 1.0 : 0.0};
+  for (const auto& f : fusetrain::detail::find_kind(kind).fields) hyper.push_back(fields.at(f.name));
+  fusetrain::fused_step_(kind, params, grads, steps, s1, s2, s3, masters, emas, {static_cast<int64_t>(params.size())},
+                         {lr}, hyper, tail.inv_scale, tail.found_inf, tail.ema_decay, std::nullopt, std::nullopt,
+                         tail.max_grad_norm > 0.0 ? tail.grad_norm : std::nullopt);
+}
 
 // ---- helpers -----------------------------------------------------------------
 
@@ -180,7 +206,8 @@ class Harness {
       at::Tensor p = p32.to(s.pt);
       r.w = c.master ? to_vec(p32) : to_vec(p);
       params.push_back(p.to(dev));
-      if (c.master) master.push_back(p32.to(dev));
+      // A float32 param of a master_weights group is its own master (updated in place).
+      if (c.master) master.push_back(s.pt == at::kFloat ? params.back() : p32.to(dev));
       if (has_s1) {
         at::Tensor t = layout(at::randn(s.shape) * 0.1, s);
         r.s1 = to_vec(t);
@@ -218,26 +245,33 @@ class Harness {
     return gs;
   }
 
-  void call(const TensorVec& grads, const fusetrain::FusedTail& tail) {
+  void call(const TensorVec& grads, const Tail& tail) {
     const TensorVec none;
+    TensorVec low_masters;
+    for (size_t i = 0; i < master.size(); ++i)
+      if (params[i].scalar_type() != at::kFloat) low_masters.push_back(master[i]);
     switch (c.kind) {
       case Kind::Adam:
-        fusetrain::fused_adam_(params, grads, s1, s2, c.amsgrad ? s3 : none, steps, master, ema, lr, c.beta1,
-                               c.beta2, c.weight_decay, c.eps, c.amsgrad, c.maximize, c.decoupled, tail);
+        kind_step("adam", params, grads, steps, s1, s2, c.amsgrad ? s3 : none, low_masters, ema, lr,
+                  {{"beta1", c.beta1}, {"beta2", c.beta2}, {"weight_decay", c.weight_decay}, {"eps", c.eps},
+                   {"amsgrad", c.amsgrad}, {"decoupled_weight_decay", c.decoupled}, {"bias_correction", 1.0}},
+                  c.maximize, tail);
         break;
       case Kind::SGD:
-        fusetrain::fused_sgd_(params, grads, s1, steps, master, ema, lr, c.momentum, c.dampening, c.weight_decay,
-                              c.nesterov, c.maximize, tail);
+        kind_step("sgd", params, grads, steps, c.momentum != 0.0 ? s1 : none, none, none, low_masters, ema, lr,
+                  {{"momentum", c.momentum}, {"dampening", c.dampening}, {"weight_decay", c.weight_decay},
+                   {"nesterov", c.nesterov}},
+                  c.maximize, tail);
         break;
       case Kind::Lion:
-        fusetrain::fused_lion_(params, grads, s1, steps, master, ema, lr, c.beta1, c.beta2, c.weight_decay,
-                               c.maximize, tail);
+        kind_step("lion", params, grads, steps, s1, none, none, low_masters, ema, lr,
+                  {{"beta1", c.beta1}, {"beta2", c.beta2}, {"weight_decay", c.weight_decay}}, c.maximize, tail);
         break;
     }
   }
 
-  fusetrain::FusedTail tail_for(const TensorVec& grads, double* gmul_ref) {
-    fusetrain::FusedTail tail;
+  Tail tail_for(const TensorVec& grads, double* gmul_ref) {
+    Tail tail;
     const double inv = c.grad_scale != 1.f ? 1.0 / static_cast<double>(c.grad_scale) : 1.0;
     if (inv_scale.defined()) tail.inv_scale = inv_scale;
     if (c.ema) tail.ema_decay = ema_decay;
@@ -267,7 +301,7 @@ class Harness {
     lr.fill_(lr_k);
     const TensorVec grads = make_grads();
     double gmul = 1.0;
-    const fusetrain::FusedTail tail = tail_for(grads, &gmul);
+    const Tail tail = tail_for(grads, &gmul);
     call(grads, tail);
     for (size_t t = 0; t < ref.size(); ++t) ref_update(ref[t], to_vec(grads[t]), gmul, lr_k);
     ++done;
@@ -682,7 +716,7 @@ TEST_P(FusedCommon, ClipCoefficientSeenThroughPlainSGD) {
   const TensorVec p0 = clone_all(h.params);
   const TensorVec grads = h.make_grads();
   double gmul_ref = 0.0;
-  const fusetrain::FusedTail tail = h.tail_for(grads, &gmul_ref);
+  const Tail tail = h.tail_for(grads, &gmul_ref);
   h.call(grads, tail);
   EXPECT_NEAR(h.clip_coefs[0], 0.1, 1e-6);
   EXPECT_NEAR(gmul_ref, 0.1 / 8.0, 1e-6);
@@ -734,7 +768,7 @@ TEST_P(FusedCommon, SkipLeavesEverythingBitIdentical) {
       h.step();  // a real step first, so that the state is not the initial one
       const TensorVec before = clone_all(h.all_tensors());
       TensorVec grads = h.make_grads();
-      fusetrain::FusedTail tail;
+      Tail tail;
       tail.inv_scale = h.inv_scale;
       tail.ema_decay = h.ema_decay;
       if (from_stats) {
@@ -772,10 +806,10 @@ TEST_P(FusedCommon, FoundInfZeroUpdatesLikeNoFlag) {
     Harness b(c, specs, dev());
     const TensorVec grads = a.make_grads();
     const TensorVec initial = clone_all(a.params);
-    fusetrain::FusedTail ta;
+    Tail ta;
     ta.ema_decay = a.ema_decay;
     ta.found_inf = at::zeros({}, f32());
-    fusetrain::FusedTail tb;
+    Tail tb;
     tb.ema_decay = b.ema_decay;
     a.call(grads, ta);
     b.call(grads, tb);
@@ -821,26 +855,22 @@ TEST_P(FusedCommon, ManyTensorsWithMaster) {
   run_and_check(c, specs);
 }
 
-TEST_P(FusedCommon, EmptyListsForEveryOp) {
+TEST_P(FusedCommon, EmptyListsForEveryKind) {
   const TensorVec none;
   at::Tensor lr = at::full({}, 0.1f, f32());
-  fusetrain::FusedTail tail;
+  Tail tail;
   tail.inv_scale = at::full({}, 0.5f, f32());
   tail.found_inf = at::zeros({}, f32());
   tail.grad_norm = at::full({}, 3.f, f32());
   tail.max_grad_norm = 1.0;
   tail.ema_decay = at::full({}, 0.9f, f32());
-  EXPECT_NO_THROW(fusetrain::fused_sgd_(none, none, none, none, none, none, lr, 0.9, 0.0, 0.0, false, false, tail));
-  EXPECT_NO_THROW(fusetrain::fused_lion_(none, none, none, none, none, none, lr, 0.9, 0.99, 0.0, false, tail));
-  EXPECT_NO_THROW(fusetrain::fused_adam_(none, none, none, none, none, none, none, none, lr, 0.9, 0.999, 0.0, 1e-8,
-                                         false, false, false, tail));
-  EXPECT_NO_THROW(fusetrain::fused_nadam_(none, none, none, none, none, none, none, none, lr, 0.9, 0.999, 1e-8, 0.0,
-                                          4e-3, false, false, tail));
-  EXPECT_NO_THROW(fusetrain::fused_lamb_(none, none, none, none, none, none, none, lr, 0.9, 0.999, 1e-6, 0.01, false,
-                                         tail));
-  EXPECT_NO_THROW(fusetrain::fused_adamp_(none, none, none, none, none, none, none, lr, 0.9, 0.999, 1e-8, 0.0, 0.1,
-                                          0.1, false, false, tail));
-  auto [norm, found_inf] = fusetrain::grad_stats(none, tail.inv_scale);
+  for (const auto* spec : fusetrain::detail::all_kinds()) {
+    SCOPED_TRACE(spec->name);
+    std::map<std::string, double> fields;
+    for (const auto& f : spec->fields) fields[f.name] = 0.0;
+    EXPECT_NO_THROW(kind_step(spec->name, none, none, none, none, none, none, none, none, lr, fields, false, tail));
+  }
+  auto [norm, found_inf] = fusetrain::grad_stats(none, *tail.inv_scale);
   EXPECT_EQ(norm.item<float>(), 0.f);
   EXPECT_EQ(found_inf.item<float>(), 0.f);
   EXPECT_EQ(norm.device().type(), GetParam());
@@ -852,10 +882,12 @@ struct AdamCall {
   TensorVec params, grads, m, v, vmax, steps, master, ema;
   at::Tensor lr;
   bool amsgrad = false;
-  fusetrain::FusedTail tail;
+  Tail tail;
   void operator()() const {
-    fusetrain::fused_adam_(params, grads, m, v, vmax, steps, master, ema, lr, 0.9, 0.999, 0.0, 1e-8, amsgrad, false,
-                           true, tail);
+    kind_step("adam", params, grads, steps, m, v, vmax, master, ema, lr,
+              {{"beta1", 0.9}, {"beta2", 0.999}, {"weight_decay", 0.0}, {"eps", 1e-8}, {"amsgrad", amsgrad},
+               {"decoupled_weight_decay", 1.0}, {"bias_correction", 1.0}},
+              false, tail);
   }
 };
 
@@ -883,7 +915,7 @@ TEST_P(FusedArgs, MismatchedListSizes) {
   {
     AdamCall c = good_adam_call(dev());
     c.grads.pop_back();
-    expect_error(c, {"fused_adam_", "grads"});
+    expect_error(c, {"fused_step_", "grads"});
   }
   {
     AdamCall c = good_adam_call(dev());
@@ -893,12 +925,12 @@ TEST_P(FusedArgs, MismatchedListSizes) {
   {
     AdamCall c = good_adam_call(dev());
     c.m.pop_back();
-    expect_error(c, {"exp_avgs"});
+    expect_error(c, {"state1"});
   }
   {
     AdamCall c = good_adam_call(dev());
     c.amsgrad = true;
-    expect_error(c, {"max_exp_avg_sqs"});
+    expect_error(c, {"state3"});
   }
   {
     AdamCall c = good_adam_call(dev());
@@ -909,10 +941,12 @@ TEST_P(FusedArgs, MismatchedListSizes) {
     const auto opts = f32();
     TensorVec p = {at::randn({4}, opts)}, g = {at::randn({4}, opts)}, s = {at::zeros({}, opts)}, none;
     at::Tensor lr = at::full({}, 0.1f, opts);
-    expect_error([&] { fusetrain::fused_sgd_(p, g, none, s, none, none, lr, 0.9, 0.0, 0.0, false, false); },
-                 {"fused_sgd_", "momentum_buffers"});
-    expect_error([&] { fusetrain::fused_lion_(p, g, none, s, none, none, lr, 0.9, 0.99, 0.0, false); },
-                 {"fused_lion_", "exp_avgs"});
+    const std::map<std::string, double> sgd = {
+        {"momentum", 0.9}, {"dampening", 0.0}, {"weight_decay", 0.0}, {"nesterov", 0.0}};
+    const std::map<std::string, double> lion = {{"beta1", 0.9}, {"beta2", 0.99}, {"weight_decay", 0.0}};
+    expect_error([&] { kind_step("sgd", p, g, s, none, none, none, none, none, lr, sgd); }, {"fused_step_", "state1"});
+    expect_error([&] { kind_step("lion", p, g, s, none, none, none, none, none, lr, lion); },
+                 {"fused_step_", "state1"});
   }
 }
 
@@ -932,11 +966,14 @@ TEST_P(FusedArgs, MismatchedShapes) {
   {
     AdamCall c = good_adam_call(dev());
     c.v[0] = at::zeros({6}, f32());
-    expect_error(c, {"exp_avg_sqs[0]", "shape"});
+    expect_error(c, {"exp_avg_sq[0]", "shape"});
   }
   {
     AdamCall c = good_adam_call(dev());
-    for (const auto& p : c.params) c.master.push_back(p.clone());
+    for (auto& p : c.params) {
+      c.master.push_back(p.clone());
+      p = p.to(at::kHalf);
+    }
     c.master[1] = at::zeros({8}, f32());
     expect_error(c, {"master_params[1]", "shape"});
   }
@@ -961,7 +998,7 @@ TEST_P(FusedArgs, Float64AndOtherDtypes) {
   {
     AdamCall c = good_adam_call(dev());
     c.m[0] = c.m[0].to(at::kHalf);
-    expect_error(c, {"exp_avgs[0]", "float32"});
+    expect_error(c, {"exp_avg[0]", "float32"});
   }
   {
     AdamCall c = good_adam_call(dev());
@@ -989,11 +1026,6 @@ TEST_P(FusedArgs, BadScalars) {
   }
   {
     AdamCall c = good_adam_call(dev());
-    c.lr = at::full({}, 1e-3, f32().dtype(at::kDouble));
-    expect_error(c, {"lr", "float32"});
-  }
-  {
-    AdamCall c = good_adam_call(dev());
     c.tail.inv_scale = at::ones({3}, f32());
     expect_error(c, {"inv_scale"});
   }
@@ -1008,12 +1040,18 @@ TEST_P(FusedArgs, BadScalars) {
   at::Tensor lr = at::full({}, 0.1f, opts);
   TensorVec m = {at::zeros({4}, opts)}, v = {at::zeros({4}, opts)};
   expect_error([&] {
-    fusetrain::fused_adam_(p, g, m, v, none, s, none, none, lr, 1.0, 0.999, 0.0, 1e-8, false, false, false);
+    kind_step("adam", p, g, s, m, v, none, none, none, lr,
+              {{"beta1", 1.0}, {"beta2", 0.999}, {"weight_decay", 0.0}, {"eps", 1e-8}, {"amsgrad", 0.0},
+               {"decoupled_weight_decay", 0.0}, {"bias_correction", 1.0}});
   }, {"beta1"});
-  expect_error([&] { fusetrain::fused_sgd_(p, g, none, s, none, none, lr, 0.0, 0.0, 0.0, true, false); },
-               {"nesterov"});
-  expect_error([&] { fusetrain::fused_lion_(p, g, m, s, none, none, lr, 0.9, 0.99, -1.0, false); },
-               {"weight_decay"});
+  expect_error([&] {
+    kind_step("sgd", p, g, s, none, none, none, none, none, lr,
+              {{"momentum", 0.0}, {"dampening", 0.0}, {"weight_decay", 0.0}, {"nesterov", 1.0}});
+  }, {"nesterov"});
+  expect_error([&] {
+    kind_step("lion", p, g, s, m, none, none, none, none, lr,
+              {{"beta1", 0.9}, {"beta2", 0.99}, {"weight_decay", -1.0}});
+  }, {"weight_decay"});
   EXPECT_EQ(s[0].item<float>(), 0.f);
 }
 
@@ -1023,11 +1061,6 @@ TEST_P(FusedArgs, MixedDevices) {
     AdamCall c = good_adam_call(dev());
     c.grads[0] = c.grads[0].cpu();
     expect_error(c, {"grads[0]", "cpu"});
-  }
-  {
-    AdamCall c = good_adam_call(dev());
-    c.lr = c.lr.cpu();
-    expect_error(c, {"lr", "cpu"});
   }
   {
     AdamCall c = good_adam_call(dev());

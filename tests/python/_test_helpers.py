@@ -81,3 +81,55 @@ def step_with_schedule_clip_and_skip(ref_opt, ours_opt, ref_params, ours_params,
             ours_opt.step()
         for s in sched:
             s.step()
+
+
+#: Values of the record fields (the kind table's, fusetrain._ops.optim_kinds()) that kind_step fills in
+#: when a call does not name them: the optimizers' defaults for their flags and options.
+KIND_DEFAULTS = {
+    "adam": dict(amsgrad=False, decoupled_weight_decay=False, bias_correction=True),
+    "sgd": dict(dampening=0.0, nesterov=False),
+    "rmsprop": dict(tf_style=False, lr_in_momentum=False, decoupled_weight_decay=False),
+    "radam": dict(decoupled_weight_decay=False),
+    "nadam": dict(momentum_decay=4e-3, decoupled_weight_decay=False),
+    "lamb": dict(bias_correction=True, grad_averaging=True, trust_clip=False, always_adapt=False, caution=False,
+                 decoupled_weight_decay=False, decay_max_lr=0.0),
+    "adamp": dict(delta=0.1, wd_ratio=0.1, nesterov=False),
+    "muon": dict(use_muon=True, match_rms_adamw=False, adamw_beta1=0.9, adamw_beta2=0.95, adamw_eps=1e-8),
+}
+
+
+def kind_record(kind, *, max_grad_norm=0.0, master=False, ema=False, maximize=False, **fields):
+    """A group record of ``fusetrain::fused_step_`` built by field name from the kind table (``betas`` gives
+    beta1 and beta2): the common fields, then the kind's own in the table's order."""
+    if "betas" in fields:
+        fields["beta1"], fields["beta2"] = fields.pop("betas")
+    from fusetrain.optim._kinds import KINDS
+
+    names = KINDS[kind]["field_names"]
+    values = dict(KIND_DEFAULTS.get(kind, {}), **fields)
+    unknown = set(values) - set(names)
+    missing = set(names) - set(values)
+    if unknown or missing:
+        raise TypeError(f"kind_record({kind!r}): unknown fields {sorted(unknown)}, missing {sorted(missing)}")
+    return [float(max_grad_norm), float(master), float(ema), float(maximize)] + [float(values[n]) for n in names]
+
+
+def kind_step_args(kind, params, grads, steps, states=(), masters=(), emas=(), *, lr, maximize=False,
+                   inv_scale=None, found_inf=None, grad_norm=None, max_grad_norm=0.0, ema_decay=None, **fields):
+    """The arguments of one ``fusetrain::fused_step_`` call for one group of optimizer ``kind``: ``states``
+    are its state lists state1..3 (those the record uses), ``masters`` one per float16/bfloat16 param,
+    ``grad_norm`` a given clipping norm; the record is ``kind_record`` of the other arguments."""
+    lists = [list(s) for s in states] + [[] for _ in range(3 - len(states))]
+    record = kind_record(kind, max_grad_norm=max_grad_norm, master=bool(masters), ema=bool(emas), maximize=maximize,
+                         **fields)
+    args = (kind, list(params), list(grads), list(steps), *lists, list(masters), list(emas), [len(params)], [lr],
+            record)
+    kwargs = dict(inv_scale=inv_scale, found_inf=found_inf, ema_decay=ema_decay,
+                  grad_norm=grad_norm if max_grad_norm > 0 else None)
+    return args, kwargs
+
+
+def kind_step(*args, **kwargs):
+    """One ``fusetrain::fused_step_`` call of ``kind_step_args(*args, **kwargs)``."""
+    a, kw = kind_step_args(*args, **kwargs)
+    torch.ops.fusetrain.fused_step_(*a, **kw)

@@ -1,4 +1,4 @@
-"""fusetrain.optim.Adam / AdamW and fusetrain::fused_adam_ against torch.optim.
+"""fusetrain.optim.Adam / AdamW and the "adam" kind of fusetrain::fused_step_ against torch.optim.
 
 The reference is torch.optim.Adam / AdamW with foreach=False, always run in
 float32 on the CPU. The fused step performs the same element operations in the
@@ -19,79 +19,20 @@ import pytest
 import torch
 
 import fusetrain  # noqa: F401
-from fusetrain._ops import fused_adam_
 from fusetrain.optim import Adam, AdamW
 
-from _test_helpers import CUDA, DEVICES
+from _optim_helpers import (F32, LOW, STEPS, assert_low_precision_equal, assert_params_close, assert_snapshot_equal,
+                            assign, cpu32, f32, make_params, new_grads, ref_copies, round_to, snapshot)
+from _test_helpers import CUDA, DEVICES, kind_step, kind_step_args
 
-LOW = [torch.float16, torch.bfloat16]
-SHAPES = [(1,), (7,), (13, 17), (1031,), (3, 5, 7)]
-STEPS = 100
 TORCH_CLS = {Adam: torch.optim.Adam, AdamW: torch.optim.AdamW}
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
-# fp32 after 100 steps on O(1) params: measured max |diff| about 2.4e-7 (a few
-# ulps from different FMA contraction); 1e-6 leaves room for the CUDA kernels.
-F32 = dict(rtol=1e-6, atol=1e-6)
 
 
 SEED = 1234  # conftest.py seeds torch with it before each test
 
 
 # ---- helpers ---------------------------------------------------------------------------
-
-
-def f32(x: float) -> float:
-    """``x`` rounded to float32, as the fused ops see a float32 lr tensor."""
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
-def make_params(device, dtypes=(torch.float32,), shapes=SHAPES):
-    return [torch.nn.Parameter(torch.randn(s, device=device).to(dtypes[i % len(dtypes)]))
-            for i, s in enumerate(shapes)]
-
-
-def ref_copies(params):
-    """fp32 CPU copies for the torch reference."""
-    return [torch.nn.Parameter(p.detach().to("cpu", torch.float32).clone()) for p in params]
-
-
-def new_grads(params, grad_dtype=None, scale=1.0):
-    return [(torch.randn(p.shape, device=p.device) * scale).to(grad_dtype or p.dtype) for p in params]
-
-
-def assign(params, ref_params, grads):
-    for p, r, g in zip(params, ref_params, grads):
-        if g is not None and g.dtype != p.dtype:
-            p.grad_dtype = None  # allow a gradient dtype different from the param's
-        p.grad = g
-        if r is not None:
-            r.grad = None if g is None else g.to("cpu", torch.float32)  # the reference uses grad.float()
-
-
-@torch.no_grad()
-def round_to(ref_params, dtypes):
-    for r, dt in zip(ref_params, dtypes):
-        r.copy_(r.to(dt).float())
-
-
-def cpu32(t):
-    return t.detach().to("cpu", torch.float32)
-
-
-def assert_params_close(params, ref_params, **tol):
-    for i, (p, r) in enumerate(zip(params, ref_params)):
-        torch.testing.assert_close(cpu32(p), cpu32(r), **tol, msg=lambda m: f"param {i}: {m}")
-
-
-def assert_low_precision_equal(actual, expected, dtype):
-    """``expected`` holds the reference's values already rounded to ``dtype``."""
-    a = torch.cat([cpu32(x).reshape(-1) for x in actual])
-    e = torch.cat([cpu32(x).reshape(-1) for x in expected])
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(a, e, rtol=2 * eps, atol=1e-5)
-    frac = (a == e).float().mean().item()
-    assert frac >= 0.99, f"only {frac:.4f} of the elements are bit-equal to the rounded reference"
 
 
 def assert_state_close(opt, params, ropt, ref_params, **tol):
@@ -104,26 +45,6 @@ def assert_state_close(opt, params, ropt, ref_params, **tol):
                 assert st[k].dtype == torch.float32, (k, st[k].dtype)
                 assert st[k].device == p.device
                 torch.testing.assert_close(cpu32(st[k]), rst[k], **tol, msg=lambda m: f"{k} of param {i}: {m}")
-
-
-def snapshot(opt, extra=()):
-    out = {}
-    for gi, group in enumerate(opt.param_groups):
-        for pi, p in enumerate(group["params"]):
-            out[f"param {gi}.{pi}"] = p.detach().clone()
-            for k, v in opt.state[p].items():
-                if isinstance(v, torch.Tensor):
-                    out[f"state {gi}.{pi}.{k}"] = v.clone()
-    for i, t in enumerate(extra):
-        out[f"extra {i}"] = t.clone()
-    return out
-
-
-def assert_snapshot_equal(before, after):
-    assert before.keys() == after.keys()
-    for k in before:
-        assert before[k].dtype == after[k].dtype, k
-        assert torch.equal(before[k], after[k]), f"{k} changed"
 
 
 # ---- optimizer vs torch.optim, fp32 ----------------------------------------------------------
@@ -504,16 +425,17 @@ def _random_state(p, amsgrad, step):
 
 
 def run_op_vs_torch(device, param_dtypes, grad_dtypes, shapes, hp, with_master=False):
-    """One fused_adam_ call on random lists vs one torch.optim step from the same state."""
+    """One fused_step_ call (kind "adam") on random lists vs one torch.optim step from the same state."""
     lr = 3e-3
     n = len(shapes)
     params = [torch.randn(s, device=device).to(param_dtypes[i % len(param_dtypes)]) for i, s in enumerate(shapes)]
     grads = [torch.randn(s, device=device).to(grad_dtypes[i % len(grad_dtypes)]) for i, s in enumerate(shapes)]
     steps0 = [int(k) for k in torch.randint(1, 40, (n,))]
     states = [_random_state(p, hp["amsgrad"], s) for p, s in zip(params, steps0)]
-    masters = [(p.float() + 1e-3 * torch.randn_like(p.float())) for p in params] if with_master else []
-    ref = [torch.nn.Parameter((m if with_master else p).detach().to("cpu", torch.float32).clone())
-           for p, m in itertools.zip_longest(params, masters)]
+    mast = {i: p.float() + 1e-3 * torch.randn_like(p.float()) for i, p in enumerate(params)
+            if with_master and p.dtype in LOW}  # masters are for float16/bfloat16 params
+    masters = [mast[i] for i in sorted(mast)]
+    ref = [torch.nn.Parameter(mast.get(i, p).detach().to("cpu", torch.float32).clone()) for i, p in enumerate(params)]
     ropt = torch.optim.Adam(ref, lr=f32(lr), betas=hp["betas"], eps=hp["eps"], weight_decay=hp["weight_decay"],
                             amsgrad=hp["amsgrad"], maximize=hp["maximize"],
                             decoupled_weight_decay=hp["decoupled_weight_decay"], foreach=False)
@@ -527,9 +449,8 @@ def run_op_vs_torch(device, param_dtypes, grad_dtypes, shapes, hp, with_master=F
     exp_avg_sqs = [dev(st["exp_avg_sq"]) for st in states]
     max_sqs = [dev(st["max_exp_avg_sq"]) for st in states] if hp["amsgrad"] else []
     steps = [dev(st["step"]) for st in states]
-    op_hp = {k: v for k, v in hp.items() if k != "betas"}
-    fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters, [],
-                lr=torch.tensor(lr, device=device), beta1=hp["betas"][0], beta2=hp["betas"][1], **op_hp)
+    kind_step("adam", params, grads, steps, (exp_avgs, exp_avg_sqs, max_sqs), masters,
+              lr=torch.tensor(lr, device=device), **hp)
 
     for i, r in enumerate(ref):
         assert steps[i].item() == steps0[i] + 1
@@ -538,16 +459,16 @@ def run_op_vs_torch(device, param_dtypes, grad_dtypes, shapes, hp, with_master=F
         torch.testing.assert_close(cpu32(exp_avg_sqs[i]), rs["exp_avg_sq"], **F32)
         if hp["amsgrad"]:
             torch.testing.assert_close(cpu32(max_sqs[i]), rs["max_exp_avg_sq"], **F32)
-        if with_master:
-            torch.testing.assert_close(cpu32(masters[i]), r.detach(), **F32)
-            assert torch.equal(params[i], masters[i].to(params[i].dtype))
-    if not with_master:
-        fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
-        assert_params_close([params[i] for i in fp32], [ref[i] for i in fp32], **F32)
-        for dt in LOW:
-            idx = [i for i, p in enumerate(params) if p.dtype == dt]
-            if idx:
-                assert_low_precision_equal([params[i] for i in idx], [ref[i].detach().to(dt) for i in idx], dt)
+        if i in mast:
+            torch.testing.assert_close(cpu32(mast[i]), r.detach(), **F32)
+            assert torch.equal(params[i], mast[i].to(params[i].dtype))
+    plain = [i for i in range(n) if i not in mast]
+    fp32 = [i for i in plain if params[i].dtype == torch.float32]
+    assert_params_close([params[i] for i in fp32], [ref[i] for i in fp32], **F32)
+    for dt in LOW:
+        idx = [i for i in plain if params[i].dtype == dt]
+        if idx:
+            assert_low_precision_equal([params[i] for i in idx], [ref[i].detach().to(dt) for i in idx], dt)
 
 
 OP_HP = [
@@ -580,11 +501,10 @@ def test_op_300_tensors_mixed_dtypes(device, with_master, hp):
 def test_op_empty_lists(device):
     lr = torch.tensor(1e-3, device=device)
     for amsgrad in (False, True):
-        fused_adam_([], [], [], [], [], [], [], [], lr=lr, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8,
-                    amsgrad=amsgrad, maximize=False, decoupled_weight_decay=True,
-                    inv_scale=torch.tensor(0.5, device=device), found_inf=torch.zeros((), device=device),
-                    grad_norm=torch.tensor(3.0, device=device), max_grad_norm=1.0,
-                    ema_decay=torch.tensor(0.9, device=device))
+        kind_step("adam", [], [], [], lr=lr, betas=(0.9, 0.999), weight_decay=0.1, eps=1e-8, amsgrad=amsgrad,
+                  decoupled_weight_decay=True, inv_scale=torch.tensor(0.5, device=device),
+                  found_inf=torch.zeros((), device=device), grad_norm=torch.tensor(3.0, device=device),
+                  max_grad_norm=1.0, ema_decay=torch.tensor(0.9, device=device))
     assert lr.item() == pytest.approx(1e-3)
 
 
@@ -617,40 +537,42 @@ def test_params_without_grad_are_skipped(device, cls):
 @pytest.mark.parametrize("device", DEVICES)
 def test_op_rejects_bad_arguments(device):
     lr = torch.tensor(1e-3, device=device)
-    kw = dict(lr=lr, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
-              decoupled_weight_decay=False)
+    kw = dict(lr=lr, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8)
 
-    def lists(p, g):
-        return [p], [g], [torch.zeros_like(p, dtype=torch.float32)], [torch.zeros_like(p, dtype=torch.float32)], \
-            [], [torch.zeros((), device=device)], [], []
+    def step(p, g, masters=(), **extra):
+        st = (torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32))
+        kind_step("adam", [p], [g], [torch.zeros((), device=device)], ([st[0]], [st[1]]), masters,
+                  **dict(kw, **extra))
 
     p = torch.randn(5, device=device)
     with pytest.raises(RuntimeError, match=r"params\[0\].*(Double|float64)"):
-        fused_adam_(*lists(p.double(), torch.randn(5, device=device)), **kw)
+        step(p.double(), torch.randn(5, device=device))
     with pytest.raises(RuntimeError, match=r"grads\[0\] has shape"):
-        fused_adam_(*lists(p, torch.randn(6, device=device)), **kw)
+        step(p, torch.randn(6, device=device))
     with pytest.raises(RuntimeError, match=r"grads\[0\].*(Double|float64)"):
-        fused_adam_(*lists(p, torch.randn(5, device=device, dtype=torch.float64)), **kw)
-    with pytest.raises(RuntimeError, match="amsgrad"):
-        fused_adam_(*lists(p, torch.randn(5, device=device)), **dict(kw, amsgrad=True))
+        step(p, torch.randn(5, device=device, dtype=torch.float64))
+    with pytest.raises(ValueError, match="state3 has 0 tensors, fewer than the group records need"):
+        step(p, torch.randn(5, device=device), amsgrad=True)
+    with pytest.raises(ValueError, match=r"beta1 must be in \[0, 1\), got 1"):
+        step(p, torch.randn(5, device=device), betas=(1.0, 0.999))
+    with pytest.raises(ValueError, match="eps must be >= 0, got -1"):
+        step(p, torch.randn(5, device=device), eps=-1.0)
     # A float64 param keeps float64 state (NOTE [float64 params]) and has no master.
     p64, g64 = p.double(), torch.randn(5, device=device, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] has dtype float32 but must be float64"):
-        fused_adam_(*lists(p64, g64), **kw)
-    st = [torch.zeros_like(p64)]
-    with pytest.raises(RuntimeError, match=r"params\[0\] is float64 and has a master copy"):
-        fused_adam_([p64], [g64], st, [torch.zeros_like(p64)], [], [torch.zeros((), device=device)],
-                    [torch.zeros_like(p)], [], **kw)
+    with pytest.raises(RuntimeError, match=r"exp_avg\[0\] has dtype float32 but must be float64"):
+        step(p64, g64)
+    with pytest.raises(ValueError, match="master_params has 1 tensors but the group records use 0"):
+        kind_step("adam", [p64], [g64], [torch.zeros((), device=device)],
+                  ([torch.zeros_like(p64)], [torch.zeros_like(p64)]), [torch.zeros_like(p)], **kw)
 
 
 @CUDA
 def test_op_rejects_mismatched_devices():
     p = torch.randn(5, device="cuda")
     with pytest.raises(RuntimeError, match=r"grads\[0\] is on"):
-        fused_adam_([p], [torch.randn(5)], [torch.zeros_like(p)], [torch.zeros_like(p)], [],
-                    [torch.zeros((), device="cuda")], [], [], lr=torch.tensor(1e-3, device="cuda"), beta1=0.9,
-                    beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
-                    decoupled_weight_decay=False)
+        kind_step("adam", [p], [torch.randn(5)], [torch.zeros((), device="cuda")],
+                  ([torch.zeros_like(p)], [torch.zeros_like(p)]), lr=torch.tensor(1e-3, device="cuda"),
+                  betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8)
 
 
 # ---- registration ----------------------------------------------------------------------
@@ -658,7 +580,7 @@ def test_op_rejects_mismatched_devices():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
-    op = torch.ops.fusetrain.fused_adam_
+    op = torch.ops.fusetrain.fused_step_
 
     def case(param_dtypes, grad_dtype, amsgrad, master, ema, tail):
         shapes = [(3, 4), (7,), (1,)]
@@ -670,12 +592,11 @@ def test_opcheck(device):
         steps = [torch.tensor(3.0, device=device) for _ in shapes]
         masters = [p.float() for p in ps] if master else []
         emas = [p.clone() for p in ps] if ema else []
-        args = (ps, gs, m, v, vmax, steps, masters, emas)
-        kwargs = dict(lr=torch.tensor(1e-3, device=device), beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
-                      amsgrad=amsgrad, maximize=False, decoupled_weight_decay=True, **tail)
         if ema:
-            kwargs["ema_decay"] = torch.tensor(0.99, device=device)
-        return args, kwargs
+            tail = dict(tail, ema_decay=torch.tensor(0.99, device=device))
+        return kind_step_args("adam", ps, gs, steps, (m, v, vmax), masters, emas, lr=torch.tensor(1e-3, device=device),
+                              betas=(0.9, 0.999), weight_decay=0.01, eps=1e-8, amsgrad=amsgrad,
+                              decoupled_weight_decay=True, **tail)
 
     full_tail = dict(inv_scale=torch.tensor(0.5, device=device), found_inf=torch.zeros((), device=device),
                      grad_norm=torch.tensor(4.0, device=device), max_grad_norm=1.0)
@@ -683,9 +604,8 @@ def test_opcheck(device):
         case([torch.float32], torch.float32, False, False, False, {}),
         case([torch.bfloat16, torch.float16], torch.float32, True, True, True, full_tail),
         case([torch.float32], torch.bfloat16, True, False, True, dict(found_inf=torch.ones((), device=device))),
-        (([], [], [], [], [], [], [], []),
-         dict(lr=torch.tensor(1e-3, device=device), beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8,
-              amsgrad=False, maximize=False, decoupled_weight_decay=False)),
+        kind_step_args("adam", [], [], [], lr=torch.tensor(1e-3, device=device), betas=(0.9, 0.999),
+                       weight_decay=0.0, eps=1e-8),
     ]
     for args, kwargs in cases:
         torch.library.opcheck(op, args, kwargs)

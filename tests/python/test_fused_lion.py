@@ -1,4 +1,4 @@
-"""fusetrain.optim.Lion and fusetrain::fused_lion_ against a hand-written torch reference.
+"""fusetrain.optim.Lion and the "lion" kind of fusetrain::fused_step_ against a hand-written torch reference.
 
 torch has no Lion, so the reference below writes its math with torch ops,
 in float32 on the CPU, in the order the fused kernel uses:
@@ -22,19 +22,11 @@ import pytest
 import torch
 
 import fusetrain  # noqa: F401
-from fusetrain._ops import fused_lion_
 from fusetrain.optim import Lion
 
-from _test_helpers import CUDA, DEVICES
-
-LOW = [torch.float16, torch.bfloat16]
-SHAPES = [(1,), (7,), (13, 17), (1031,), (3, 5, 7)]
-STEPS = 100
-
-# fp32 after 100 steps: each step moves a param by exactly +-lr (plus weight
-# decay), so differences come only from rounding in the decay and the moment;
-# 1e-6 on O(1) params.
-F32 = dict(rtol=1e-6, atol=1e-6)
+from _optim_helpers import (F32, LOW, STEPS, assert_low_precision_equal, assert_params_close, assert_snapshot_equal,
+                            assign, cpu32, f32, make_params, new_grads, ref_copies, round_to, snapshot)
+from _test_helpers import CUDA, DEVICES, kind_step, kind_step_args
 
 
 SEED = 2718  # conftest.py seeds torch with it before each test
@@ -74,59 +66,6 @@ class RefLion(torch.optim.Optimizer):
 # ---- helpers ---------------------------------------------------------------------------
 
 
-def f32(x: float) -> float:
-    """``x`` rounded to float32, as the fused ops see a float32 lr tensor."""
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
-def make_params(device, dtypes=(torch.float32,), shapes=SHAPES):
-    return [torch.nn.Parameter(torch.randn(s, device=device).to(dtypes[i % len(dtypes)]))
-            for i, s in enumerate(shapes)]
-
-
-def ref_copies(params):
-    """fp32 CPU copies for the torch reference."""
-    return [torch.nn.Parameter(p.detach().to("cpu", torch.float32).clone()) for p in params]
-
-
-def new_grads(params, grad_dtype=None, scale=1.0):
-    return [(torch.randn(p.shape, device=p.device) * scale).to(grad_dtype or p.dtype) for p in params]
-
-
-def assign(params, ref_params, grads):
-    for p, r, g in zip(params, ref_params, grads):
-        if g is not None and g.dtype != p.dtype:
-            p.grad_dtype = None  # allow a gradient dtype different from the param's
-        p.grad = g
-        if r is not None:
-            r.grad = None if g is None else g.to("cpu", torch.float32)  # the reference uses grad.float()
-
-
-@torch.no_grad()
-def round_to(ref_params, dtype):
-    for r in ref_params:
-        r.copy_(r.to(dtype).float())
-
-
-def cpu32(t):
-    return t.detach().to("cpu", torch.float32)
-
-
-def assert_params_close(params, ref_params, **tol):
-    for i, (p, r) in enumerate(zip(params, ref_params)):
-        torch.testing.assert_close(cpu32(p), cpu32(r), **tol, msg=lambda m: f"param {i}: {m}")
-
-
-def assert_low_precision_equal(actual, expected, dtype):
-    """``expected`` holds the reference's values already rounded to ``dtype``."""
-    a = torch.cat([cpu32(x).reshape(-1) for x in actual])
-    e = torch.cat([cpu32(x).reshape(-1) for x in expected])
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(a, e, rtol=2 * eps, atol=1e-5)
-    frac = (a == e).float().mean().item()
-    assert frac >= 0.99, f"only {frac:.4f} of the elements are bit-equal to the rounded reference"
-
-
 def assert_state_close(opt, params, ropt, ref_params, **tol):
     for i, (p, r) in enumerate(zip(params, ref_params)):
         st, rst = opt.state[p], ropt.state[r]
@@ -135,26 +74,6 @@ def assert_state_close(opt, params, ropt, ref_params, **tol):
         m = st["exp_avg"]
         assert m.dtype == torch.float32 and m.device == p.device
         torch.testing.assert_close(cpu32(m), rst["exp_avg"], **tol, msg=lambda msg: f"exp_avg of param {i}: {msg}")
-
-
-def snapshot(opt, extra=()):
-    out = {}
-    for gi, group in enumerate(opt.param_groups):
-        for pi, p in enumerate(group["params"]):
-            out[f"param {gi}.{pi}"] = p.detach().clone()
-            for k, v in opt.state[p].items():
-                if isinstance(v, torch.Tensor):
-                    out[f"state {gi}.{pi}.{k}"] = v.clone()
-    for i, t in enumerate(extra):
-        out[f"extra {i}"] = t.clone()
-    return out
-
-
-def assert_snapshot_equal(before, after):
-    assert before.keys() == after.keys()
-    for k in before:
-        assert before[k].dtype == after[k].dtype, k
-        assert torch.equal(before[k], after[k]), f"{k} changed"
 
 
 # ---- optimizer vs reference, fp32 --------------------------------------------------------
@@ -523,16 +442,17 @@ def test_ema_rides_the_step(device, dtype, master):
 
 
 def run_op_vs_reference(device, param_dtypes, grad_dtypes, shapes, hp, with_master=False):
-    """One fused_lion_ call on random lists vs one reference step from the same state."""
+    """One fused_step_ call (kind "lion") on random lists vs one reference step from the same state."""
     lr = 1e-2
     n = len(shapes)
     params = [torch.randn(s, device=device).to(param_dtypes[i % len(param_dtypes)]) for i, s in enumerate(shapes)]
     grads = [torch.randn(s, device=device).to(grad_dtypes[i % len(grad_dtypes)]) for i, s in enumerate(shapes)]
     steps0 = [int(k) for k in torch.randint(1, 40, (n,))]
     moms0 = [torch.randn(s) * 0.1 for s in shapes]
-    masters = [(p.float() + 1e-3 * torch.randn_like(p.float())) for p in params] if with_master else []
-    ref = [torch.nn.Parameter((m if with_master else p).detach().to("cpu", torch.float32).clone())
-           for p, m in itertools.zip_longest(params, masters)]
+    mast = {i: p.float() + 1e-3 * torch.randn_like(p.float()) for i, p in enumerate(params)
+            if with_master and p.dtype in LOW}  # masters are for float16/bfloat16 params
+    masters = [mast[i] for i in sorted(mast)]
+    ref = [torch.nn.Parameter(mast.get(i, p).detach().to("cpu", torch.float32).clone()) for i, p in enumerate(params)]
     ropt = RefLion(ref, lr=lr, **hp)
     for i, (r, g) in enumerate(zip(ref, grads)):
         r.grad = g.to("cpu", torch.float32)
@@ -541,22 +461,21 @@ def run_op_vs_reference(device, param_dtypes, grad_dtypes, shapes, hp, with_mast
 
     moms = [m.clone().to(device) for m in moms0]
     steps = [torch.tensor(float(s), device=device) for s in steps0]
-    fused_lion_(params, grads, moms, steps, masters, [], lr=torch.tensor(lr, device=device), beta1=hp["betas"][0],
-                beta2=hp["betas"][1], weight_decay=hp["weight_decay"], maximize=hp["maximize"])
+    kind_step("lion", params, grads, steps, (moms,), masters, lr=torch.tensor(lr, device=device), **hp)
 
     for i, r in enumerate(ref):
         assert steps[i].item() == steps0[i] + 1
         torch.testing.assert_close(cpu32(moms[i]), ropt.state[r]["exp_avg"], **F32)
-        if with_master:
-            torch.testing.assert_close(cpu32(masters[i]), r.detach(), **F32)
-            assert torch.equal(params[i], masters[i].to(params[i].dtype))
-    if not with_master:
-        fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
-        assert_params_close([params[i] for i in fp32], [ref[i] for i in fp32], **F32)
-        for dt in LOW:
-            idx = [i for i, p in enumerate(params) if p.dtype == dt]
-            if idx:
-                assert_low_precision_equal([params[i] for i in idx], [ref[i].detach().to(dt) for i in idx], dt)
+        if i in mast:
+            torch.testing.assert_close(cpu32(mast[i]), r.detach(), **F32)
+            assert torch.equal(params[i], mast[i].to(params[i].dtype))
+    plain = [i for i in range(n) if i not in mast]
+    fp32 = [i for i in plain if params[i].dtype == torch.float32]
+    assert_params_close([params[i] for i in fp32], [ref[i] for i in fp32], **F32)
+    for dt in LOW:
+        idx = [i for i in plain if params[i].dtype == dt]
+        if idx:
+            assert_low_precision_equal([params[i] for i in idx], [ref[i].detach().to(dt) for i in idx], dt)
 
 
 OP_HP = [
@@ -589,10 +508,9 @@ def test_op_300_tensors_mixed_dtypes(device, with_master, hp):
 @pytest.mark.parametrize("device", DEVICES)
 def test_op_empty_lists(device):
     lr = torch.tensor(1e-3, device=device)
-    fused_lion_([], [], [], [], [], [], lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1, maximize=False,
-                inv_scale=torch.tensor(0.5, device=device), found_inf=torch.zeros((), device=device),
-                grad_norm=torch.tensor(3.0, device=device), max_grad_norm=1.0,
-                ema_decay=torch.tensor(0.9, device=device))
+    kind_step("lion", [], [], [], lr=lr, betas=(0.9, 0.99), weight_decay=0.1,
+              inv_scale=torch.tensor(0.5, device=device), found_inf=torch.zeros((), device=device),
+              grad_norm=torch.tensor(3.0, device=device), max_grad_norm=1.0, ema_decay=torch.tensor(0.9, device=device))
     assert lr.item() == pytest.approx(1e-3)
 
 
@@ -624,26 +542,26 @@ def test_params_without_grad_are_skipped(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_op_rejects_bad_arguments(device):
     lr = torch.tensor(1e-3, device=device)
-    kw = dict(lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False)
+    kw = dict(lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
     step = [torch.zeros((), device=device)]
     p = torch.randn(5, device=device)
     m = [torch.zeros(5, device=device)]
     with pytest.raises(RuntimeError, match=r"params\[0\].*(Double|float64)"):
-        fused_lion_([p.double()], [torch.randn(5, device=device)], m, step, [], [], **kw)
+        kind_step("lion", [p.double()], [torch.randn(5, device=device)], step, (m,), **kw)
     with pytest.raises(RuntimeError, match=r"grads\[0\] has shape"):
-        fused_lion_([p], [torch.randn(6, device=device)], m, step, [], [], **kw)
-    with pytest.raises(RuntimeError, match="exp_avgs"):
-        fused_lion_([p], [torch.randn(5, device=device)], [], step, [], [], **kw)
-    with pytest.raises(RuntimeError, match="beta1"):
-        fused_lion_([p], [torch.randn(5, device=device)], m, step, [], [], **dict(kw, beta1=1.0))
+        kind_step("lion", [p], [torch.randn(6, device=device)], step, (m,), **kw)
+    with pytest.raises(ValueError, match="state1 has 0 tensors, fewer than the group records need"):
+        kind_step("lion", [p], [torch.randn(5, device=device)], step, **kw)
+    with pytest.raises(ValueError, match=r"beta1 must be in \[0, 1\), got 1"):
+        kind_step("lion", [p], [torch.randn(5, device=device)], step, (m,), **dict(kw, betas=(1.0, 0.99)))
 
 
 @CUDA
 def test_op_rejects_mismatched_devices():
     p = torch.randn(5, device="cuda")
     with pytest.raises(RuntimeError, match=r"grads\[0\] is on"):
-        fused_lion_([p], [torch.randn(5)], [torch.zeros_like(p)], [torch.zeros((), device="cuda")], [], [],
-                    lr=torch.tensor(1e-3, device="cuda"), beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False)
+        kind_step("lion", [p], [torch.randn(5)], [torch.zeros((), device="cuda")], ([torch.zeros_like(p)],),
+                  lr=torch.tensor(1e-3, device="cuda"), betas=(0.9, 0.99), weight_decay=0.0)
 
 
 # ---- registration ----------------------------------------------------------------------
@@ -651,7 +569,7 @@ def test_op_rejects_mismatched_devices():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
-    op = torch.ops.fusetrain.fused_lion_
+    op = torch.ops.fusetrain.fused_step_
 
     def case(param_dtypes, grad_dtype, master, ema, tail):
         shapes = [(3, 4), (7,), (1,)]
@@ -661,12 +579,10 @@ def test_opcheck(device):
         steps = [torch.tensor(3.0, device=device) for _ in shapes]
         masters = [p.float() for p in ps] if master else []
         emas = [p.clone() for p in ps] if ema else []
-        args = (ps, gs, moms, steps, masters, emas)
-        kwargs = dict(lr=torch.tensor(1e-3, device=device), beta1=0.9, beta2=0.99, weight_decay=0.01,
-                      maximize=False, **tail)
         if ema:
-            kwargs["ema_decay"] = torch.tensor(0.99, device=device)
-        return args, kwargs
+            tail = dict(tail, ema_decay=torch.tensor(0.99, device=device))
+        return kind_step_args("lion", ps, gs, steps, (moms,), masters, emas, lr=torch.tensor(1e-3, device=device),
+                              betas=(0.9, 0.99), weight_decay=0.01, **tail)
 
     full_tail = dict(inv_scale=torch.tensor(0.5, device=device), found_inf=torch.zeros((), device=device),
                      grad_norm=torch.tensor(4.0, device=device), max_grad_norm=1.0)
@@ -674,8 +590,7 @@ def test_opcheck(device):
         case([torch.float32], torch.float32, False, False, {}),
         case([torch.bfloat16, torch.float16], torch.float32, True, True, full_tail),
         case([torch.float32], torch.bfloat16, False, True, dict(found_inf=torch.ones((), device=device))),
-        (([], [], [], [], [], []),
-         dict(lr=torch.tensor(1e-3, device=device), beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False)),
+        kind_step_args("lion", [], [], [], lr=torch.tensor(1e-3, device=device), betas=(0.9, 0.99), weight_decay=0.0),
     ]
     for args, kwargs in cases:
         torch.library.opcheck(op, args, kwargs)

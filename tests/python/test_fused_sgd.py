@@ -1,4 +1,4 @@
-"""fusetrain.optim.SGD and fusetrain::fused_sgd_ against torch.optim.SGD.
+"""fusetrain.optim.SGD and the "sgd" kind of fusetrain::fused_step_ against torch.optim.SGD.
 
 The reference is torch.optim.SGD with foreach=False, always run in float32 on
 the CPU; the fused step performs the same element operations in the same
@@ -18,77 +18,17 @@ import pytest
 import torch
 
 import fusetrain  # noqa: F401
-from fusetrain._ops import fused_sgd_
 from fusetrain.optim import SGD
 
-from _test_helpers import CUDA, DEVICES
-
-LOW = [torch.float16, torch.bfloat16]
-SHAPES = [(1,), (7,), (13, 17), (1031,), (3, 5, 7)]
-STEPS = 100
-
-# fp32 after 100 steps on O(1) params: the CPU kernel matches torch to the bit
-# in practice; 1e-6 leaves room for FMA contraction in the CUDA kernels.
-F32 = dict(rtol=1e-6, atol=1e-6)
+from _optim_helpers import (F32, LOW, STEPS, assert_low_precision_equal, assert_params_close, assert_snapshot_equal,
+                            assign, cpu32, f32, make_params, new_grads, ref_copies, round_to, snapshot)
+from _test_helpers import CUDA, DEVICES, kind_step, kind_step_args
 
 
 SEED = 4321  # conftest.py seeds torch with it before each test
 
 
 # ---- helpers ---------------------------------------------------------------------------
-
-
-def f32(x: float) -> float:
-    """``x`` rounded to float32, as the fused ops see a float32 lr tensor."""
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
-def make_params(device, dtypes=(torch.float32,), shapes=SHAPES):
-    return [torch.nn.Parameter(torch.randn(s, device=device).to(dtypes[i % len(dtypes)]))
-            for i, s in enumerate(shapes)]
-
-
-def ref_copies(params):
-    """fp32 CPU copies for the torch reference."""
-    return [torch.nn.Parameter(p.detach().to("cpu", torch.float32).clone()) for p in params]
-
-
-def new_grads(params, grad_dtype=None, scale=1.0):
-    return [(torch.randn(p.shape, device=p.device) * scale).to(grad_dtype or p.dtype) for p in params]
-
-
-def assign(params, ref_params, grads):
-    for p, r, g in zip(params, ref_params, grads):
-        if g is not None and g.dtype != p.dtype:
-            p.grad_dtype = None  # allow a gradient dtype different from the param's
-        p.grad = g
-        if r is not None:
-            r.grad = None if g is None else g.to("cpu", torch.float32)  # the reference uses grad.float()
-
-
-@torch.no_grad()
-def round_to(ref_params, dtype):
-    for r in ref_params:
-        r.copy_(r.to(dtype).float())
-
-
-def cpu32(t):
-    return t.detach().to("cpu", torch.float32)
-
-
-def assert_params_close(params, ref_params, **tol):
-    for i, (p, r) in enumerate(zip(params, ref_params)):
-        torch.testing.assert_close(cpu32(p), cpu32(r), **tol, msg=lambda m: f"param {i}: {m}")
-
-
-def assert_low_precision_equal(actual, expected, dtype):
-    """``expected`` holds the reference's values already rounded to ``dtype``."""
-    a = torch.cat([cpu32(x).reshape(-1) for x in actual])
-    e = torch.cat([cpu32(x).reshape(-1) for x in expected])
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(a, e, rtol=2 * eps, atol=1e-5)
-    frac = (a == e).float().mean().item()
-    assert frac >= 0.99, f"only {frac:.4f} of the elements are bit-equal to the rounded reference"
 
 
 def assert_state_close(opt, params, ropt, ref_params, steps_taken, **tol):
@@ -102,26 +42,6 @@ def assert_state_close(opt, params, ropt, ref_params, steps_taken, **tol):
             assert buf.dtype == torch.float32 and buf.device == p.device
             torch.testing.assert_close(cpu32(buf), rst["momentum_buffer"], **tol,
                                        msg=lambda m: f"momentum_buffer of param {i}: {m}")
-
-
-def snapshot(opt, extra=()):
-    out = {}
-    for gi, group in enumerate(opt.param_groups):
-        for pi, p in enumerate(group["params"]):
-            out[f"param {gi}.{pi}"] = p.detach().clone()
-            for k, v in opt.state[p].items():
-                if isinstance(v, torch.Tensor):
-                    out[f"state {gi}.{pi}.{k}"] = v.clone()
-    for i, t in enumerate(extra):
-        out[f"extra {i}"] = t.clone()
-    return out
-
-
-def assert_snapshot_equal(before, after):
-    assert before.keys() == after.keys()
-    for k in before:
-        assert before[k].dtype == after[k].dtype, k
-        assert torch.equal(before[k], after[k]), f"{k} changed"
 
 
 # ---- optimizer vs torch.optim, fp32 ----------------------------------------------------------
@@ -482,7 +402,7 @@ def test_ema_rides_the_step(device, dtype, master):
 
 
 def run_op_vs_torch(device, param_dtypes, grad_dtypes, shapes, hp, first_step=False, with_master=False):
-    """One fused_sgd_ call on random lists vs one torch.optim.SGD step from the same state."""
+    """One fused_step_ call (kind "sgd") on random lists vs one torch.optim.SGD step from the same state."""
     lr = 3e-2
     n = len(shapes)
     use_buf = hp["momentum"] != 0
@@ -491,9 +411,10 @@ def run_op_vs_torch(device, param_dtypes, grad_dtypes, shapes, hp, first_step=Fa
     steps0 = [0] * n if first_step else [int(k) for k in torch.randint(1, 40, (n,))]
     # On the first step the buffer content is ignored (buffer = grad): fill it with junk.
     bufs0 = [torch.randn(s) for s in shapes] if use_buf else []
-    masters = [(p.float() + 1e-3 * torch.randn_like(p.float())) for p in params] if with_master else []
-    ref = [torch.nn.Parameter((m if with_master else p).detach().to("cpu", torch.float32).clone())
-           for p, m in itertools.zip_longest(params, masters)]
+    mast = {i: p.float() + 1e-3 * torch.randn_like(p.float()) for i, p in enumerate(params)
+            if with_master and p.dtype in LOW}  # masters are for float16/bfloat16 params
+    masters = [mast[i] for i in sorted(mast)]
+    ref = [torch.nn.Parameter(mast.get(i, p).detach().to("cpu", torch.float32).clone()) for i, p in enumerate(params)]
     ropt = torch.optim.SGD(ref, lr=f32(lr), foreach=False, **hp)
     for i, (r, g) in enumerate(zip(ref, grads)):
         r.grad = g.to("cpu", torch.float32)
@@ -503,22 +424,22 @@ def run_op_vs_torch(device, param_dtypes, grad_dtypes, shapes, hp, first_step=Fa
 
     bufs = [b.clone().to(device) for b in bufs0]
     steps = [torch.tensor(float(s), device=device) for s in steps0]
-    fused_sgd_(params, grads, bufs, steps, masters, [], lr=torch.tensor(lr, device=device), **hp)
+    kind_step("sgd", params, grads, steps, (bufs,), masters, lr=torch.tensor(lr, device=device), **hp)
 
     for i, r in enumerate(ref):
         assert steps[i].item() == steps0[i] + 1
         if use_buf:
             torch.testing.assert_close(cpu32(bufs[i]), ropt.state[r]["momentum_buffer"], **F32)
-        if with_master:
-            torch.testing.assert_close(cpu32(masters[i]), r.detach(), **F32)
-            assert torch.equal(params[i], masters[i].to(params[i].dtype))
-    if not with_master:
-        fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
-        assert_params_close([params[i] for i in fp32], [ref[i] for i in fp32], **F32)
-        for dt in LOW:
-            idx = [i for i, p in enumerate(params) if p.dtype == dt]
-            if idx:
-                assert_low_precision_equal([params[i] for i in idx], [ref[i].detach().to(dt) for i in idx], dt)
+        if i in mast:
+            torch.testing.assert_close(cpu32(mast[i]), r.detach(), **F32)
+            assert torch.equal(params[i], mast[i].to(params[i].dtype))
+    plain = [i for i in range(n) if i not in mast]
+    fp32 = [i for i in plain if params[i].dtype == torch.float32]
+    assert_params_close([params[i] for i in fp32], [ref[i] for i in fp32], **F32)
+    for dt in LOW:
+        idx = [i for i in plain if params[i].dtype == dt]
+        if idx:
+            assert_low_precision_equal([params[i] for i in idx], [ref[i].detach().to(dt) for i in idx], dt)
 
 
 OP_HP = [
@@ -554,10 +475,10 @@ def test_op_300_tensors_mixed_dtypes(device, with_master, hp):
 def test_op_empty_lists(device):
     lr = torch.tensor(1e-3, device=device)
     for momentum in (0.0, 0.9):
-        fused_sgd_([], [], [], [], [], [], lr=lr, momentum=momentum, dampening=0.0, weight_decay=0.1,
-                   nesterov=False, maximize=False, inv_scale=torch.tensor(0.5, device=device),
-                   found_inf=torch.zeros((), device=device), grad_norm=torch.tensor(3.0, device=device),
-                   max_grad_norm=1.0, ema_decay=torch.tensor(0.9, device=device))
+        kind_step("sgd", [], [], [], lr=lr, momentum=momentum, weight_decay=0.1,
+                  inv_scale=torch.tensor(0.5, device=device), found_inf=torch.zeros((), device=device),
+                  grad_norm=torch.tensor(3.0, device=device), max_grad_norm=1.0,
+                  ema_decay=torch.tensor(0.9, device=device))
     assert lr.item() == pytest.approx(1e-3)
 
 
@@ -589,27 +510,28 @@ def test_params_without_grad_are_skipped(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_op_rejects_bad_arguments(device):
     lr = torch.tensor(1e-3, device=device)
-    kw = dict(lr=lr, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+    kw = dict(lr=lr, momentum=0.9, weight_decay=0.0)
     step = [torch.zeros((), device=device)]
     p = torch.randn(5, device=device)
     buf = [torch.zeros(5, device=device)]
     with pytest.raises(RuntimeError, match=r"params\[0\].*(Double|float64)"):
-        fused_sgd_([p.double()], [torch.randn(5, device=device)], buf, step, [], [], **kw)
+        kind_step("sgd", [p.double()], [torch.randn(5, device=device)], step, (buf,), **kw)
     with pytest.raises(RuntimeError, match=r"grads\[0\] has shape"):
-        fused_sgd_([p], [torch.randn(6, device=device)], buf, step, [], [], **kw)
-    with pytest.raises(RuntimeError, match="momentum"):
-        fused_sgd_([p], [torch.randn(5, device=device)], [], step, [], [], **kw)
-    with pytest.raises(RuntimeError, match="nesterov"):
-        fused_sgd_([p], [torch.randn(5, device=device)], buf, step, [], [], **dict(kw, nesterov=True, dampening=0.1))
+        kind_step("sgd", [p], [torch.randn(6, device=device)], step, (buf,), **kw)
+    with pytest.raises(ValueError, match="state1 has 0 tensors, fewer than the group records need"):
+        kind_step("sgd", [p], [torch.randn(5, device=device)], step, **kw)
+    with pytest.raises(ValueError, match="nesterov=True needs momentum > 0 and dampening == 0"):
+        kind_step("sgd", [p], [torch.randn(5, device=device)], step, (buf,), **dict(kw, nesterov=True, dampening=0.1))
+    with pytest.raises(ValueError, match="momentum must be >= 0, got -0.5"):
+        kind_step("sgd", [p], [torch.randn(5, device=device)], step, (buf,), **dict(kw, momentum=-0.5))
 
 
 @CUDA
 def test_op_rejects_mismatched_devices():
     p = torch.randn(5, device="cuda")
     with pytest.raises(RuntimeError, match=r"grads\[0\] is on"):
-        fused_sgd_([p], [torch.randn(5)], [], [torch.zeros((), device="cuda")], [], [],
-                   lr=torch.tensor(1e-3, device="cuda"), momentum=0.0, dampening=0.0, weight_decay=0.0,
-                   nesterov=False, maximize=False)
+        kind_step("sgd", [p], [torch.randn(5)], [torch.zeros((), device="cuda")], lr=torch.tensor(1e-3, device="cuda"),
+                  momentum=0.0, weight_decay=0.0)
 
 
 # ---- registration ----------------------------------------------------------------------
@@ -617,7 +539,7 @@ def test_op_rejects_mismatched_devices():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
-    op = torch.ops.fusetrain.fused_sgd_
+    op = torch.ops.fusetrain.fused_step_
 
     def case(param_dtypes, grad_dtype, momentum, master, ema, tail):
         shapes = [(3, 4), (7,), (1,)]
@@ -627,12 +549,10 @@ def test_opcheck(device):
         steps = [torch.tensor(3.0, device=device) for _ in shapes]
         masters = [p.float() for p in ps] if master else []
         emas = [p.clone() for p in ps] if ema else []
-        args = (ps, gs, bufs, steps, masters, emas)
-        kwargs = dict(lr=torch.tensor(1e-2, device=device), momentum=momentum, dampening=0.0, weight_decay=0.01,
-                      nesterov=momentum > 0, maximize=False, **tail)
         if ema:
-            kwargs["ema_decay"] = torch.tensor(0.99, device=device)
-        return args, kwargs
+            tail = dict(tail, ema_decay=torch.tensor(0.99, device=device))
+        return kind_step_args("sgd", ps, gs, steps, (bufs,), masters, emas, lr=torch.tensor(1e-2, device=device),
+                              momentum=momentum, weight_decay=0.01, nesterov=momentum > 0, **tail)
 
     full_tail = dict(inv_scale=torch.tensor(0.5, device=device), found_inf=torch.zeros((), device=device),
                      grad_norm=torch.tensor(4.0, device=device), max_grad_norm=1.0)
@@ -640,9 +560,7 @@ def test_opcheck(device):
         case([torch.float32], torch.float32, 0.0, False, False, {}),
         case([torch.bfloat16, torch.float16], torch.float32, 0.9, True, True, full_tail),
         case([torch.float32], torch.bfloat16, 0.9, False, True, dict(found_inf=torch.ones((), device=device))),
-        (([], [], [], [], [], []),
-         dict(lr=torch.tensor(1e-2, device=device), momentum=0.0, dampening=0.0, weight_decay=0.0,
-              nesterov=False, maximize=False)),
+        kind_step_args("sgd", [], [], [], lr=torch.tensor(1e-2, device=device), momentum=0.0, weight_decay=0.0),
     ]
     for args, kwargs in cases:
         torch.library.opcheck(op, args, kwargs)

@@ -13,7 +13,7 @@ import torch
 import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain.optim import AdamP, Lamb
 
-from _test_helpers import (DEVICES, bf16_master_twins, check_bf16_master_follows_float32,
+from _test_helpers import (DEVICES, bf16_master_twins, check_bf16_master_follows_float32, kind_step, kind_step_args,
                            step_with_schedule_clip_and_skip)
 
 timm_optim = pytest.importorskip("timm.optim")
@@ -199,29 +199,28 @@ def test_opcheck(device):
 
     params, grads, s1, s2 = lists(), lists(), lists(), lists()
     steps = [torch.zeros((), device=device) for _ in params]
-    tail = dict(lr=torch.tensor(0.01, device=device), beta1=0.9, beta2=0.999, weight_decay=0.01, maximize=False,
+    tail = dict(lr=torch.tensor(0.01, device=device), betas=(0.9, 0.999), weight_decay=0.01,
                 inv_scale=torch.tensor(0.5, device=device), found_inf=torch.zeros((), device=device),
                 max_grad_norm=1.0, grad_norm=torch.tensor(2.0, device=device))
-    torch.library.opcheck(torch.ops.fusetrain.fused_lamb_.default, (params, grads, s1, s2, steps, [], []),
-                          dict(eps=1e-6, bias_correction=True, grad_averaging=True, trust_clip=True,
-                               always_adapt=False, caution=True, decoupled_weight_decay=True, decay_max_lr=0.02,
-                               **tail))
-    torch.library.opcheck(torch.ops.fusetrain.fused_adamp_.default, (params, grads, s1, s2, steps, [], []),
-                          dict(eps=1e-8, delta=1.0, wd_ratio=0.1, nesterov=True, **tail))
+    torch.library.opcheck(torch.ops.fusetrain.fused_step_.default,
+                          *kind_step_args("lamb", params, grads, steps, (s1, s2), eps=1e-6, trust_clip=True,
+                                          caution=True, decoupled_weight_decay=True, decay_max_lr=0.02, **tail))
+    torch.library.opcheck(torch.ops.fusetrain.fused_step_.default,
+                          *kind_step_args("adamp", params, grads, steps, (s1, s2), eps=1e-8, delta=1.0, nesterov=True,
+                                          **tail))
 
 
-def test_the_ops_check_their_lists():
+def test_the_kinds_check_their_lists_and_fields():
     p, g = [torch.randn(3, 2)], [torch.randn(3, 2)]
-    with pytest.raises(RuntimeError, match="exp_avg_sqs needs one tensor per param"):
-        torch.ops.fusetrain.fused_lamb_(p, g, [torch.zeros(3, 2)], [], [torch.zeros(())], [], [],
-                                        lr=torch.tensor(0.1), beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.0,
-                                        bias_correction=True, grad_averaging=True, trust_clip=False,
-                                        always_adapt=False, caution=False, decoupled_weight_decay=False,
-                                        decay_max_lr=0.0, maximize=False)
+    with pytest.raises(ValueError, match="state2 has 0 tensors, fewer than the group records need"):
+        kind_step("lamb", p, g, [torch.zeros(())], ([torch.zeros(3, 2)],), lr=torch.tensor(0.1), betas=(0.9, 0.99),
+                  eps=1e-6, weight_decay=0.0)
     with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] must be a Float tensor of shape \[3, 2\]"):
-        torch.ops.fusetrain.fused_adamp_(p, g, [torch.zeros(2, 3)], [torch.zeros(3, 2)], [torch.zeros(())], [], [],
-                                         lr=torch.tensor(0.1), beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
-                                         delta=0.1, wd_ratio=0.1, nesterov=False, maximize=False)
+        kind_step("adamp", p, g, [torch.zeros(())], ([torch.zeros(2, 3)], [torch.zeros(3, 2)]),
+                  lr=torch.tensor(0.1), betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match="decay_max_lr must be >= 0, got -1"):
+        kind_step("lamb", p, g, [torch.zeros(())], ([torch.zeros(3, 2)], [torch.zeros(3, 2)]), lr=torch.tensor(0.1),
+                  betas=(0.9, 0.99), eps=1e-6, weight_decay=0.0, decay_max_lr=-1.0)
 
 
 @pytest.mark.parametrize("name", ["lamb", "adamp", "nadam"])
@@ -234,9 +233,7 @@ def test_selectable_by_name_in_training_params(name):
                                                                       "nadam": "NAdam"}[name])
 
 
-def test_python_wrappers_match_the_classes():
-    from fusetrain import _ops
-
+def test_the_kind_step_matches_the_class():
     a, b = twins()
     lamb = Lamb(a, lr=LR, max_grad_norm=None)
     run([(lamb, a)], 1)
@@ -246,8 +243,8 @@ def test_python_wrappers_match_the_classes():
     for p, q in zip(a, b):
         q.grad = p.grad.clone()
     with torch.no_grad():
-        _ops.fused_lamb_(b, [q.grad for q in b], m, v, steps, [], [], lr=torch.tensor(LR), beta1=0.9, beta2=0.999,
-                         eps=1e-6, weight_decay=0.01)
+        kind_step("lamb", b, [q.grad for q in b], steps, (m, v), lr=torch.tensor(LR), betas=(0.9, 0.999), eps=1e-6,
+                  weight_decay=0.01)
     for p, q in zip(a, b):
         torch.testing.assert_close(q, p, rtol=0, atol=0)
     assert all(float(s) == 1.0 for s in steps)

@@ -13,7 +13,7 @@ import torch
 import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain.optim import Muon
 
-from _test_helpers import DEVICES, bf16_master_twins, check_bf16_master_follows_float32
+from _test_helpers import DEVICES, bf16_master_twins, check_bf16_master_follows_float32, kind_step, kind_step_args
 
 LR = 2.0**-6  # exact in the float32 device lr
 # The Newton-Schulz iterations run in bfloat16 with torch's operations: on the CPU (one matrix at a time) the
@@ -179,20 +179,19 @@ def test_opcheck(device):
     grads = [torch.randn_like(p) for p in params]
     bufs = [torch.randn_like(p) for p in params]
     steps = [torch.zeros((), device=device) for _ in params]
-    torch.library.opcheck(torch.ops.fusetrain.fused_muon_.default, (params, grads, bufs, steps, [], []),
-                          dict(lr=torch.tensor(0.01, device=device), momentum=0.95, nesterov=True,
-                               weight_decay=0.1, ns_coefficients=[3.4445, -4.775, 2.0315], eps=1e-7, ns_steps=5,
-                               adjust_lr_fn="original", max_grad_norm=1.0,
-                               grad_norm=torch.tensor(2.0, device=device),
-                               found_inf=torch.zeros((), device=device)))
+    torch.library.opcheck(torch.ops.fusetrain.fused_step_.default,
+                          *kind_step_args("muon", params, grads, steps, (bufs,), lr=torch.tensor(0.01, device=device),
+                                          momentum=0.95, nesterov=True, weight_decay=0.1, ns_a=3.4445, ns_b=-4.775,
+                                          ns_c=2.0315, eps=1e-7, ns_steps=5, max_grad_norm=1.0,
+                                          grad_norm=torch.tensor(2.0, device=device),
+                                          found_inf=torch.zeros((), device=device)))
 
 
-def test_the_op_refuses_vectors_with_a_clear_error():
+def test_the_kind_refuses_vectors_with_a_clear_error():
     with pytest.raises(RuntimeError, match="give 1-D params to AdamW"):
-        torch.ops.fusetrain.fused_muon_([torch.randn(3)], [torch.randn(3)], [torch.zeros(3)], [torch.zeros(())],
-                                        [], [], lr=torch.tensor(0.1), momentum=0.9, nesterov=True,
-                                        weight_decay=0.0, ns_coefficients=[3.4445, -4.775, 2.0315], eps=1e-7,
-                                        ns_steps=5, adjust_lr_fn="original")
+        kind_step("muon", [torch.randn(3)], [torch.randn(3)], [torch.zeros(())], ([torch.zeros(3)],),
+                  lr=torch.tensor(0.1), momentum=0.9, nesterov=True, weight_decay=0.0, ns_a=3.4445, ns_b=-4.775,
+                  ns_c=2.0315, eps=1e-7, ns_steps=5)
 
 
 def test_selectable_by_name_in_training_params():

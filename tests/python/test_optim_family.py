@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import fusetrain  # noqa: F401  (registers the ops)
-from fusetrain import _ops
 from fusetrain.optim import Adadelta, NAdam, RAdam, RMSprop
 
-from _test_helpers import (DEVICES, bf16_master_twins, check_bf16_master_follows_float32, outcome,
-                           step_with_schedule_clip_and_skip)
+from _test_helpers import (DEVICES, bf16_master_twins, check_bf16_master_follows_float32, kind_step, kind_step_args,
+                           outcome, step_with_schedule_clip_and_skip)
 
 SEED = 31
 OURS = {"RMSprop": RMSprop, "Adadelta": Adadelta, "RAdam": RAdam, "NAdam": NAdam}
@@ -176,30 +175,26 @@ def test_opcheck(device):
     tail = dict(inv_scale=torch.tensor(0.5, device=device), max_grad_norm=1.0,
                 grad_norm=torch.tensor(2.0, device=device))
     cases = [
-        (torch.ops.fusetrain.fused_rmsprop_.default, (params, grads, s1, s2, s3, steps, [], []),
-         dict(lr=lr, alpha=0.9, eps=1e-8, weight_decay=0.01, momentum=0.9, centered=True, maximize=False, **tail)),
-        (torch.ops.fusetrain.fused_adadelta_.default, (params, grads, s1, s2, steps, [], []),
-         dict(lr=lr, rho=0.9, eps=1e-6, weight_decay=0.0, maximize=True, **tail)),
-        (torch.ops.fusetrain.fused_radam_.default, (params, grads, s1, s2, steps, [], []),
-         dict(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
-              maximize=False, **tail)),
-        (torch.ops.fusetrain.fused_nadam_.default,
-         (params, grads, s1, s2, [torch.rand((), device=device) for _ in params], steps, [], []),
-         dict(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, momentum_decay=4e-3,
-              decoupled_weight_decay=False, maximize=False, **tail)),
+        kind_step_args("rmsprop", params, grads, steps, (s1, s2, s3), lr=lr, alpha=0.9, eps=1e-8, weight_decay=0.01,
+                       momentum=0.9, centered=True, **tail),
+        kind_step_args("adadelta", params, grads, steps, (s1, s2), lr=lr, rho=0.9, eps=1e-6, weight_decay=0.0,
+                       maximize=True, **tail),
+        kind_step_args("radam", params, grads, steps, (s1, s2), lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                       weight_decay=0.1, decoupled_weight_decay=True, **tail),
+        kind_step_args("nadam", params, grads, steps, (s1, s2, [torch.rand((), device=device) for _ in params]),
+                       lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, **tail),
     ]
-    for op, args, kwargs in cases:
-        torch.library.opcheck(op, args, kwargs)
+    for args, kwargs in cases:
+        torch.library.opcheck(torch.ops.fusetrain.fused_step_.default, args, kwargs)
 
 
-def test_python_wrappers_call_the_ops():
+def test_the_kind_step_is_torchs_step():
     p = [torch.randn(4)]
     g = [torch.randn(4)]
     sq, acc = [torch.zeros(4)], [torch.zeros(4)]
     steps = [torch.zeros(())]
     before = p[0].clone()
-    _ops.fused_adadelta_(p, g, sq, acc, steps, [], [], lr=torch.tensor(1.0), rho=0.9, eps=1e-6, weight_decay=0.0,
-                         maximize=False)
+    kind_step("adadelta", p, g, steps, (sq, acc), lr=torch.tensor(1.0), rho=0.9, eps=1e-6, weight_decay=0.0)
     ref = torch.optim.Adadelta([before.requires_grad_()], lr=1.0)
     before.grad = g[0].clone()
     ref.step()

@@ -13,7 +13,7 @@ import torch
 import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain.optim import RMSpropTF
 
-from _test_helpers import (DEVICES, bf16_master_twins, check_bf16_master_follows_float32,
+from _test_helpers import (DEVICES, bf16_master_twins, check_bf16_master_follows_float32, kind_step, kind_step_args,
                            step_with_schedule_clip_and_skip)
 
 LR = 2.0**-8  # exact in the float32 device lr
@@ -178,19 +178,19 @@ def test_opcheck_tf_style(device):
 
     params, grads, s1, s2, s3 = lists(), lists(), lists(), lists(), lists()
     steps = [torch.zeros((), device=device) for _ in params]
-    torch.library.opcheck(torch.ops.fusetrain.fused_rmsprop_.default, (params, grads, s1, s2, s3, steps, [], []),
-                          dict(lr=torch.tensor(0.01, device=device), alpha=0.9, eps=1e-10, weight_decay=0.01,
-                               momentum=0.9, centered=True, maximize=False, tf_style=True, lr_in_momentum=True,
-                               decoupled_weight_decay=True, max_grad_norm=1.0,
-                               grad_norm=torch.tensor(2.0, device=device)))
+    torch.library.opcheck(torch.ops.fusetrain.fused_step_.default,
+                          *kind_step_args("rmsprop", params, grads, steps, (s1, s2, s3),
+                                          lr=torch.tensor(0.01, device=device), alpha=0.9, eps=1e-10,
+                                          weight_decay=0.01, momentum=0.9, centered=True, tf_style=True,
+                                          lr_in_momentum=True, decoupled_weight_decay=True, max_grad_norm=1.0,
+                                          grad_norm=torch.tensor(2.0, device=device)))
 
 
 def test_the_tf_flags_need_tf_style():
     p, g, sq = [torch.randn(3)], [torch.randn(3)], [torch.ones(3)]
-    with pytest.raises(RuntimeError, match="need tf_style=True"):
-        torch.ops.fusetrain.fused_rmsprop_(p, g, sq, [], [], [torch.zeros(())], [], [], lr=torch.tensor(0.1),
-                                           alpha=0.9, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
-                                           maximize=False, lr_in_momentum=True)
+    with pytest.raises(ValueError, match="need tf_style=True"):
+        kind_step("rmsprop", p, g, [torch.zeros(())], (sq,), lr=torch.tensor(0.1), alpha=0.9, eps=1e-8,
+                  weight_decay=0.0, momentum=0.0, centered=False, lr_in_momentum=True)
 
 
 def test_selectable_by_name_in_training_params():

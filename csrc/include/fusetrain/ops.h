@@ -30,96 +30,6 @@ struct FusedTail {
 std::tuple<at::Tensor, at::Tensor> grad_stats(at::TensorList grads,
                                               const std::optional<at::Tensor>& inv_scale = std::nullopt);
 
-// Adam (decoupled_weight_decay=false) / AdamW (true). state_steps are float32
-// scalars incremented in place; max_exp_avg_sqs is used when amsgrad;
-// bias_correction=false drops the 1 - beta^t corrections (the BertAdam form).
-void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                 at::TensorList max_exp_avg_sqs, at::TensorList state_steps, at::TensorList master_params,
-                 at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double weight_decay,
-                 double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, const FusedTail& tail = {},
-                 bool bias_correction = true);
-
-void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
-                const at::Tensor& lr, double momentum, double dampening, double weight_decay, bool nesterov,
-                bool maximize, const FusedTail& tail = {});
-
-void fused_lion_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList state_steps,
-                 at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double beta1,
-                 double beta2, double weight_decay, bool maximize, const FusedTail& tail = {});
-
-// The TensorFlow form of RMSprop (timm's RMSpropTF): eps inside the square
-// root, decoupled decay and the lr in the momentum buffer as options.
-struct RMSpropTFForm {
-  bool enabled = false;
-  bool lr_in_momentum = false;
-  bool decoupled_weight_decay = false;
-};
-
-// RMSprop (torch.optim.RMSprop, or timm's RMSpropTF with tf.enabled: its
-// square_avgs start at 1); momentum_buffers used when momentum > 0, grad_avgs
-// when centered.
-void fused_rmsprop_(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
-                    at::TensorList momentum_buffers, at::TensorList grad_avgs, at::TensorList state_steps,
-                    at::TensorList master_params, at::TensorList ema_params, const at::Tensor& lr, double alpha,
-                    double eps, double weight_decay, double momentum, bool centered, bool maximize,
-                    const FusedTail& tail = {}, const RMSpropTFForm& tf = {});
-
-// Adadelta (torch.optim.Adadelta).
-void fused_adadelta_(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
-                     at::TensorList acc_deltas, at::TensorList state_steps, at::TensorList master_params,
-                     at::TensorList ema_params, const at::Tensor& lr, double rho, double eps, double weight_decay,
-                     bool maximize, const FusedTail& tail = {});
-
-// RAdam (torch.optim.RAdam), L2 or decoupled weight decay.
-void fused_radam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                  at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
-                  const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay,
-                  bool decoupled_weight_decay, bool maximize, const FusedTail& tail = {});
-
-// NAdam (torch.optim.NAdam), L2 or decoupled weight decay; mu_products are
-// each param's 0-d float32 running product of momentum coefficients (start at 1).
-void fused_nadam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                  at::TensorList mu_products, at::TensorList state_steps, at::TensorList master_params,
-                  at::TensorList ema_params, const at::Tensor& lr, double beta1, double beta2, double eps,
-                  double weight_decay, double momentum_decay, bool decoupled_weight_decay, bool maximize,
-                  const FusedTail& tail = {});
-
-// Lamb's options (timm's Lamb): decay_max_lr > 0 turns on its corrected
-// decoupled weight decay (the decay scaled by lr / decay_max_lr).
-struct LambForm {
-  bool bias_correction = true;
-  bool grad_averaging = true;
-  bool trust_clip = false;
-  bool always_adapt = false;
-  bool caution = false;
-  bool decoupled_weight_decay = false;
-  double decay_max_lr = 0.0;
-};
-
-// Lamb (timm's Lamb; NOTE [apply pass] in csrc/ops/aten_stage.h). Its own
-// global-norm clipping is the tail's max_grad_norm.
-void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                 at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
-                 const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
-                 const FusedTail& tail = {}, const LambForm& form = {});
-
-// AdamP (timm's AdamP; NOTE [adamp projection] in csrc/ops/fused_adamp.cpp).
-void fused_adamp_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                  at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
-                  const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay, double delta,
-                  double wd_ratio, bool nesterov, bool maximize, const FusedTail& tail = {});
-
-// Muon (torch.optim.Muon's update; NOTE [muon apply] in csrc/ops/fused_muon.cpp)
-// for params of 2 or more dims (a convolution filter as out_channels x the
-// rest), batched across params whose matrices share a shape. adjust_lr_fn:
-// "original" or "match_rms_adamw".
-void fused_muon_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                 at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
-                 const at::Tensor& lr, double momentum, bool nesterov, double weight_decay,
-                 at::ArrayRef<double> ns_coefficients, double eps, int64_t ns_steps, c10::string_view adjust_lr_fn,
-                 const FusedTail& tail = {});
-
 // ema += (1 - decay) * (src - ema) for every pair (same dtype and shape), in
 // one multi-tensor pass; nothing changes when found_inf is non-zero.
 void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay,
@@ -133,8 +43,9 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, co
                    const std::optional<at::Tensor>& last_skipped = std::nullopt,
                    const std::optional<at::Tensor>& skipped_steps = std::nullopt);
 
-// The whole tail of an optimizer step for every group of one optimizer
-// ("adam", "sgd" or "lion"): the stats pass when a group clips or the
+// The whole tail of an optimizer step for every group of one optimizer (a kind
+// of the kind table: "adam", "sgd", "lion", "rmsprop", "adadelta", "radam",
+// "nadam", "lamb", "adamp" or "muon"; docs/ops.md): the stats pass when a group clips or the
 // gradients are loss-scaled without a flag, then one update pass per group.
 // Lists are flattened over groups; group_sizes, lrs (0-d float32 each) and
 // hyper (one record per group) describe the groups: NOTE [group records] in

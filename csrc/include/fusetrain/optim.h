@@ -44,6 +44,8 @@ struct FusedParamState : public torch::optim::OptimizerCloneableParamState<Fused
   TORCH_ARG(torch::Tensor, master);  // fp32 master copy of an fp16/bf16 param
 
  public:
+  // The state tensor of this name (a state name of the kind table), or null.
+  torch::Tensor* find(const char* name);
   void serialize(torch::serialize::InputArchive& archive) override;
   void serialize(torch::serialize::OutputArchive& archive) const override;
 };
@@ -59,90 +61,138 @@ using LambParamState = FusedParamState;
 using AdamPParamState = FusedParamState;
 using MuonParamState = FusedParamState;
 
-// Options. Common to all: lr, weight_decay, maximize, max_grad_norm (global L2
-// norm clipping over all groups; 0 = off) and master_weights (keep an fp32
-// master copy of fp16/bf16 params in the state).
-struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions> {
-  AdamOptions(double lr = 1e-3);
-  typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(double, lr) = 1e-3;
-  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
-  TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, weight_decay) = 0.0;
-  TORCH_ARG(bool, amsgrad) = false;
-  TORCH_ARG(bool, bias_correction) = true;  // false: the BertAdam form
-  TORCH_ARG(bool, maximize) = false;
-  TORCH_ARG(double, max_grad_norm) = 0.0;
-  TORCH_ARG(bool, master_weights) = false;
-
- public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+// The options every fusetrain optimizer has: lr, weight_decay, maximize,
+// max_grad_norm (global L2 norm clipping over all groups; 0 = off) and
+// master_weights (keep an fp32 master copy of fp16/bf16 params in the state).
+struct FusedCommonOptions {
+  virtual ~FusedCommonOptions() = default;
+  double lr_ = 1e-3, weight_decay_ = 0.0, max_grad_norm_ = 0.0;
+  bool maximize_ = false, master_weights_ = false;
 };
 
-struct AdamWOptions : public torch::optim::OptimizerCloneableOptions<AdamWOptions> {
-  AdamWOptions(double lr = 1e-3);
-  typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(double, lr) = 1e-3;
-  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
-  TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, weight_decay) = 1e-2;
-  TORCH_ARG(bool, amsgrad) = false;
-  TORCH_ARG(bool, bias_correction) = true;  // false: the BertAdam form
-  TORCH_ARG(bool, maximize) = false;
-  TORCH_ARG(double, max_grad_norm) = 0.0;
-  TORCH_ARG(bool, master_weights) = false;
+namespace options_detail {
+// One option in an archive: written, or read when present.
+template <typename T>
+void io(torch::serialize::OutputArchive& archive, const char* key, const T& value) {
+  archive.write(key, c10::IValue(value));
+}
+template <typename T>
+void io(torch::serialize::InputArchive& archive, const char* key, T& value) {
+  c10::IValue v;
+  if (archive.try_read(key, v)) value = v.to<T>();
+}
+}  // namespace options_detail
 
- public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+// The options of one optimizer: the common ones here (their setters return
+// Derived&, so they chain with its own), its own in Derived, which lists them
+// for (de)serialization in `static void fields(Archive&, Self&)`.
+template <typename Derived>
+struct FusedOptions : torch::optim::OptimizerCloneableOptions<Derived>, FusedCommonOptions {
+  explicit FusedOptions(double lr, double weight_decay = 0.0, double max_grad_norm = 0.0) {
+    lr_ = lr;
+    weight_decay_ = weight_decay;
+    max_grad_norm_ = max_grad_norm;
+  }
+#define FUSETRAIN_COMMON_OPTION(T, name)               \
+  Derived& name(const T& value) noexcept {             \
+    name##_ = value;                                   \
+    return static_cast<Derived&>(*this);               \
+  }                                                    \
+  const T& name() const noexcept { return name##_; }
+  FUSETRAIN_COMMON_OPTION(double, lr)
+  FUSETRAIN_COMMON_OPTION(double, weight_decay)
+  FUSETRAIN_COMMON_OPTION(bool, maximize)
+  FUSETRAIN_COMMON_OPTION(double, max_grad_norm)
+  FUSETRAIN_COMMON_OPTION(bool, master_weights)
+#undef FUSETRAIN_COMMON_OPTION
+  double get_lr() const override { return lr_; }
+  void set_lr(const double lr) override { lr_ = lr; }
+  void serialize(torch::serialize::OutputArchive& archive) const override {
+    all_fields(archive, static_cast<const Derived&>(*this));
+  }
+  void serialize(torch::serialize::InputArchive& archive) override {
+    all_fields(archive, static_cast<Derived&>(*this));
+  }
+
+ private:
+  template <typename Archive, typename Self>
+  static void all_fields(Archive& archive, Self& self) {
+    options_detail::io(archive, "lr", self.lr_);
+    options_detail::io(archive, "weight_decay", self.weight_decay_);
+    options_detail::io(archive, "maximize", self.maximize_);
+    options_detail::io(archive, "max_grad_norm", self.max_grad_norm_);
+    options_detail::io(archive, "master_weights", self.master_weights_);
+    Derived::fields(archive, self);
+  }
 };
 
-struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
-  SGDOptions(double lr = 1e-3);
-  TORCH_ARG(double, lr) = 1e-3;
+struct AdamOptions : FusedOptions<AdamOptions> {
+  AdamOptions(double lr = 1e-3) : FusedOptions(lr) {}
+  typedef std::tuple<double, double> betas_t;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(bool, amsgrad) = false;
+  TORCH_ARG(bool, bias_correction) = true;  // false: the BertAdam form
+
+ public:
+  template <typename Archive, typename Self>
+  static void fields(Archive& archive, Self& self) {
+    options_detail::io(archive, "betas", self.betas_);
+    options_detail::io(archive, "eps", self.eps_);
+    options_detail::io(archive, "amsgrad", self.amsgrad_);
+    options_detail::io(archive, "bias_correction", self.bias_correction_);
+  }
+};
+
+struct AdamWOptions : FusedOptions<AdamWOptions> {
+  AdamWOptions(double lr = 1e-3) : FusedOptions(lr, 1e-2) {}
+  typedef std::tuple<double, double> betas_t;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(bool, amsgrad) = false;
+  TORCH_ARG(bool, bias_correction) = true;  // false: the BertAdam form
+
+ public:
+  template <typename Archive, typename Self>
+  static void fields(Archive& archive, Self& self) {
+    options_detail::io(archive, "betas", self.betas_);
+    options_detail::io(archive, "eps", self.eps_);
+    options_detail::io(archive, "amsgrad", self.amsgrad_);
+    options_detail::io(archive, "bias_correction", self.bias_correction_);
+  }
+};
+
+struct SGDOptions : FusedOptions<SGDOptions> {
+  SGDOptions(double lr = 1e-3) : FusedOptions(lr) {}
   TORCH_ARG(double, momentum) = 0.0;
   TORCH_ARG(double, dampening) = 0.0;
-  TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(bool, nesterov) = false;
-  TORCH_ARG(bool, maximize) = false;
-  TORCH_ARG(double, max_grad_norm) = 0.0;
-  TORCH_ARG(bool, master_weights) = false;
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+  template <typename Archive, typename Self>
+  static void fields(Archive& archive, Self& self) {
+    options_detail::io(archive, "momentum", self.momentum_);
+    options_detail::io(archive, "dampening", self.dampening_);
+    options_detail::io(archive, "nesterov", self.nesterov_);
+  }
 };
 
-struct LionOptions : public torch::optim::OptimizerCloneableOptions<LionOptions> {
-  LionOptions(double lr = 1e-4);
+struct LionOptions : FusedOptions<LionOptions> {
+  LionOptions(double lr = 1e-4) : FusedOptions(lr) {}
   typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(double, lr) = 1e-4;
   TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.99);
-  TORCH_ARG(double, weight_decay) = 0.0;
-  TORCH_ARG(bool, maximize) = false;
-  TORCH_ARG(double, max_grad_norm) = 0.0;
-  TORCH_ARG(bool, master_weights) = false;
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+  template <typename Archive, typename Self>
+  static void fields(Archive& archive, Self& self) {
+    options_detail::io(archive, "betas", self.betas_);
+  }
 };
 
-struct RMSpropOptions : public torch::optim::OptimizerCloneableOptions<RMSpropOptions> {
-  RMSpropOptions(double lr = 1e-2);
-  TORCH_ARG(double, lr) = 1e-2;
+struct RMSpropOptions : FusedOptions<RMSpropOptions> {
+  RMSpropOptions(double lr = 1e-2) : FusedOptions(lr) {}
   TORCH_ARG(double, alpha) = 0.99;
   TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(double, momentum) = 0.0;
   TORCH_ARG(bool, centered) = false;
   // timm's RMSpropTF (TensorFlow's form, NOTE [rmsprop tf] in csrc/common/rms_math.h): square_avg starts at 1;
@@ -151,83 +201,75 @@ struct RMSpropOptions : public torch::optim::OptimizerCloneableOptions<RMSpropOp
   TORCH_ARG(bool, tf_style) = false;
   TORCH_ARG(bool, lr_in_momentum) = false;
   TORCH_ARG(bool, decoupled_weight_decay) = false;
-  TORCH_ARG(bool, maximize) = false;
-  TORCH_ARG(double, max_grad_norm) = 0.0;
-  TORCH_ARG(bool, master_weights) = false;
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+  template <typename Archive, typename Self>
+  static void fields(Archive& archive, Self& self) {
+    options_detail::io(archive, "alpha", self.alpha_);
+    options_detail::io(archive, "eps", self.eps_);
+    options_detail::io(archive, "momentum", self.momentum_);
+    options_detail::io(archive, "centered", self.centered_);
+    options_detail::io(archive, "tf_style", self.tf_style_);
+    options_detail::io(archive, "lr_in_momentum", self.lr_in_momentum_);
+    options_detail::io(archive, "decoupled_weight_decay", self.decoupled_weight_decay_);
+  }
 };
 
-struct AdadeltaOptions : public torch::optim::OptimizerCloneableOptions<AdadeltaOptions> {
-  AdadeltaOptions(double lr = 1.0);
-  TORCH_ARG(double, lr) = 1.0;
+struct AdadeltaOptions : FusedOptions<AdadeltaOptions> {
+  AdadeltaOptions(double lr = 1.0) : FusedOptions(lr) {}
   TORCH_ARG(double, rho) = 0.9;
   TORCH_ARG(double, eps) = 1e-6;
-  TORCH_ARG(double, weight_decay) = 0.0;
-  TORCH_ARG(bool, maximize) = false;
-  TORCH_ARG(double, max_grad_norm) = 0.0;
-  TORCH_ARG(bool, master_weights) = false;
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+  template <typename Archive, typename Self>
+  static void fields(Archive& archive, Self& self) {
+    options_detail::io(archive, "rho", self.rho_);
+    options_detail::io(archive, "eps", self.eps_);
+  }
 };
 
-struct RAdamOptions : public torch::optim::OptimizerCloneableOptions<RAdamOptions> {
-  RAdamOptions(double lr = 1e-3);
+struct RAdamOptions : FusedOptions<RAdamOptions> {
+  RAdamOptions(double lr = 1e-3) : FusedOptions(lr) {}
   typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(double, lr) = 1e-3;
   TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
   TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(bool, decoupled_weight_decay) = false;
-  TORCH_ARG(bool, maximize) = false;
-  TORCH_ARG(double, max_grad_norm) = 0.0;
-  TORCH_ARG(bool, master_weights) = false;
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+  template <typename Archive, typename Self>
+  static void fields(Archive& archive, Self& self) {
+    options_detail::io(archive, "betas", self.betas_);
+    options_detail::io(archive, "eps", self.eps_);
+    options_detail::io(archive, "decoupled_weight_decay", self.decoupled_weight_decay_);
+  }
 };
 
-struct NAdamOptions : public torch::optim::OptimizerCloneableOptions<NAdamOptions> {
-  NAdamOptions(double lr = 2e-3);
+struct NAdamOptions : FusedOptions<NAdamOptions> {
+  NAdamOptions(double lr = 2e-3) : FusedOptions(lr) {}
   typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(double, lr) = 2e-3;
   TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
   TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(double, momentum_decay) = 4e-3;
   TORCH_ARG(bool, decoupled_weight_decay) = false;
-  TORCH_ARG(bool, maximize) = false;
-  TORCH_ARG(double, max_grad_norm) = 0.0;
-  TORCH_ARG(bool, master_weights) = false;
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+  template <typename Archive, typename Self>
+  static void fields(Archive& archive, Self& self) {
+    options_detail::io(archive, "betas", self.betas_);
+    options_detail::io(archive, "eps", self.eps_);
+    options_detail::io(archive, "momentum_decay", self.momentum_decay_);
+    options_detail::io(archive, "decoupled_weight_decay", self.decoupled_weight_decay_);
+  }
 };
 
 // Lamb with timm's semantics and defaults (NOTE [apply pass] in
 // csrc/ops/aten_stage.h); its built-in clipping is max_grad_norm (default 1).
 // corrected_weight_decay scales the decoupled decay by lr / defaults().lr().
-struct LambOptions : public torch::optim::OptimizerCloneableOptions<LambOptions> {
-  LambOptions(double lr = 1e-3);
+struct LambOptions : FusedOptions<LambOptions> {
+  LambOptions(double lr = 1e-3) : FusedOptions(lr, 0.01, 1.0) {}
   typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(double, lr) = 1e-3;
   TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
   TORCH_ARG(double, eps) = 1e-6;
-  TORCH_ARG(double, weight_decay) = 0.01;
   TORCH_ARG(bool, bias_correction) = true;
   TORCH_ARG(bool, grad_averaging) = true;
   TORCH_ARG(bool, trust_clip) = false;
@@ -235,38 +277,42 @@ struct LambOptions : public torch::optim::OptimizerCloneableOptions<LambOptions>
   TORCH_ARG(bool, caution) = false;
   TORCH_ARG(bool, decoupled_weight_decay) = false;
   TORCH_ARG(bool, corrected_weight_decay) = false;
-  TORCH_ARG(bool, maximize) = false;
-  TORCH_ARG(double, max_grad_norm) = 1.0;
-  TORCH_ARG(bool, master_weights) = false;
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+  template <typename Archive, typename Self>
+  static void fields(Archive& archive, Self& self) {
+    options_detail::io(archive, "betas", self.betas_);
+    options_detail::io(archive, "eps", self.eps_);
+    options_detail::io(archive, "bias_correction", self.bias_correction_);
+    options_detail::io(archive, "grad_averaging", self.grad_averaging_);
+    options_detail::io(archive, "trust_clip", self.trust_clip_);
+    options_detail::io(archive, "always_adapt", self.always_adapt_);
+    options_detail::io(archive, "caution", self.caution_);
+    options_detail::io(archive, "decoupled_weight_decay", self.decoupled_weight_decay_);
+    options_detail::io(archive, "corrected_weight_decay", self.corrected_weight_decay_);
+  }
 };
 
 // AdamP with timm's semantics and defaults (NOTE [adamp projection] in
 // csrc/ops/fused_adamp.cpp).
-struct AdamPOptions : public torch::optim::OptimizerCloneableOptions<AdamPOptions> {
-  AdamPOptions(double lr = 1e-3);
+struct AdamPOptions : FusedOptions<AdamPOptions> {
+  AdamPOptions(double lr = 1e-3) : FusedOptions(lr) {}
   typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(double, lr) = 1e-3;
   TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
   TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(double, delta) = 0.1;
   TORCH_ARG(double, wd_ratio) = 0.1;
   TORCH_ARG(bool, nesterov) = false;
-  TORCH_ARG(bool, maximize) = false;
-  TORCH_ARG(double, max_grad_norm) = 0.0;
-  TORCH_ARG(bool, master_weights) = false;
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+  template <typename Archive, typename Self>
+  static void fields(Archive& archive, Self& self) {
+    options_detail::io(archive, "betas", self.betas_);
+    options_detail::io(archive, "eps", self.eps_);
+    options_detail::io(archive, "delta", self.delta_);
+    options_detail::io(archive, "wd_ratio", self.wd_ratio_);
+    options_detail::io(archive, "nesterov", self.nesterov_);
+  }
 };
 
 // Muon (torch.optim.Muon's update, NOTE [muon apply] in csrc/ops/fused_muon.cpp)
@@ -274,13 +320,12 @@ struct AdamPOptions : public torch::optim::OptimizerCloneableOptions<AdamPOption
 // is the matrix out_channels x the rest), AdamW with adamw_betas, adamw_eps and
 // the group's lr and weight_decay for the params of the others: give biases,
 // norms and embeddings a group with use_muon(false). adjust_lr_fn: "original"
-// or "match_rms_adamw" (then one lr suits both kinds).
-struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions> {
-  MuonOptions(double lr = 1e-3);
+// or "match_rms_adamw" (then one lr suits both kinds). maximize is not
+// supported (an error when true).
+struct MuonOptions : FusedOptions<MuonOptions> {
+  MuonOptions(double lr = 1e-3) : FusedOptions(lr, 0.1) {}
   typedef std::tuple<double, double> betas_t;
   typedef std::tuple<double, double, double> coefficients_t;
-  TORCH_ARG(double, lr) = 1e-3;
-  TORCH_ARG(double, weight_decay) = 0.1;
   TORCH_ARG(double, momentum) = 0.95;
   TORCH_ARG(bool, nesterov) = true;
   TORCH_ARG(coefficients_t, ns_coefficients) = std::make_tuple(3.4445, -4.775, 2.0315);
@@ -290,15 +335,20 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
   TORCH_ARG(bool, use_muon) = true;
   TORCH_ARG(betas_t, adamw_betas) = std::make_tuple(0.9, 0.95);
   TORCH_ARG(double, adamw_eps) = 1e-8;
-  TORCH_ARG(bool, maximize) = false;  // not supported (an error when true); kept for the common interface
-  TORCH_ARG(double, max_grad_norm) = 0.0;
-  TORCH_ARG(bool, master_weights) = false;
 
  public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+  template <typename Archive, typename Self>
+  static void fields(Archive& archive, Self& self) {
+    options_detail::io(archive, "momentum", self.momentum_);
+    options_detail::io(archive, "nesterov", self.nesterov_);
+    options_detail::io(archive, "ns_coefficients", self.ns_coefficients_);
+    options_detail::io(archive, "eps", self.eps_);
+    options_detail::io(archive, "ns_steps", self.ns_steps_);
+    options_detail::io(archive, "adjust_lr_fn", self.adjust_lr_fn_);
+    options_detail::io(archive, "use_muon", self.use_muon_);
+    options_detail::io(archive, "adamw_betas", self.adamw_betas_);
+    options_detail::io(archive, "adamw_eps", self.adamw_eps_);
+  }
 };
 
 // The state tensors of one step, flattened over groups in the layout of
@@ -306,6 +356,14 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
 struct FusedLists {
   std::vector<at::Tensor> params, grads, steps, masters, emas, state1, state2, state3;
 };
+
+// An optimizer's own fields of a group record, by name (NOTE [kind table] in
+// csrc/ops/optim_kind.h): the kind table orders them.
+using KindValues = std::vector<std::pair<const char*, double>>;
+
+namespace detail {
+struct KindSpec;
+}
 
 // Common base: lazy state, the loss-scale entry, EMA attachment. A step is one
 // call of fusetrain::fused_step_, which holds the step's logic (stats pass,
@@ -350,28 +408,33 @@ class FusedOptimizer : public torch::optim::Optimizer {
   ModelEMA* attached_ema() const { return ema_; }
 
  protected:
-  // The op's optimizer name ("adam", "sgd", "lion") and a group's record:
-  // the common fields come from these accessors, the rest from kind_fields.
+  // The optimizer's kind in the kind table ("adam", "sgd", ...) and a group's
+  // record: the common fields come from its FusedCommonOptions, the rest, by
+  // name, from kind_fields. The state a group keeps is the kind's (the table's).
   virtual const char* kind() const = 0;
-  virtual double group_max_grad_norm(const torch::optim::OptimizerOptions& o) const = 0;
-  virtual bool group_master_weights(const torch::optim::OptimizerOptions& o) const = 0;
-  virtual bool group_maximize(const torch::optim::OptimizerOptions& o) const = 0;
-  virtual void kind_fields(const torch::optim::OptimizerOptions& o, std::vector<double>& hyper) const = 0;
-  virtual void init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& o) const = 0;
-  // Appends the param's state1..3 entries that its group uses.
-  virtual void collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& o) const = 0;
+  virtual void kind_fields(const torch::optim::OptimizerOptions& o, KindValues& values) const = 0;
+  // Checks kind_fields against the kind table (each field named once); every
+  // constructor calls it.
+  void check_kind();
 
  private:
+  // A group's own record fields in the kind table's order.
+  std::vector<double> kind_record(const torch::optim::OptimizerOptions& o) const;
+  // Creates the states that the kind keeps for a group with these fields.
+  void init_state(FusedParamState& s, const at::Tensor& p, const double* fields) const;
   // The lr of (group, device) as a device tensor, refilled only when the
   // group's lr changes (no allocation per step).
   const at::Tensor& lr_tensor(size_t group, const at::Device& dev, double lr);
   // The state of p, created or moved to p's device where needed; while
   // capturing, raises instead when anything would be created or moved.
-  FusedParamState& ensure_state(const at::Tensor& p, const torch::optim::OptimizerOptions& opts, bool capturing);
+  FusedParamState& ensure_state(const at::Tensor& p, const torch::optim::OptimizerOptions& opts,
+                                const std::vector<double>& fields, bool capturing);
   void ensure_results(const at::Device& dev, bool capturing);
   at::Tensor last_grad_norm_, last_found_inf_;
   ModelEMA* ema_ = nullptr;
   std::map<std::pair<size_t, std::string>, std::pair<double, at::Tensor>> lr_cache_;
+  const detail::KindSpec* spec_ = nullptr;
+  std::vector<int> field_slot_;  // the table position of each kind_fields value
 };
 
 #define FUSETRAIN_DECLARE_OPTIMIZER(Name)                                                                     \
@@ -386,12 +449,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
                                                                                                                 \
    protected:                                                                                                   \
     const char* kind() const override;                                                                          \
-    double group_max_grad_norm(const torch::optim::OptimizerOptions& o) const override;                         \
-    bool group_master_weights(const torch::optim::OptimizerOptions& o) const override;                          \
-    bool group_maximize(const torch::optim::OptimizerOptions& o) const override;                                \
-    void kind_fields(const torch::optim::OptimizerOptions& o, std::vector<double>& hyper) const override;      \
-    void init_state(FusedParamState& s, const at::Tensor& p, const torch::optim::OptimizerOptions& o) const override; \
-    void collect_state(FusedLists& l, FusedParamState& s, const torch::optim::OptimizerOptions& o) const override; \
+    void kind_fields(const torch::optim::OptimizerOptions& o, KindValues& values) const override;              \
   };
 
 FUSETRAIN_DECLARE_OPTIMIZER(Adam)

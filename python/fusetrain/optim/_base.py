@@ -5,7 +5,8 @@ tail: an optional read-only reduction (global norm + non-finite flag, needed for
 clipping or loss-scaled steps) and one fused update pass per parameter group
 that writes params, optimizer state, master weights and EMA together. These
 classes only collect the state tensors and describe the groups (NOTE [group
-records] in csrc/ops/fused_step.cpp); after a first step the lists are kept
+records] in csrc/ops/fused_step.cpp), by the field and state names of the C++
+kind table (NOTE [kind table] in csrc/ops/optim_kind.h); after a first step the lists are kept
 in C++ and later steps only re-check them (NOTE [step plan] in
 csrc/python/step_plan.cpp). Every changing scalar (lr, step, inverse
 scale, found_inf, norm, EMA decay) is a device tensor, so ``step()`` never
@@ -23,6 +24,7 @@ from torch.optim import Optimizer
 
 from .. import _C, _ops
 from . import _sharded
+from ._kinds import KINDS
 
 # Complex params are updated as real views (torch.view_as_real), as torch.optim
 # does; their state is complex like torch's. NOTE [float64 params] in
@@ -31,6 +33,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64
                      torch.complex128)
 _SUPPORTED_NAMES = "float32, float16, bfloat16, float64, complex64, complex128"
 _LOW = (torch.float16, torch.bfloat16)
+_KIND_PLANS: Dict[type, Any] = {}  # FusedOptimizer._kind_plan, per class
 
 
 def _state_dtype(p: Tensor, complex_state: bool = True) -> torch.dtype:
@@ -151,11 +154,10 @@ class FusedOptimizer(Optimizer):
     """Base class: subclasses name their fp32 state tensors and call their op.
 
     Subclass contract:
-      * ``_kind``: the optimizer's name in ``fusetrain::fused_step_``;
-      * ``_state_names(group)``: names of the per-param state tensors, at
-        most three, in the order of the op's state1..3 (None for a list the
-        group does not use that comes before one it does);
-      * ``_kind_fields(group)``: the optimizer's own fields of the group record.
+      * ``_kind``: the optimizer's kind in the kind table (``KINDS``), which
+        names its record's fields and its per-param state;
+      * ``_kind_values(group)``: the record fields that are not the group's
+        entry of the same name (e.g. ``beta1`` from ``betas``).
     """
 
     _kind = ""
@@ -341,8 +343,59 @@ class FusedOptimizer(Optimizer):
 
     # ---- the step ----------------------------------------------------------------------
 
-    def _state_names(self, group: Dict[str, Any]) -> Sequence[str]:
-        raise NotImplementedError
+    def _kind_values(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        """The group's record fields (KINDS[self._kind]["field_names"]) that are
+        not its entry of the same name."""
+        return {}
+
+    def _kind_plan(self, group: Dict[str, Any]):
+        """Per class, made once: the kind's fields as (name, whether ``_kind_values`` gives it), whether
+        it gives any, its state rules with the same flag for each condition field (the names
+        ``_kind_values`` gives are the same for every group) and its state names when none is
+        conditional."""
+        plan = _KIND_PLANS.get(type(self))
+        if plan is None:
+            kind = KINDS[self._kind]
+            own = frozenset(self._kind_values(group))
+            rules = kind["state_rules"]
+            fixed = None  # the state names when no state is conditional
+            if all(when is None for _, _, when, _ in rules):
+                fixed = [None, None, None]
+                for slot, name, _, _ in rules:
+                    fixed[slot] = name
+                fixed = tuple(fixed[:max(slot for slot, _, _, _ in rules) + 1])
+            plan = (tuple((n, n in own) for n in kind["field_names"]), bool(own),
+                    tuple((slot, name, when, when_set, when in own) for slot, name, when, when_set in rules), fixed)
+            _KIND_PLANS[type(self)] = plan
+        return plan
+
+    def _kind_fields(self, group: Dict[str, Any]) -> List[float]:
+        """The optimizer's own fields of the group record, in the kind table's order."""
+        plan = _KIND_PLANS.get(type(self)) or self._kind_plan(group)
+        own = self._kind_values(group) if plan[1] else group
+        try:
+            return [float(own[n] if o else group[n]) for n, o in plan[0]]
+        except KeyError as e:
+            raise KeyError(f"{self._opt_name}: a param group has no '{e.args[0]}', a field of the "
+                           f"'{self._kind}' record ({', '.join(KINDS[self._kind]['field_names'])})") from None
+
+    def _state_names(self, group: Dict[str, Any]) -> Sequence[Optional[str]]:
+        """The per-param state tensors the group keeps, in the slots state1..3
+        of its record (None for an unused slot before a used one): the kind
+        table's states whose condition field holds."""
+        plan = _KIND_PLANS.get(type(self)) or self._kind_plan(group)
+        if plan[3] is not None:
+            return plan[3]
+        names: List[Optional[str]] = [None, None, None]
+        for slot, name, when, when_set, from_own in plan[2]:
+            if when is not None:
+                value = self._kind_values(group)[when] if from_own else group[when]
+                if (float(value) != 0.0) != when_set:
+                    continue
+            names[slot] = name
+        while names and names[-1] is None:
+            names.pop()
+        return tuple(names)
 
     def _new_step_value(self, state: Dict[str, Any]) -> float:
         return 0.0
@@ -571,9 +624,6 @@ class FusedOptimizer(Optimizer):
                                "being captured; call optimizer.prepare_capture() before capturing")
         res["grad_norm"] = torch.zeros((), dtype=torch.float32, device=device)
         res["found_inf"] = torch.zeros((), dtype=torch.float32, device=device)
-
-    def _kind_fields(self, group: Dict[str, Any]) -> List[float]:
-        raise NotImplementedError
 
     def _sparse_error(self) -> str:
         return f"{self._opt_name} does not support sparse gradients"

@@ -54,16 +54,9 @@ class Adam(FusedOptimizer):
     def _sparse_error(self) -> str:
         return "Adam does not support sparse gradients, please consider SparseAdam instead"  # torch's message
 
-    def _state_names(self, group):
-        if group["amsgrad"]:
-            return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-        return ("exp_avg", "exp_avg_sq")
-
-    def _kind_fields(self, group):
+    def _kind_values(self, group):
         beta1, beta2 = group["betas"]
-        return [float(beta1), float(beta2), float(group["weight_decay"]), float(group["eps"]),
-                1.0 if group["amsgrad"] else 0.0, 1.0 if group["decoupled_weight_decay"] else 0.0,
-                1.0 if group.get("bias_correction", True) else 0.0]
+        return {"beta1": beta1, "beta2": beta2, "bias_correction": group.get("bias_correction", True)}
 
 
 class AdamW(Adam):

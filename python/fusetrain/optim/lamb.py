@@ -58,17 +58,11 @@ class Lamb(FusedOptimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_max_lr", float(self.defaults["lr"]))
 
-    def _state_names(self, group):
-        return ("exp_avg", "exp_avg_sq")
-
-    def _kind_fields(self, group):
+    def _kind_values(self, group):
         beta1, beta2 = group["betas"]
         corrected = group["decoupled_decay"] and group["corrected_weight_decay"]
-        return [float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                1.0 if group["bias_correction"] else 0.0, 1.0 if group["grad_averaging"] else 0.0,
-                1.0 if group["trust_clip"] else 0.0, 1.0 if group["always_adapt"] else 0.0,
-                1.0 if group["caution"] else 0.0, 1.0 if group["decoupled_decay"] else 0.0,
-                self._max_lr if corrected else 0.0]
+        return {"beta1": beta1, "beta2": beta2, "decoupled_weight_decay": group["decoupled_decay"],
+                "decay_max_lr": self._max_lr if corrected else 0.0}
 
     def state_dict(self) -> Dict[str, Any]:
         sd = super().state_dict()
@@ -117,10 +111,6 @@ class AdamP(FusedOptimizer):
                         wd_ratio=wd_ratio, nesterov=nesterov, maximize=maximize)
         super().__init__(params, defaults, max_grad_norm, master_weights)
 
-    def _state_names(self, group):
-        return ("exp_avg", "exp_avg_sq")
-
-    def _kind_fields(self, group):
+    def _kind_values(self, group):
         beta1, beta2 = group["betas"]
-        return [float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]), float(group["delta"]),
-                float(group["wd_ratio"]), 1.0 if group["nesterov"] else 0.0]
+        return {"beta1": beta1, "beta2": beta2}

@@ -27,9 +27,6 @@ class Lion(FusedOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=bool(maximize))
         super().__init__(params, defaults, max_grad_norm, master_weights)
 
-    def _state_names(self, group):
-        return ("exp_avg",)
-
-    def _kind_fields(self, group):
+    def _kind_values(self, group):
         beta1, beta2 = group["betas"]
-        return [float(beta1), float(beta2), float(group["weight_decay"])]
+        return {"beta1": beta1, "beta2": beta2}

@@ -109,13 +109,9 @@ class Muon(FusedOptimizer):
         use = group.get("use_muon")
         return all(p.dim() >= 2 for p in group["params"]) if use is None else bool(use)
 
-    def _state_names(self, group):
-        return ("momentum_buffer",) if self._uses_muon(group) else ("exp_avg", "exp_avg_sq")
-
-    def _kind_fields(self, group):
+    def _kind_values(self, group):
         a, b, c = group["ns_coefficients"]
         beta1, beta2 = group["adamw_betas"]
-        return [1.0 if self._uses_muon(group) else 0.0, float(group["momentum"]), 1.0 if group["nesterov"] else 0.0,
-                float(group["weight_decay"]), float(a), float(b), float(c), float(group["eps"]),
-                float(group["ns_steps"]), 1.0 if group["adjust_lr_fn"] == "match_rms_adamw" else 0.0, float(beta1),
-                float(beta2), float(group["adamw_eps"])]
+        return {"use_muon": self._uses_muon(group), "ns_a": a, "ns_b": b, "ns_c": c,
+                "match_rms_adamw": group["adjust_lr_fn"] == "match_rms_adamw", "adamw_beta1": beta1,
+                "adamw_beta2": beta2}

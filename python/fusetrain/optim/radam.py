@@ -29,10 +29,6 @@ class RAdam(FusedOptimizer):
                                  capturable=capturable)
         super().__init__(params, defaults, max_grad_norm, master_weights)
 
-    def _state_names(self, group):
-        return ("exp_avg", "exp_avg_sq")
-
-    def _kind_fields(self, group):
+    def _kind_values(self, group):
         beta1, beta2 = group["betas"]
-        return [float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                1.0 if group["decoupled_weight_decay"] else 0.0]
+        return {"beta1": beta1, "beta2": beta2}

@@ -29,18 +29,8 @@ class RMSprop(FusedOptimizer):
                                  maximize=maximize)
         super().__init__(params, defaults, max_grad_norm, master_weights)
 
-    def _state_names(self, group):
-        # state1..3 of fusetrain::fused_step_'s "rmsprop" record; a None slot is unused.
-        names = ["square_avg"]
-        if group["momentum"] > 0:
-            names.append("momentum_buffer")
-        if group["centered"]:
-            names += [None] * (2 - len(names)) + ["grad_avg"]
-        return tuple(names)
-
-    def _kind_fields(self, group):
-        return [float(group["alpha"]), float(group["eps"]), float(group["weight_decay"]), float(group["momentum"]),
-                1.0 if group["centered"] else 0.0, 0.0, 0.0, 0.0]
+    def _kind_values(self, group):
+        return {"tf_style": False, "lr_in_momentum": False, "decoupled_weight_decay": False}
 
 
 class RMSpropTF(RMSprop):
@@ -70,10 +60,8 @@ class RMSpropTF(RMSprop):
     def _initial_state_value(self, name):
         return 1.0 if name == "square_avg" else 0.0
 
-    def _kind_fields(self, group):
-        return [float(group["alpha"]), float(group["eps"]), float(group["weight_decay"]), float(group["momentum"]),
-                1.0 if group["centered"] else 0.0, 1.0, 1.0 if group["lr_in_momentum"] else 0.0,
-                1.0 if group["decoupled_decay"] else 0.0]
+    def _kind_values(self, group):
+        return {"tf_style": True, "decoupled_weight_decay": group["decoupled_decay"]}
 
 
 class Adadelta(FusedOptimizer):
@@ -91,9 +79,3 @@ class Adadelta(FusedOptimizer):
         defaults = _torch_checks(torch.optim.Adadelta, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay,
                                  foreach=foreach, capturable=capturable, maximize=maximize)
         super().__init__(params, defaults, max_grad_norm, master_weights)
-
-    def _state_names(self, group):
-        return ("square_avg", "acc_delta")
-
-    def _kind_fields(self, group):
-        return [float(group["rho"]), float(group["eps"]), float(group["weight_decay"])]

@@ -36,9 +36,6 @@ class SGD(FusedOptimizer):
                         fused=fused)
         super().__init__(params, defaults, max_grad_norm, master_weights)
 
-    def _state_names(self, group):
-        return ("momentum_buffer",) if group["momentum"] != 0 else ()
-
     def _new_step_value(self, state) -> float:
         # A momentum buffer loaded from torch.optim.SGD is past its first step.
         return 1.0 if state.get("momentum_buffer") is not None else 0.0
@@ -53,7 +50,3 @@ class SGD(FusedOptimizer):
             # when momentum is turned on after steps without it (or a checkpoint
             # saved without momentum is resumed with it).
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-
-    def _kind_fields(self, group):
-        return [float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
-                1.0 if group["nesterov"] else 0.0]
