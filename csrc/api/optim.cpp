@@ -143,7 +143,7 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
   torch::NoGradGuard no_grad;
   FusedLists l;
   std::vector<int64_t> sizes;
-  std::vector<at::Tensor> lrs;
+  std::vector<at::Tensor> lrs, values;
   std::vector<double> hyper;
   bool capturing = false;
   for (const auto gi : c10::irange(param_groups_.size())) {
@@ -183,7 +183,9 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
                 " of the ", params.size(), " params with a gradient in group ", gi,
                 "; the EMA model must hold every param of a group, or none");
     sizes.push_back(static_cast<int64_t>(params.size()));
-    lrs.push_back(lr_tensor(gi, params.front().device(), opts.get_lr()));
+    const DeviceScalars& scalars = device_scalars(gi, params.front().device(), opts.get_lr(), fields);
+    lrs.push_back(scalars.lr);
+    if (scalars.values.defined()) values.push_back(scalars.values);
     hyper.insert(hyper.end(), {common.max_grad_norm_, common.master_weights_ ? 1.0 : 0.0, with_ema > 0 ? 1.0 : 0.0,
                                common.maximize_ ? 1.0 : 0.0});
     hyper.insert(hyper.end(), fields.begin(), fields.end());
@@ -199,7 +201,8 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
   std::optional<at::Tensor> decay;
   if (ema_ != nullptr) decay = ema_->prepare_decay();
   fused_step_(kind(), l.params, l.grads, l.steps, l.state1, l.state2, l.state3, l.masters, l.emas, sizes, lrs, hyper,
-              inv_scale, found_inf, decay, last_grad_norm_, last_found_inf_);
+              inv_scale, found_inf, decay, last_grad_norm_, last_found_inf_, std::nullopt,
+              values.empty() ? std::nullopt : std::optional<at::TensorList>(values));
   if (ema_ != nullptr) ema_->finish_step(last_found_inf_);
 }
 
@@ -214,16 +217,25 @@ void FusedOptimizer::ensure_results(const at::Device& dev, bool capturing) {
   last_found_inf_ = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(dev));
 }
 
-const at::Tensor& FusedOptimizer::lr_tensor(size_t group, const at::Device& dev, double lr) {
-  auto& entry = lr_cache_[{group, dev.str()}];
-  if (!entry.second.defined() || entry.first != lr) check_not_capturing(dev, "a group's lr tensor would be filled");
-  if (!entry.second.defined()) {
-    entry = {lr, at::full({}, lr, at::TensorOptions().dtype(at::kFloat).device(dev))};
-  } else if (entry.first != lr) {
-    entry.second.fill_(lr);
-    entry.first = lr;
+const FusedOptimizer::DeviceScalars& FusedOptimizer::device_scalars(size_t group, const at::Device& dev, double lr,
+                                                                     const std::vector<double>& fields) {
+  std::vector<double> values;
+  for (const char* name : spec_->value_fields()) values.push_back(fields[spec_->field_index(name)]);
+  auto& e = device_cache_[{group, dev.str()}];
+  const bool made = e.lr.defined();
+  if (!made || e.lr_value != lr || e.values_now != values)
+    check_not_capturing(dev, "a group's lr or values tensor would be filled");
+  if (!made) {
+    e.lr = at::full({}, lr, at::TensorOptions().dtype(at::kFloat).device(dev));
+    if (!values.empty()) e.values = at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(dev);
+  } else {
+    if (e.lr_value != lr) e.lr.fill_(lr);
+    for (size_t k = 0; k < values.size(); ++k)
+      if (values[k] != e.values_now[k]) e.values.select(0, static_cast<int64_t>(k)).fill_(values[k]);
   }
-  return entry.second;
+  e.lr_value = lr;
+  e.values_now = std::move(values);
+  return e;
 }
 
 FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::optim::OptimizerOptions& opts,
@@ -283,20 +295,20 @@ void FusedOptimizer::prepare_capture() {
     for (const auto& p : group.params()) {
       if (!p.requires_grad()) continue;
       ensure_state(p, group.options(), fields, /*capturing=*/false);
-      lr_tensor(gi, p.device(), group.options().get_lr());
+      device_scalars(gi, p.device(), group.options().get_lr(), fields);
       if (!last_grad_norm_.defined()) ensure_results(p.device(), /*capturing=*/false);
     }
   }
 }
 
-void FusedOptimizer::refresh_lr_tensors() {
-  for (auto& [key, entry] : lr_cache_) {
-    if (key.first >= param_groups_.size() || !entry.second.defined()) continue;
-    const double lr = param_groups_[key.first].options().get_lr();
-    if (entry.first != lr) {
-      entry.second.fill_(lr);
-      entry.first = lr;
-    }
+void FusedOptimizer::refresh_device_values() {
+  for (auto& [key, entry] : device_cache_) {
+    if (key.first >= param_groups_.size() || !entry.lr.defined()) continue;
+    const auto& opts = param_groups_[key.first].options();
+    const std::vector<double> fields = kind_record(opts);
+    spec_->check(std::string(kind()) + " (group " + std::to_string(key.first) + ")",
+                 detail::KindRecord{spec_, fields.data()});
+    device_scalars(key.first, entry.lr.device(), opts.get_lr(), fields);
   }
 }
 

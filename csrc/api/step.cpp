@@ -276,7 +276,7 @@ struct TrainStep::Impl {
       check_static_grads();
       g.x.copy_(x);
       g.y.copy_(y);
-      optimizer->refresh_lr_tensors();
+      optimizer->refresh_device_values();
     }
     g.graph->replay();
     return g.loss;

@@ -20,6 +20,22 @@ enum class OptimKind : int {
   Adam = 0, SGD = 1, Lion = 2, RMSprop = 3, Adadelta = 4, RAdam = 5, NAdam = 6, Direction = 7, Apply = 8
 };
 
+// NOTE [device values]: the hyperparameters a schedule may change (the
+// fields a kind's table entry marks schedulable: betas, momentum, weight
+// decay, eps, ...) are read by the kernels from the group's values tensor, a
+// float64 vector in the params' device memory, instead of the launch's
+// arguments, so a compiled or captured step reads each step's values. The
+// op layer binds each such double of OptimHyper (its byte offset) to its
+// index in that vector; the kernels write the vector's entries over the
+// bound members before computing a tensor's coefficients. Without a values
+// tensor the members keep the record's values (the C++ front end).
+struct DeviceValues {
+  static constexpr int kMax = 8;
+  int count = 0;
+  int offset[kMax];  // byte offset of a double member of OptimHyper
+  int index[kMax];   // its entry in the values tensor
+};
+
 struct OptimHyper {
   OptimKind kind = OptimKind::Adam;
   AdamHyper adam{};
@@ -34,7 +50,17 @@ struct OptimHyper {
   bool count_step = true;  // false: the pass leaves the step counters (and tensor scalars) alone
   bool maximize = false;
   double max_grad_norm = 0.0;  // <= 0: no clipping
+  DeviceValues values{};
 };
+
+// Writes the values tensor's entries over the members bound to them (NOTE
+// [device values]); `values` null: nothing to read.
+FT_HD void read_device_values(OptimHyper& h, const double* values) {
+  if (values == nullptr) return;
+  for (int i = 0; i < h.values.count; ++i) {
+    *reinterpret_cast<double*>(reinterpret_cast<char*>(&h) + h.values.offset[i]) = values[h.values.index[i]];
+  }
+}
 
 // The tensors of one update launch. All share a device; params share a dtype
 // and grads share a dtype (the op layer buckets mixed lists). Lists that an
@@ -65,8 +91,9 @@ struct UpdateLists {
 };
 
 // Device scalars (0-d float32 on the params' device); undefined when absent.
+// `values`: the group's float64 values tensor (NOTE [device values]).
 struct UpdateScalars {
-  at::Tensor lr, inv_scale, found_inf, grad_norm, ema_decay;
+  at::Tensor lr, inv_scale, found_inf, grad_norm, ema_decay, values;
 };
 
 // ---- kernels (csrc/cpu/*_kernel.cpp, csrc/cuda/*_kernel.cu) ----------------------

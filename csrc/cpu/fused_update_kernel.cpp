@@ -213,10 +213,12 @@ void advance_steps(const UpdateLists& l, const OptimHyper& h) {
 
 }  // namespace
 
-void fused_update_cpu(const UpdateLists& l, const OptimHyper& h, const UpdateScalars& s) {
+void fused_update_cpu(const UpdateLists& l, const OptimHyper& launch, const UpdateScalars& s) {
   if (l.params.empty()) return;
   // A step with non-finite gradients leaves everything untouched (NOTE [skip]).
   if (s.found_inf.defined() && *s.found_inf.const_data_ptr<float>() != 0.f) return;
+  OptimHyper h = launch;
+  read_device_values(h, s.values.defined() ? s.values.const_data_ptr<double>() : nullptr);
   advance_steps(l, h);
   const float lr = *s.lr.const_data_ptr<float>();
   const float gmul = grad_multiplier(scalar_ptr(s.inv_scale), scalar_ptr(s.grad_norm),

@@ -35,7 +35,8 @@ struct StepPtrs {
 };
 
 struct KernelArgs {
-  OptimHyper hyper;  // with maximize and max_grad_norm
+  OptimHyper hyper;      // with maximize and max_grad_norm
+  const double* values;  // NOTE [device values]; null when absent
   const float* lr;
   const float* inv_scale;
   const float* found_inf;
@@ -44,19 +45,23 @@ struct KernelArgs {
 };
 
 static_assert(cuda::fits_kernel_params<UpdateMeta, KernelArgs>(), "fused_update_kernel arguments too large");
-static_assert(cuda::fits_kernel_params<StepPtrs, int, const float*, OptimHyper>(),
+static_assert(cuda::fits_kernel_params<StepPtrs, int, const float*, OptimHyper, const double*>(),
               "advance_steps_kernel arguments too large");
 
 // Steps, then the tensor scalars that advance with them.
 template <OptimKind K>
-__global__ void advance_steps_kernel(StepPtrs steps, int n, const float* found_inf, OptimHyper hyper) {
+__global__ void advance_steps_kernel(StepPtrs steps, int n, const float* found_inf, OptimHyper hyper,
+                                     const double* values) {
   if (found_inf != nullptr && *found_inf != 0.f) return;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float step = *steps.p[i] + 1.f;
   *steps.p[i] = step;
   if constexpr (advances_tensor_scalar<K>()) {
-    if (steps.aux[i] != nullptr) *steps.aux[i] = next_tensor_scalar<K>(hyper, step, *steps.aux[i]);
+    if (steps.aux[i] != nullptr) {
+      read_device_values(hyper, values);
+      *steps.aux[i] = next_tensor_scalar<K>(hyper, step, *steps.aux[i]);
+    }
   }
 }
 
@@ -91,7 +96,9 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
   const float lr = *a.lr;
   const float step = *meta.step[t];
   const float aux = meta.aux[t] != nullptr ? *meta.aux[t] : 1.f;
-  const auto co = make_coeffs<K, C>(a.hyper, lr, step, aux);
+  OptimHyper hyper = a.hyper;
+  read_device_values(hyper, a.values);
+  const auto co = make_coeffs<K, C>(hyper, lr, step, aux);
   const C gmul =
       static_cast<C>(grad_multiplier(a.inv_scale, a.grad_norm, static_cast<float>(a.hyper.max_grad_norm)));
   const C ema_w = a.ema_decay != nullptr ? static_cast<C>(1.f - *a.ema_decay) : C(0);
@@ -183,6 +190,7 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   KernelArgs a;
   a.hyper = h;
+  a.values = s.values.defined() ? s.values.const_data_ptr<double>() : nullptr;
   a.lr = scalar_ptr(s.lr);
   a.inv_scale = scalar_ptr(s.inv_scale);
   a.found_inf = scalar_ptr(s.found_inf);
@@ -199,7 +207,8 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
       sp.aux[i] = l.aux.empty() ? nullptr : l.aux[b + i].data_ptr<float>();
     }
     dispatch_kind(h.kind, [&](auto kind) {
-      advance_steps_kernel<decltype(kind)::value><<<(n + 255) / 256, 256, 0, stream>>>(sp, n, a.found_inf, h);
+      advance_steps_kernel<decltype(kind)::value><<<(n + 255) / 256, 256, 0, stream>>>(sp, n, a.found_inf, h,
+                                                                                  a.values);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }

@@ -15,7 +15,8 @@ void check(const std::string& op, const KindRecord& r) {
 void run(const KindCall& c) {
   OptimHyper h;
   h.kind = OptimKind::Adadelta;
-  h.adadelta = AdadeltaHyper{c["rho"], c["eps"], c["weight_decay"]};
+  AdadeltaHyper& a = h.adadelta;
+  bind_values(c, h, {{"rho", a.rho}, {"eps", a.eps}, {"weight_decay", a.weight_decay}});
   run_kind_update(c, h, c.state[0], c.state[1], {});
 }
 
@@ -28,6 +29,7 @@ const KindSpec& kind = register_kind({
     {{0, "square_avg"}, {1, "acc_delta"}},
     &check,
     &run,
+    /*schedulable=*/true,
 });
 
 }  // namespace

@@ -16,8 +16,11 @@ void check(const std::string& op, const KindRecord& r) {
 void run(const KindCall& c) {
   OptimHyper h;
   h.kind = OptimKind::Adam;
-  h.adam = AdamHyper{c["beta1"], c["beta2"], c["eps"], c["weight_decay"], c.flag("decoupled_weight_decay"),
-                     c.flag("amsgrad"), c.flag("bias_correction")};
+  AdamHyper& a = h.adam;
+  a.decoupled = c.flag("decoupled_weight_decay");
+  a.amsgrad = c.flag("amsgrad");
+  a.bias_correction = c.flag("bias_correction");
+  bind_values(c, h, {{"beta1", a.beta1}, {"beta2", a.beta2}, {"eps", a.eps}, {"weight_decay", a.weight_decay}});
   run_kind_update(c, h, c.state[0], c.state[1], c.state[2]);
 }
 
@@ -34,6 +37,7 @@ const KindSpec& kind = register_kind({
     {{0, "exp_avg"}, {1, "exp_avg_sq"}, {2, "max_exp_avg_sq", "amsgrad"}},
     &check,
     &run,
+    /*schedulable=*/true,
 });
 
 }  // namespace

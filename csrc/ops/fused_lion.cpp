@@ -15,7 +15,8 @@ void check(const std::string& op, const KindRecord& r) {
 void run(const KindCall& c) {
   OptimHyper h;
   h.kind = OptimKind::Lion;
-  h.lion = LionHyper{c["beta1"], c["beta2"], c["weight_decay"]};
+  LionHyper& l = h.lion;
+  bind_values(c, h, {{"beta1", l.beta1}, {"beta2", l.beta2}, {"weight_decay", l.weight_decay}});
   run_kind_update(c, h, c.state[0], {}, {});
 }
 
@@ -28,6 +29,7 @@ const KindSpec& kind = register_kind({
     {{0, "exp_avg"}},
     &check,
     &run,
+    /*schedulable=*/true,
 });
 
 }  // namespace

@@ -20,8 +20,10 @@ void check(const std::string& op, const KindRecord& r) {
 void run(const KindCall& c) {
   OptimHyper h;
   h.kind = OptimKind::NAdam;
-  h.nadam = NAdamHyper{c["beta1"], c["beta2"], c["eps"], c["weight_decay"], c["momentum_decay"],
-                       c.flag("decoupled_weight_decay")};
+  NAdamHyper& n = h.nadam;
+  n.decoupled = c.flag("decoupled_weight_decay");
+  bind_values(c, h, {{"beta1", n.beta1}, {"beta2", n.beta2}, {"eps", n.eps}, {"weight_decay", n.weight_decay},
+                     {"momentum_decay", n.momentum_decay}});
   run_kind_update(c, h, c.state[0], c.state[1], {}, /*aux=*/c.state[2]);
 }
 
@@ -37,6 +39,7 @@ const KindSpec& kind = register_kind({
     {{0, "exp_avg"}, {1, "exp_avg_sq"}, {2, "mu_product", nullptr, true, /*scalar=*/true, /*initial=*/1.0}},
     &check,
     &run,
+    /*schedulable=*/true,
 });
 
 }  // namespace

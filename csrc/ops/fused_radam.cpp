@@ -16,7 +16,9 @@ void check(const std::string& op, const KindRecord& r) {
 void run(const KindCall& c) {
   OptimHyper h;
   h.kind = OptimKind::RAdam;
-  h.radam = RAdamHyper{c["beta1"], c["beta2"], c["eps"], c["weight_decay"], c.flag("decoupled_weight_decay")};
+  RAdamHyper& r = h.radam;
+  r.decoupled = c.flag("decoupled_weight_decay");
+  bind_values(c, h, {{"beta1", r.beta1}, {"beta2", r.beta2}, {"eps", r.eps}, {"weight_decay", r.weight_decay}});
   run_kind_update(c, h, c.state[0], c.state[1], {});
 }
 
@@ -31,6 +33,7 @@ const KindSpec& kind = register_kind({
     {{0, "exp_avg"}, {1, "exp_avg_sq"}},
     &check,
     &run,
+    /*schedulable=*/true,
 });
 
 }  // namespace

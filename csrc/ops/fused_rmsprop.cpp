@@ -21,8 +21,12 @@ void check(const std::string& op, const KindRecord& r) {
 void run(const KindCall& c) {
   OptimHyper h;
   h.kind = OptimKind::RMSprop;
-  h.rmsprop = RMSpropHyper{c["alpha"], c["eps"], c["weight_decay"], c["momentum"], c.flag("centered"),
-                           c.flag("tf_style"), c.flag("lr_in_momentum"), c.flag("decoupled_weight_decay")};
+  RMSpropHyper& r = h.rmsprop;
+  r.centered = c.flag("centered");
+  r.tf_style = c.flag("tf_style");
+  r.lr_in_momentum = c.flag("lr_in_momentum");
+  r.decoupled = c.flag("decoupled_weight_decay");
+  bind_values(c, h, {{"alpha", r.alpha}, {"eps", r.eps}, {"weight_decay", r.weight_decay}, {"momentum", r.momentum}});
   run_kind_update(c, h, c.state[0], c.state[1], c.state[2]);
 }
 
@@ -42,6 +46,7 @@ const KindSpec& kind = register_kind({
      {2, "grad_avg", "centered"}},
     &check,
     &run,
+    /*schedulable=*/true,
 });
 
 }  // namespace

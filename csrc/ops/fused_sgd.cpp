@@ -18,7 +18,9 @@ void check(const std::string& op, const KindRecord& r) {
 void run(const KindCall& c) {
   OptimHyper h;
   h.kind = OptimKind::SGD;
-  h.sgd = SGDHyper{c["momentum"], c["dampening"], c["weight_decay"], c.flag("nesterov")};
+  SGDHyper& s = h.sgd;
+  s.nesterov = c.flag("nesterov");
+  bind_values(c, h, {{"momentum", s.momentum}, {"dampening", s.dampening}, {"weight_decay", s.weight_decay}});
   run_kind_update(c, h, c.state[0], {}, {});
 }
 
@@ -32,6 +34,7 @@ const KindSpec& kind = register_kind({
     {{0, "momentum_buffer", "momentum"}},
     &check,
     &run,
+    /*schedulable=*/true,
 });
 
 }  // namespace

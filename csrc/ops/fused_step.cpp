@@ -35,7 +35,11 @@ namespace {
 // docs/ops.md). The state lists hold entries only for the groups whose entry
 // keeps them (e.g. adam's state3 = max_exp_avg_sq for amsgrad groups);
 // master_params one per float16/bfloat16 param of a master_weights group;
-// ema_params one per param of a has_ema group.
+// ema_params one per param of a has_ema group. With `group_values` (one per
+// group, of a kind with schedulable fields) the kernels read those fields from
+// the group's values tensor (NOTE [device values] in
+// csrc/common/update_args.h); the record's copies of them are checked and
+// decide which states a group keeps.
 constexpr int kCommon = 4;
 
 // One group's slices of the flattened lists (views, no copies).
@@ -100,7 +104,8 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                      at::TensorList lrs, at::ArrayRef<double> hyper, const std::optional<at::Tensor>& inv_scale,
                      const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& ema_decay,
                      const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out,
-                     const std::optional<at::Tensor>& grad_norm) {
+                     const std::optional<at::Tensor>& grad_norm,
+                     const std::optional<at::TensorList>& group_values_arg) {
   // NOTE [below autograd]: the ops this step calls go straight to their CPU or
   // CUDA kernels. The dispatcher would otherwise send each through the boxed
   // autograd fallback (no fusetrain op has an autograd formula), which copies
@@ -116,6 +121,19 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
   TORCH_CHECK_VALUE(grads.size() == params.size() && state_steps.size() == params.size(), "fused_step_: got ",
                     params.size(), " params, ", grads.size(), " grads and ", state_steps.size(), " state_steps");
   TORCH_CHECK_VALUE(!ema_decay.has_value() || ema_decay->defined(), "fused_step_: ema_decay is undefined");
+  const at::TensorList group_values = group_values_arg.has_value() ? *group_values_arg : at::TensorList();
+  const size_t n_values = spec.value_fields().size();
+  TORCH_CHECK_VALUE(group_values.empty() || (n_values > 0 && group_values.size() == groups), "fused_step_: ",
+                    n_values > 0 ? "group_values must hold one tensor per group (" + std::to_string(groups) + "), got " +
+                                       std::to_string(group_values.size())
+                                 : "optimizer '" + std::string(spec.name) + "' has no schedulable fields, but got " +
+                                       std::to_string(group_values.size()) + " group_values");
+  for (const auto& v : group_values)
+    TORCH_CHECK_VALUE(v.defined() && v.scalar_type() == at::kDouble && v.dim() == 1 &&
+                          static_cast<size_t>(v.numel()) == n_values && v.is_contiguous(),
+                      "fused_step_: each of group_values must be a contiguous float64 vector of ", n_values,
+                      " values (optimizer '", spec.name, "'), got ", v.defined() ? v.toString() : "undefined",
+                      v.defined() ? " of shape " + c10::str(v.sizes()) : "");
   TORCH_CHECK_VALUE(!grad_norm.has_value() || (grad_norm->defined() && grad_norm->numel() == 1 &&
                                                grad_norm->scalar_type() == at::kFloat),
                     "fused_step_: grad_norm must be a float32 tensor with one element");
@@ -189,6 +207,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
     call.fields = f + kCommon;
     call.kernel = update_kernel(dev.type());
     call.lr = lr;
+    if (!group_values.empty()) call.values = group_values[g].device() == dev ? group_values[g] : group_values[g].to(dev);
     call.maximize = f[3] != 0.0;
     call.inv_scale = on(inv_scale.has_value() ? *inv_scale : at::Tensor(), dev);
     call.found_inf = on(flag, dev);
@@ -247,7 +266,7 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
       "Tensor(c!)[] state1, Tensor(d!)[] state2, Tensor(e!)[] state3, Tensor(f!)[] master_params, "
       "Tensor(g!)[] ema_params, int[] group_sizes, Tensor[] lrs, float[] hyper, Tensor? inv_scale=None, "
       "Tensor? found_inf=None, Tensor? ema_decay=None, Tensor(h!)? grad_norm_out=None, "
-      "Tensor(i!)? found_inf_out=None, Tensor? grad_norm=None) -> ()");
+      "Tensor(i!)? found_inf_out=None, Tensor? grad_norm=None, Tensor[]? group_values=None) -> ()");
 }
 
 // Composite: the update and stats ops it calls dispatch per device.

@@ -37,6 +37,14 @@ int KindSpec::field_index(const char* field) const {
   return -1;
 }
 
+std::vector<const char*> KindSpec::value_fields() const {
+  std::vector<const char*> out;
+  if (!schedulable) return out;
+  for (const auto& f : fields)
+    if (std::strcmp(f.type, "real") == 0) out.push_back(f.name);
+  return out;
+}
+
 const KindState* KindSpec::slot_state(const double* f, int k) const {
   for (const auto& s : states)
     if (s.slot == k && holds(*this, s, f)) return &s;
@@ -98,6 +106,22 @@ UpdateKernel update_kernel(c10::DeviceType type) {
   return it->second;
 }
 
+void bind_values(const KindCall& c, OptimHyper& h, std::initializer_list<std::pair<const char*, double&>> members) {
+  const std::vector<const char*> names = c.spec->value_fields();
+  h.values.count = 0;
+  for (const auto& [name, member] : members) {
+    member = c[name];
+    if (!c.values.defined()) continue;
+    const auto it = std::find_if(names.begin(), names.end(), [&](const char* n) { return std::strcmp(n, name) == 0; });
+    TORCH_INTERNAL_ASSERT(it != names.end() && h.values.count < DeviceValues::kMax, "kind '", c.spec->name,
+                          "': '", name, "' is not a schedulable field");
+    h.values.offset[h.values.count] =
+        static_cast<int>(reinterpret_cast<const char*>(&member) - reinterpret_cast<const char*>(&h));
+    h.values.index[h.values.count] = static_cast<int>(it - names.begin());
+    ++h.values.count;
+  }
+}
+
 void run_kind_update(const KindCall& c, OptimHyper h, at::TensorList s1, at::TensorList s2, at::TensorList s3,
                      at::TensorList aux) {
   UpdateLists l;
@@ -117,8 +141,10 @@ void run_kind_update(const KindCall& c, OptimHyper h, at::TensorList s1, at::Ten
   l.ema = c.emas.vec();
   h.maximize = c.maximize;
   h.max_grad_norm = c.max_grad_norm;
+  TORCH_INTERNAL_ASSERT(!c.values.defined() || h.values.count == static_cast<int>(c.spec->value_fields().size()),
+                        "kind '", c.spec->name, "' runs without binding its schedulable fields (bind_values)");
   UpdateScalars sc{c.lr, opt_or_undef(c.inv_scale), opt_or_undef(c.found_inf), opt_or_undef(c.grad_norm),
-                   opt_or_undef(c.ema_decay)};
+                   opt_or_undef(c.ema_decay), c.values};
   run_fused_update(c.op, l, h, sc, c.kernel);
 }
 

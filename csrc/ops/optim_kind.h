@@ -8,13 +8,18 @@
 // reads the layout from here: fused_step_ slices its lists by it, the
 // front ends build records by field name (fusetrain._C.optim_kinds() in
 // Python; FusedOptimizer's check at construction in C++), and the record
-// section of docs/ops.md is generated from it.
+// section of docs/ops.md is generated from it. A kind whose entry marks its
+// real fields schedulable has them read on the device (NOTE [device values]
+// in csrc/common/update_args.h): its update binds each of them to a member
+// of the kernel arguments (bind_values).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <initializer_list>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../common/update_args.h"
@@ -59,6 +64,7 @@ struct KindCall : KindRecord {
   UpdateKernel kernel = nullptr;
   at::TensorList params, grads, steps, state[3], masters, emas;
   at::Tensor lr;
+  at::Tensor values;  // the group's schedulable fields (NOTE [device values]); undefined: the record's
   bool maximize = false;
   OptT inv_scale, found_inf, grad_norm, ema_decay;
   double max_grad_norm = 0.0;
@@ -72,8 +78,13 @@ struct KindSpec {
   // Checks a record's fields; `op` names the caller in messages.
   void (*check)(const std::string& op, const KindRecord& record);
   void (*run)(const KindCall& call);
+  // Whether its "real" fields are schedulable: read on the device from the
+  // group's values tensor, in the order of `fields`.
+  bool schedulable = false;
 
   int field_index(const char* field) const;  // -1 when absent
+  // The schedulable fields, in order (the layout of a group's values tensor).
+  std::vector<const char*> value_fields() const;
   // Whether a group with these fields keeps state slot k (0..2).
   bool uses_slot(const double* fields, int k) const { return slot_state(fields, k) != nullptr; }
   // The state a group with these fields keeps in slot k, or null.
@@ -93,6 +104,11 @@ std::vector<const KindSpec*> all_kinds();
 // infinite, closed when high_closed): a ValueError naming the field otherwise.
 void check_in(const std::string& op, const KindRecord& r, const char* name, double low,
               double high = std::numeric_limits<double>::infinity(), bool high_closed = false);
+
+// Sets each member (a double inside `h`) to the record's field of its name
+// and, when the call has a values tensor, binds it to that field's entry
+// there (NOTE [device values]). Every schedulable field must be bound.
+void bind_values(const KindCall& c, OptimHyper& h, std::initializer_list<std::pair<const char*, double&>> members);
 
 // What an element-wise kind does with its call: the lists and tail into
 // UpdateLists/UpdateScalars, then run_fused_update. `states`: the slots the

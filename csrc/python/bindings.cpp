@@ -54,12 +54,29 @@ PYBIND11_MODULE(_C, m) {
                                    py::arg("scalar") = s.scalar, py::arg("initial") = s.initial,
                                    py::arg("initial_when") = name_or_none(s.initial_when)));
           }
+          py::list values;
+          for (const char* name : spec->value_fields()) values.append(name);
           out.append(py::dict(py::arg("name") = spec->name, py::arg("doc") = spec->doc, py::arg("fields") = fields,
-                              py::arg("states") = states));
+                              py::arg("states") = states, py::arg("value_fields") = values));
         }
         return out;
       },
       "The optimizer kinds of fusetrain::fused_step_ (NOTE [kind table] in csrc/ops/optim_kind.h): each kind's "
-      "name, its record's fields in order and its per-param state.");
+      "name, its record's fields in order, its per-param state and its schedulable fields.");
+  m.def(
+      "check_kind_record",
+      [](const std::string& kind, const std::vector<double>& fields) {
+        try {
+          const auto& spec = fusetrain::detail::find_kind(kind);
+          TORCH_CHECK_VALUE(fields.size() == spec.fields.size(), "check_kind_record: kind '", kind, "' has ",
+                            spec.fields.size(), " fields, got ", fields.size());
+          spec.check(kind, fusetrain::detail::KindRecord{&spec, fields.data()});
+        } catch (const c10::ValueError& e) {
+          throw py::value_error(e.what_without_backtrace());
+        }
+      },
+      py::arg("kind"), py::arg("fields"),
+      "Checks a group record's own fields (in the kind's order) as fusetrain::fused_step_ does: a ValueError "
+      "naming the field otherwise.");
   fusetrain::bind_step_plan(m);
 }

@@ -222,7 +222,8 @@ class StepPlan {
   void run(const std::vector<at::Tensor>& lrs, const std::vector<double>& hyper,
            const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf,
            const std::optional<at::Tensor>& ema_decay, const std::optional<at::Tensor>& grad_norm_out,
-           const std::optional<at::Tensor>& found_inf_out, const std::optional<at::Tensor>& grad_norm) {
+           const std::optional<at::Tensor>& found_inf_out, const std::optional<at::Tensor>& grad_norm,
+           const std::vector<at::Tensor>& group_values) {
     TORCH_CHECK(!grads_.empty() && grads_.size() == params_.size(),
                 "StepPlan.run: call collect() first (it answered false or was not called)");
     // Neither the gradients nor the params are kept past the step:
@@ -234,7 +235,8 @@ class StepPlan {
     py::gil_scoped_release no_gil;
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // NOTE [below autograd] in csrc/ops/fused_step.cpp
     fused_step_(kind_, params, grads, steps_, s1_, s2_, s3_, masters_, emas_, sizes_, lrs, hyper, inv_scale,
-                found_inf, ema_decay, grad_norm_out, found_inf_out, grad_norm);
+                found_inf, ema_decay, grad_norm_out, found_inf_out, grad_norm,
+                group_values.empty() ? std::nullopt : std::optional<at::TensorList>(group_values));
   }
 
  private:
@@ -324,7 +326,8 @@ void bind_step_plan(py::module_& m) {
       .def("run", &StepPlan::run, py::arg("lrs"), py::arg("hyper"), py::arg("inv_scale") = py::none(),
            py::arg("found_inf") = py::none(), py::arg("ema_decay") = py::none(),
            py::arg("grad_norm_out") = py::none(), py::arg("found_inf_out") = py::none(),
-           py::arg("grad_norm") = py::none(), "fusetrain::fused_step_ over the kept lists and collected gradients.");
+           py::arg("grad_norm") = py::none(), py::arg("group_values") = std::vector<at::Tensor>(),
+           "fusetrain::fused_step_ over the kept lists and collected gradients.");
 }
 
 }  // namespace fusetrain

@@ -24,7 +24,8 @@ def optim_kinds() -> list:
     its ``name``, ``doc``, its record's own ``fields`` in order (``name``,
     ``type``, ``doc``) and its per-param ``states`` (``slot`` in state1..3,
     ``name``, the condition field ``when`` and ``when_set``, ``scalar``,
-    ``initial`` and ``initial_when``)."""
+    ``initial`` and ``initial_when``) and its ``value_fields``: the fields a
+    schedule may change, read on the device from a group's values tensor."""
     return _C.optim_kinds()
 
 
@@ -74,7 +75,7 @@ def grad_stats(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None) -> t
 
 def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
                 group_sizes, lrs, hyper, *, inv_scale=None, found_inf=None, ema_decay=None, grad_norm_out=None,
-                found_inf_out=None, grad_norm=None) -> None:
+                found_inf_out=None, grad_norm=None, group_values=()) -> None:
     """The whole optimizer tail for every group of one optimizer (a kind of
     ``optim_kinds()``): the stats pass when a group clips or the gradients
     are loss-scaled without a flag, then one update pass per group. Lists are
@@ -82,10 +83,12 @@ def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, stat
     groups (NOTE [group records] in csrc/ops/fused_step.cpp; the records'
     fields are in ``optim_kinds()`` and docs/ops.md). ``grad_norm_out``
     and ``found_inf_out`` receive the global norm (NaN when none was measured)
-    and the step's non-finite flag."""
+    and the step's non-finite flag. ``group_values``: one float64 vector per
+    group on its params' device holding the kind's ``value_fields``, which the
+    kernels then read there (NOTE [device values] in csrc/common/update_args.h)."""
     _ops.fused_step_(optimizer, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
                      group_sizes, lrs, hyper, inv_scale, found_inf, ema_decay, grad_norm_out, found_inf_out,
-                     grad_norm)
+                     grad_norm, list(group_values) or None)
 
 
 def ema_decay_(decay_out: Tensor, step: Tensor, total_steps: Optional[Tensor], decay_type: str, decay: float,

@@ -48,6 +48,11 @@ experiment folder takes ``training_params.resume=true`` (continue) or
 ``training_params.overwrite_experiment=true`` (start over); see
 ``docs/checkpoints.md``.
 
+A run stopped by a signal (SIGINT or one of ``training_params.preemption_signals``)
+writes a checkpoint and exits with status 75
+(``fusetrain.training.preemption.EXIT_PREEMPTED``): run the same command again
+with ``training_params.resume=auto`` to continue it.
+
 Why Hydra's compose API and not ``@hydra.main``: ``hydra.main`` changes the
 working directory per run and creates ``outputs/<date>/<time>`` folders with
 its own logs, while the Trainer already owns the run folder
@@ -261,7 +266,7 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
     if n_workers > 1:
         mode = "ddp" if params.multi_gpu == "auto" else params.multi_gpu
         print(f"{where}: starting {n_workers} worker processes (multi_gpu: {mode})", flush=True)
-        return launcher.launch(_recipe_worker, (recipe, where), n_workers)
+        return launcher.launch(_recipe_worker, (recipe, where), n_workers, signals=params.preemption_signals)
     train_loader, valid_loader, model = _build(recipe, where)
     # Imported late: the Trainer pulls in the whole training stack.
     try:
@@ -395,6 +400,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RECIPE_ERROR
+    except KeyboardInterrupt as exc:
+        from .training.triggers import TrainingInterrupted
+
+        if not isinstance(exc, TrainingInterrupted):
+            raise
+        print(f"stopped: {exc}", file=sys.stderr, flush=True)  # NOTE [preemption]
+        return exc.exit_status
     except Exception as exc:
         from .training.distributed import DistributedTrainingError
 

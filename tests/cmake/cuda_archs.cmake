@@ -1,4 +1,4 @@
-# Runs one function of cmake/FusetrainCuda.cmake for tests/python/test_build_config.py:
+# Runs one function of cmake/FusetrainCuda.cmake for tests/python/project/test_build_config.py:
 #   cmake -DACTION=defaults|flags|codes|check|strip -DVERSION=... -DARCHS=... -DSUPPORTED=... -DFLAGS=...
 #         -DNVCC=... -P cuda_archs.cmake
 # and prints "RESULT=<value>" (lists joined with '|').

@@ -2,7 +2,7 @@
 // tests/conformance/cases.txt run through fusetrain's C++ front end
 // (optimizers, LossScaler, attached ModelEMA). With FUSETRAIN_CONFORMANCE_OUT
 // set, the results are written there (torch::pickle_save of a dict of
-// tensors) for tests/python/test_conformance.py, which runs the same cases
+// tensors) for tests/python/optim/test_conformance.py, which runs the same cases
 // through the Python front end and requires bit-identical results.
 #include <cstdlib>
 #include <fstream>

@@ -99,6 +99,32 @@ TEST(CppApiOptim, AdamMatchesTorch) {
   compare(ours, ref, a, b);
 }
 
+// NOTE [device values]: betas and weight decay changed through the options between steps (a schedule)
+// reach the kernels through the group's values tensor, as torch's reads them from its options.
+TEST(CppApiOptim, ScheduledBetasAndWeightDecayMatchTorch) {
+  auto init = make_params(2);
+  auto a = clone_params(init), b = clone_params(init);
+  fusetrain::AdamW ours(a, fusetrain::AdamWOptions(3e-3).weight_decay(0.05));
+  torch::optim::AdamW ref(b, torch::optim::AdamWOptions(3e-3).weight_decay(0.05));
+  for (int s = 0; s < 12; ++s) {
+    const double beta1 = 0.95 - 0.01 * s, wd = 0.05 * (1 + s) / 12.0;
+    static_cast<fusetrain::AdamWOptions&>(ours.param_groups()[0].options()).betas({beta1, 0.99}).weight_decay(wd);
+    static_cast<torch::optim::AdamWOptions&>(ref.param_groups()[0].options()).betas({beta1, 0.99}).weight_decay(wd);
+    set_grads(a, b, s);
+    ours.step();
+    ref.step();
+  }
+  expect_close(a, b);
+  // refresh_device_values (what a captured TrainStep calls before a replay) checks new values first.
+  static_cast<fusetrain::AdamWOptions&>(ours.param_groups()[0].options()).betas({1.5, 0.99});
+  try {
+    ours.refresh_device_values();
+    ADD_FAILURE() << "no error for beta1 = 1.5";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("beta1 must be in [0, 1), got 1.5"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CppApiOptim, SGDMatchesTorch) {
   struct Case {
     double momentum, dampening, wd;

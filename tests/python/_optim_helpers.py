@@ -1,9 +1,14 @@
-"""Helpers of the optimizer test modules (test_fused_adam.py, test_fused_sgd.py,
-test_fused_lion.py): parameter and gradient makers, the float32 CPU reference
-copies, and comparisons of params, state and snapshots. ``from _optim_helpers
-import ...`` (pytest puts tests/python on sys.path)."""
+"""Helpers of the optimizer test modules (test_optim_suite.py, test_optim_op_suite.py; test_device_values.py
+uses a comparison): the optimizer table (fusetrain's class, its reference and the hyper-parameters
+the behaviour tests start from), the Lion reference, parameter and gradient
+makers, the float32 CPU reference copies, and comparisons of params, state and
+snapshots. ``from _optim_helpers import ...`` (pytest puts tests/python on sys.path)."""
+
+from typing import NamedTuple
 
 import torch
+
+import fusetrain.optim as fo
 
 LOW = [torch.float16, torch.bfloat16]
 SHAPES = [(1,), (7,), (13, 17), (1031,), (3, 5, 7)]
@@ -88,3 +93,103 @@ def assert_snapshot_equal(before, after):
     for k in before:
         assert before[k].dtype == after[k].dtype, k
         assert torch.equal(before[k], after[k]), f"{k} changed"
+
+
+class RefLion(torch.optim.Optimizer):
+    """Reference Lion (torch has none): plain torch ops, one tensor at a time, in the order the fused kernel
+    uses (state 'step', 'exp_avg'; float32, or float64 for a float64 param)::
+
+        u = beta1 * m + (1 - beta1) * g;  p *= 1 - lr * weight_decay;  p -= lr * sign(u)
+        m = beta2 * m + (1 - beta2) * g
+    """
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr = f32(group["lr"])  # the fused op reads lr from a float32 tensor
+            beta1, beta2 = group["betas"]
+            wd = group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                work = torch.float64 if p.dtype == torch.float64 else torch.float32
+                g = -p.grad.to(work) if group["maximize"] else p.grad.to(work)
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=work)
+                state["step"] += 1
+                m = state["exp_avg"]
+                u = m * beta1 + g * (1 - beta1)
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                p.add_(torch.sign(u), alpha=-lr)
+                m.mul_(beta2).add_(g, alpha=1 - beta2)
+
+
+class Optim(NamedTuple):
+    ours: type
+    reference: type
+    #: the hyper-parameters a behaviour test starts from (a case's overrides replace some)
+    hp: dict
+    #: how many steps the long comparisons run
+    steps: int = STEPS
+
+
+#: NOTE [optimizer table]: one row per optimizer; a test names the rows (and per-row overrides) it applies to.
+#: The rows of test_optim_family.py (which compares them over many configurations) run the long comparisons
+#: for 30 steps, the length of that module's own.
+OPTIMS = {
+    "Adam": Optim(fo.Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    "AdamW": Optim(fo.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    "SGD": Optim(fo.SGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1)),
+    "Lion": Optim(fo.Lion, RefLion, dict(lr=1e-2, weight_decay=0.1)),
+    "RMSprop": Optim(fo.RMSprop, torch.optim.RMSprop,
+                     dict(lr=2.0**-8, centered=True, momentum=0.5, weight_decay=0.01, alpha=0.9), 30),
+    "Adadelta": Optim(fo.Adadelta, torch.optim.Adadelta, dict(lr=0.5, rho=0.5, weight_decay=0.1, eps=1e-4), 30),
+    "RAdam": Optim(fo.RAdam, torch.optim.RAdam, dict(lr=2.0**-7, weight_decay=0.1, decoupled_weight_decay=True), 30),
+    "NAdam": Optim(fo.NAdam, torch.optim.NAdam, dict(lr=2.0**-7, weight_decay=0.1, momentum_decay=0.01), 30),
+}
+
+
+def reference(name, params, **hp):
+    """The reference optimizer of row ``name`` (torch's for-loop implementation where torch has one)."""
+    cls = OPTIMS[name].reference
+    return cls(params, **hp) if cls is RefLion else cls(params, foreach=False, **hp)
+
+
+def fused(name, params, hp=None, **ours_only):
+    """fusetrain's optimizer of row ``name`` with the row's hyper-parameters updated by ``hp``."""
+    return OPTIMS[name].ours(params, **dict(OPTIMS[name].hp, **(hp or {})), **ours_only)
+
+
+def optimizers(name, params, ref_params, hp=None, *, base=True, **ours_only):
+    """fusetrain's optimizer of row ``name`` on ``params`` and the reference on ``ref_params``, both with the
+    row's hyper-parameters updated by ``hp`` (only ``hp`` when ``base`` is False); ``ours_only``
+    (master_weights, max_grad_norm) goes to fusetrain's alone."""
+    kw = dict(OPTIMS[name].hp if base else {}, **(hp or {}))
+    return OPTIMS[name].ours(params, **kw, **ours_only), reference(name, ref_params, **kw)
+
+
+def case_id(name, hp=None):
+    return "-".join([name] + [f"{k}={v}" for k, v in (hp or {}).items()])
+
+
+def assert_state_close(opt, params, ropt, ref_params, steps, **tol):
+    """The state of each param holds the reference's keys (with ``step``, and ``master_param`` for a master),
+    in float32 (float64 for a float64 param) on the param's device, close to the reference's values;
+    ``step`` is a 0-dim float32 tensor equal to ``steps``."""
+    for i, (p, r) in enumerate(zip(params, ref_params)):
+        st = opt.state[p]
+        theirs = {k: v for k, v in ropt.state[r].items() if k != "step" and v is not None}
+        assert set(st) - {"step", "master_param"} == set(theirs), (i, sorted(st), sorted(theirs))
+        assert st["step"].dtype == torch.float32 and st["step"].device == p.device and st["step"].dim() == 0
+        assert st["step"].item() == steps
+        want = torch.float64 if p.dtype == torch.float64 else torch.float32
+        for k, v in theirs.items():
+            assert st[k].dtype == want and st[k].device == p.device, (k, st[k].dtype, st[k].device)
+            torch.testing.assert_close(st[k].detach().to("cpu", v.dtype), v, **tol,
+                                       msg=lambda m: f"{k} of param {i}: {m}")

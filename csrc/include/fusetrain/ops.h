@@ -54,7 +54,11 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, co
 // non-finite flag. grad_norm, when given, is the global norm of the
 // (unscaled) gradients measured by the caller (sharded parameters: the norm
 // over every shard, NOTE [sharded steps] in python/fusetrain/optim/_base.py):
-// clipping uses it and no stats pass runs for it. This is what
+// clipping uses it and no stats pass runs for it. group_values, when not
+// empty, holds one float64 vector per group on its params' device with the
+// kind's schedulable fields (optim_kinds(); NOTE [device values] in
+// csrc/common/update_args.h): the kernels read those fields there, so a
+// compiled or captured step follows their changes. This is what
 // fusetrain::FusedOptimizer and fusetrain.optim.* call.
 void fused_step_(c10::string_view optimizer, at::TensorList params, at::TensorList grads, at::TensorList state_steps,
                  at::TensorList state1, at::TensorList state2, at::TensorList state3, at::TensorList master_params,
@@ -62,7 +66,8 @@ void fused_step_(c10::string_view optimizer, at::TensorList params, at::TensorLi
                  at::ArrayRef<double> hyper, const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& ema_decay,
                  const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out,
-                 const std::optional<at::Tensor>& grad_norm = std::nullopt);
+                 const std::optional<at::Tensor>& grad_norm = std::nullopt,
+                 const std::optional<at::TensorList>& group_values = std::nullopt);
 
 // The EMA decay of the next update (1-based number step + 1) into decay_out:
 // decay_type "constant", "threshold" or "exp" (needs total_steps), optionally

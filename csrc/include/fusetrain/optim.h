@@ -388,11 +388,14 @@ class FusedOptimizer : public torch::optim::Optimizer {
   const at::Tensor& last_grad_norm() const { return last_grad_norm_; }
   const at::Tensor& last_found_inf() const { return last_found_inf_; }
 
-  // Refills the cached per-group lr device tensors whose group lr changed
-  // since the last step (step() does this itself). fusetrain::TrainStep calls
-  // it before replaying a captured step, so set_lr and LR schedulers apply
-  // without a recapture. Not to be called while a CUDA graph is being captured.
-  void refresh_lr_tensors();
+  // Refills each group's lr tensor and values tensor (its schedulable
+  // settings: betas, momentum, weight decay, eps, ...; NOTE [device values]
+  // in csrc/common/update_args.h) where the group's options changed since the
+  // last step, checking them first (step() does this itself).
+  // fusetrain::TrainStep calls it before replaying a captured step, so set_lr,
+  // LR schedulers and schedules of those settings apply without a recapture.
+  // Not to be called while a CUDA graph is being captured.
+  void refresh_device_values();
 
   // Creates, before a CUDA-graph capture of step(), everything a step would
   // otherwise create lazily and a graph would redo on every replay: the state
@@ -422,9 +425,16 @@ class FusedOptimizer : public torch::optim::Optimizer {
   std::vector<double> kind_record(const torch::optim::OptimizerOptions& o) const;
   // Creates the states that the kind keeps for a group with these fields.
   void init_state(FusedParamState& s, const at::Tensor& p, const double* fields) const;
-  // The lr of (group, device) as a device tensor, refilled only when the
-  // group's lr changes (no allocation per step).
-  const at::Tensor& lr_tensor(size_t group, const at::Device& dev, double lr);
+  // The lr (0-d float32) and schedulable fields (float64 vector, undefined
+  // when the kind has none) of (group, device) as device tensors, refilled
+  // only where they change (no allocation per step).
+  struct DeviceScalars {
+    at::Tensor lr, values;
+    double lr_value = 0.0;
+    std::vector<double> values_now;
+  };
+  const DeviceScalars& device_scalars(size_t group, const at::Device& dev, double lr,
+                                      const std::vector<double>& fields);
   // The state of p, created or moved to p's device where needed; while
   // capturing, raises instead when anything would be created or moved.
   FusedParamState& ensure_state(const at::Tensor& p, const torch::optim::OptimizerOptions& opts,
@@ -432,7 +442,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
   void ensure_results(const at::Device& dev, bool capturing);
   at::Tensor last_grad_norm_, last_found_inf_;
   ModelEMA* ema_ = nullptr;
-  std::map<std::pair<size_t, std::string>, std::pair<double, at::Tensor>> lr_cache_;
+  std::map<std::pair<size_t, std::string>, DeviceScalars> device_cache_;
   const detail::KindSpec* spec_ = nullptr;
   std::vector<int> field_slot_;  // the table position of each kind_fields value
 };

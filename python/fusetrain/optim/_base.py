@@ -15,6 +15,7 @@ synchronises with the host.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -180,6 +181,9 @@ class FusedOptimizer(Optimizer):
             raise TypeError(f"{self._opt_name}: master_weights must be a bool, got {master_weights!r}")
         defaults = dict(defaults, max_grad_norm=max_grad_norm, master_weights=master_weights)
         self._lr_cache: Dict[int, List[Any]] = {}
+        self._values_cache: Dict[int, List[Any]] = {}  # NOTE [device values]
+        self._snapshots: Dict[int, Dict[str, Any]] = {}  # _compiled_settings
+        self._values_outside: Dict[str, bool] = {"compiled": False}
         self._ema_lists: Optional[List[Optional[List[Tensor]]]] = None
         self._ema_decay: Optional[Tensor] = None
         # Written by step(): dicts rather than attributes because torch.compile
@@ -249,6 +253,9 @@ class FusedOptimizer(Optimizer):
         # torch's __getstate__ keeps only defaults/state/param_groups: restore
         # the per-instance caches (copy.deepcopy, pickle).
         self.__dict__.setdefault("_lr_cache", {})
+        self.__dict__.setdefault("_values_cache", {})
+        self.__dict__.setdefault("_snapshots", {})
+        self.__dict__.setdefault("_values_outside", {"compiled": False})
         self.__dict__.setdefault("_ema_lists", None)
         self.__dict__.setdefault("_ema_decay", None)
         self.__dict__.setdefault("_results", {"grad_norm": None, "found_inf": None})
@@ -472,6 +479,7 @@ class FusedOptimizer(Optimizer):
         a step that would still create state or fill an lr while capturing
         raises instead."""
         self.init_state()
+        self.sync_hyperparameters()
         for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.requires_grad]
             if params:
@@ -551,7 +559,11 @@ class FusedOptimizer(Optimizer):
                 self._sync_master(p, loc(p), loc(state["master_param"]))
                 masters.append(loc(state["master_param"]))
             if ema_list is not None:
-                emas.append(loc(ema_list[i]))
+                e = ema_list[i]
+                if not self._sharding["any"] and e.device == p.device and not _fits(e, p, e.dtype):
+                    # NOTE [state layout]: an attached EMA follows its param's layout too.
+                    e.data = _conform(e, p, e.dtype)
+                emas.append(loc(e))
             for out, name in zip(outs, names):
                 if name is not None:
                     out.append(loc(state[name]))
@@ -568,14 +580,31 @@ class FusedOptimizer(Optimizer):
         choice is made on the device (no host sync). Both marks are host-side
         and read where the step collects its lists: in eager steps (the step
         plan checks them in C++ too) and when torch.compile traces the step. A
-        compiled or captured step does not read them again: after writing such
-        params outside it, rebuild it (``TrainStep.invalidate()``)."""
+        compiled or captured step does not read them: ``fusetrain.TrainStep``
+        checks them before each call (``_sync_masters``); after writing such
+        params outside a step you compiled or captured yourself, rebuild it."""
         mark = (p._version, local.data_ptr())
         if self._master_marks.get(id(p)) == mark or _capturing(p.device):
             return
         kept = (master.to(local.dtype) == local).all()
         master.copy_(torch.where(kept, master, local.float()))
         self._master_marks[id(p)] = mark
+
+    @torch.no_grad()
+    def _sync_masters(self) -> None:
+        """NOTE [master re-sync] for every param with a master copy, checked on
+        the host before a compiled or captured step (which does not collect
+        its lists): no host sync, nothing done for params nothing wrote."""
+        loc = None
+        for group in self.param_groups:
+            if not group["master_weights"]:
+                continue
+            for p in group["params"]:
+                st = self.state.get(p) if p.dtype in _LOW else None
+                master = st.get("master_param") if st else None
+                if master is not None:
+                    loc = loc or (_sharded.local_fn() if self._sharding["any"] else _same)
+                    self._sync_master(p, loc(p), loc(master))
 
     def _lr_tensor(self, gi: int, group: Dict[str, Any], device: torch.device) -> Tensor:
         lr = group["lr"]
@@ -660,13 +689,13 @@ class FusedOptimizer(Optimizer):
         # Checked first: torch.compile then never reads the plan (no guards on it).
         kept = None if torch.compiler.is_compiling() else self._kept.get("plan")
         if kept is not None and self._plan_holds(kept):
-            lrs, hyper = self._group_records(kept["groups"])
+            lrs, hyper, values = self._group_records(kept["groups"])
             grad_norm, found_inf = self._sharded_stats(lambda: kept["plan"].local_stats(inv_scale), inv_scale,
                                                        found_inf)
             res = self._results
             kept["plan"].run(lrs, hyper, inv_scale=inv_scale, found_inf=found_inf,
                              ema_decay=self._ema_decay if kept["emas"] else None, grad_norm_out=res["grad_norm"],
-                             found_inf_out=res["found_inf"], grad_norm=grad_norm)
+                             found_inf_out=res["found_inf"], grad_norm=grad_norm, group_values=values)
             self._last["grad_norm"] = res["grad_norm"]
             self._last["found_inf"] = res["found_inf"]
             return
@@ -692,7 +721,7 @@ class FusedOptimizer(Optimizer):
             self._last["grad_norm"] = None
             self._last["found_inf"] = None
             return
-        lrs, hyper = self._group_records(groups)
+        lrs, hyper, values = self._group_records(groups)
         self._ensure_results(params[0].device)
         res = self._results
         stepped = None
@@ -703,16 +732,23 @@ class FusedOptimizer(Optimizer):
             inv_scale, found_inf)
         _ops.fused_step_(self._kind, params, grads, steps, s1, s2, s3, masters, emas, sizes, lrs, hyper,
                          inv_scale=inv_scale, found_inf=found_inf, ema_decay=self._ema_decay if emas else None,
-                         grad_norm_out=res["grad_norm"], found_inf_out=res["found_inf"], grad_norm=grad_norm)
+                         grad_norm_out=res["grad_norm"], found_inf_out=res["found_inf"], grad_norm=grad_norm,
+                         group_values=values)
         self._last["grad_norm"] = res["grad_norm"]
         self._last["found_inf"] = res["found_inf"]
         if not torch.compiler.is_compiling() and self._keep_lists:
             self._make_plan(groups, stepped, params, steps, s1, s2, s3, masters, emas, sizes)
 
     def _group_records(self, groups: Sequence[Any]):
-        """Each stepped group's lr tensor and record (NOTE [group records] in csrc/ops/fused_step.cpp)."""
+        """Each stepped group's lr tensor, record (NOTE [group records] in
+        csrc/ops/fused_step.cpp) and values tensor (NOTE [device values]; none
+        when the step's kind has no schedulable fields or a compiled step
+        reads the group's numbers itself)."""
         lrs: List[Tensor] = []
         hyper: List[float] = []
+        values: List[Tensor] = []
+        positions = KINDS[self._kind]["value_positions"]
+        compiling = torch.compiler.is_compiling()
         for gi, group, device, has_ema in groups:
             lrs.append(self._lr_tensor(gi, group, device))
             max_norm = group["max_grad_norm"]
@@ -720,8 +756,110 @@ class FusedOptimizer(Optimizer):
             hyper.append(1.0 if group["master_weights"] else 0.0)
             hyper.append(1.0 if has_ema else 0.0)
             hyper.append(1.0 if group["maximize"] else 0.0)
-            hyper.extend(self._kind_fields(group))
-        return lrs, hyper
+            fields = self._kind_fields(group)
+            hyper.extend(fields)
+            if not positions:
+                continue
+            if not compiling:
+                values.append(self._values_tensor(gi, fields, device, checked=True))
+            elif self._values_outside["compiled"]:
+                # Written by sync_hyperparameters() before the compiled call (NOTE [device values]).
+                values.append(self._values_cache[gi][1])
+        return lrs, hyper, values
+
+    def sync_hyperparameters(self) -> tuple:
+        """Write the schedulable settings of every group (betas, momentum,
+        weight_decay, eps, ...: ``optim_kinds()``'s ``value_fields``) into its
+        device values tensor, checking new values first. Every eager
+        ``step()`` does this itself; :class:`fusetrain.TrainStep` calls it
+        before each compiled or captured step, which then follows a schedule
+        of these settings without recompiling or capturing again (NOTE
+        [device values]). Call it before replaying a CUDA graph of ``step()``
+        that you captured yourself. Returns what such a step still reads on
+        the host (each group's settings as of its last structural change):
+        when that changes, a captured step must be captured again."""
+        positions = KINDS[self._kind]["value_positions"]
+        key = []
+        for gi, group in enumerate(self.param_groups):
+            device = next((p.device for p in group["params"] if p.requires_grad), None)
+            if device is None:
+                continue
+            fields = self._kind_fields(group)
+            if positions:
+                self._values_tensor(gi, fields, device, checked=False)
+            key.append(tuple(sorted(self._compiled_settings(gi, group, fields).items())))
+        return tuple(key)
+
+    def _values_tensor(self, gi: int, fields: List[float], device: torch.device, checked: bool) -> Tensor:
+        """The group's values tensor holding ``fields``' schedulable entries,
+        made once per group and device and written in place (a fill per
+        changed value, no host sync) when a value changes. ``checked``: the
+        step's op checks ``fields`` itself."""
+        positions = KINDS[self._kind]["value_positions"]
+        fields = tuple(fields)
+        cached = self._values_cache.get(gi)  # [fields written, tensor]
+        if cached is not None and cached[1].device == device and cached[0] == fields:
+            return cached[1]
+        if _capturing(device):
+            raise RuntimeError(
+                f"{self._opt_name}: param group {gi}'s settings changed while a CUDA graph is being captured: the "
+                "graph would keep them on every replay. Call optimizer.sync_hyperparameters() before capturing "
+                "and before each replay (fusetrain.TrainStep does)")
+        if not checked:
+            try:
+                _C.check_kind_record(self._kind, list(fields))
+            except ValueError as e:
+                raise ValueError(f"{self._opt_name}: param group {gi}: {e}") from None
+        if cached is None or cached[1].device != device:
+            t = torch.tensor([fields[i] for i in positions], dtype=torch.float64).to(device)
+            self._values_cache[gi] = [fields, t]
+            return t
+        t = cached[1]
+        for k, i in enumerate(positions):
+            if fields[i] != cached[0][i]:
+                t[k].fill_(fields[i])
+        cached[0] = fields
+        return t
+
+    def _compiled_settings(self, gi: int, group: Dict[str, Any], fields: List[float]) -> Dict[str, Any]:
+        """The group's settings a compiled step sees (``compiled_view``): those
+        of its last structural change. They are replaced by the current ones
+        when anything but schedulable values changed (any other key, a flag,
+        max_grad_norm, a schedulable value turning zero or non-zero, which
+        decides the states a group keeps)."""
+        now = {k: v for k, v in group.items() if k not in ("params", "lr") and not isinstance(v, Tensor)}
+        snap = self._snapshots.get(gi)
+        if snap is not None and snap != now:
+            positions = KINDS[self._kind]["value_positions"]
+            was = self._kind_fields(snap)
+            keep = snap.keys() == now.keys() and all(
+                self._kind_fields(dict(snap, **{k: now[k]})) != was for k in now if now[k] != snap[k])
+            keep = keep and all(w == f if i not in positions else (w != 0) == (f != 0)
+                                for i, (w, f) in enumerate(zip(was, fields)))
+            if not keep:
+                snap = None
+        if snap is None:
+            snap = self._snapshots[gi] = now
+        return snap
+
+    @contextlib.contextmanager
+    def compiled_view(self):
+        """While a compiled step runs (``fusetrain.TrainStep``), each group shows
+        the settings of its last structural change, so that the compiled code,
+        whose guards cover every setting of the param groups, is not recompiled
+        for a new schedulable value: the kernels read those from the values
+        tensors that ``sync_hyperparameters()`` wrote (NOTE [device values])."""
+        saved = []
+        try:
+            for gi, group in enumerate(self.param_groups):
+                snap = self._snapshots.get(gi)
+                if snap is not None and snap.keys() <= group.keys():
+                    saved.append((group, {k: group[k] for k in snap}))
+                    group.update(snap)
+            yield
+        finally:
+            for group, items in saved:
+                group.update(items)
 
     def _sharded_stats(self, local_stats, inv_scale: Optional[Tensor], found_inf: Optional[Tensor]):
         """The caller-measured global norm and the flag of a step over DTensor

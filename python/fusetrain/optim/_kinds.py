@@ -19,11 +19,13 @@ END = "<!-- end of the generated group records -->"
 
 def _kind_table() -> Dict[str, Dict[str, Any]]:
     """Each kind by name, with ``field_names`` (its record's own fields, in
-    order) and ``state_rules`` ((slot, name, when, when_set) per state) added."""
+    order), ``state_rules`` ((slot, name, when, when_set) per state) and
+    ``value_positions`` (where its ``value_fields`` are in its record) added."""
     kinds = {}
     for kind in _C.optim_kinds():
         kind["field_names"] = tuple(f["name"] for f in kind["fields"])
         kind["state_rules"] = tuple((s["slot"], s["name"], s["when"], s["when_set"]) for s in kind["states"])
+        kind["value_positions"] = tuple(kind["field_names"].index(n) for n in kind["value_fields"])
         kinds[kind["name"]] = kind
     return kinds
 
@@ -55,12 +57,16 @@ def render_markdown() -> str:
         "",
         "`hyper` holds one record per group: `max_grad_norm` (<= 0: no clipping), `master_weights`, `has_ema`,",
         "`maximize`, then the optimizer's own fields in the order below (flags as 0 or 1). A state list holds one",
-        "tensor per param of each group whose condition holds, none for the other groups.",
+        "tensor per param of each group whose condition holds, none for the other groups. A *schedulable* field",
+        "is read by the kernels from the group's values tensor (`group_values`, float64, the schedulable fields in",
+        "order), so a schedule may change it under a compiled or captured step.",
     ]
     for name in sorted(KINDS):
         kind = KINDS[name]
         out += ["", f"#### `{name}`: {kind['doc']}", "", "| field | type | meaning |", "|---|---|---|"]
-        out += [f"| `{f['name']}` | {f['type']} | {f['doc']} |" for f in kind["fields"]]
+        sched = set(kind["value_fields"])
+        out += [f"| `{f['name']}` | {f['type']}{', schedulable' if f['name'] in sched else ''} | {f['doc']} |"
+                for f in kind["fields"]]
         out += ["", _state_line(kind)]
     out += ["", END]
     return "\n".join(out) + "\n"

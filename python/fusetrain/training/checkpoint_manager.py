@@ -14,10 +14,11 @@ NOTE [checkpoint schema]: a checkpoint file is a dict of data (NOTE
 ``ema`` (None without ``ema``), ``epoch`` (epochs done), ``global_step``
 (optimizer steps done), ``best`` (``{"metric", "value", "epoch"[,
 "step"]}``), ``stale_epochs``, ``rng`` (this process's random states),
-``training_params`` (JSON-safe), ``world_size``, ``skipped_steps``,
-``schedule``; a mid-epoch checkpoint adds ``position`` (NOTE [mid-epoch
-resume]); with ``average_best_models``, ``averaging`` lists the epochs and
-values of the models averaged so far.
+``training_params`` (JSON-safe), ``world_size``, ``data_order`` (NOTE
+[resume on another process count]), ``skipped_steps``, ``schedule``; a
+mid-epoch checkpoint adds ``position`` (NOTE [mid-epoch resume]); with
+``average_best_models``, ``averaging`` lists the epochs and values of the
+models averaged so far.
 """
 
 from __future__ import annotations
@@ -31,31 +32,18 @@ import torch
 from torch import nn
 
 from ..ema import unwrap_model
-from . import resume, sharded_checkpoints
+from . import elastic_resume, resume, sharded_checkpoints
 from .callbacks import CallbackList, TrainerState
 from .checkpoints import atomic_copy, atomic_save, load_checkpoint
 from .model_average import BestModels
 from .params import TrainingParams
 from .position import resume_iterator, rng_state, set_rng_state
 
-__all__ = ["CheckpointManager", "rank_position", "LATEST", "BEST", "AVERAGE", "AVERAGE_SNAPSHOTS"]
+__all__ = ["CheckpointManager", "LATEST", "BEST", "AVERAGE", "AVERAGE_SNAPSHOTS"]
 
 LATEST, BEST = "ckpt_latest.pth", "ckpt_best.pth"
 AVERAGE, AVERAGE_SNAPSHOTS = "average_model.pth", "average_model_snapshots.pth"
 _STEP_FILE = re.compile(r"ckpt_step_(\d+)\.pth")
-
-
-def rank_position(position: Optional[Dict[str, Any]], ctx: Any, path: str) -> Optional[Dict[str, Any]]:
-    """This rank's part of a mid-epoch checkpoint's position (NOTE [mid-epoch resume]), or None."""
-    if position is None:
-        return None
-    ranks = position["ranks"]
-    if len(ranks) != ctx.world_size:
-        raise ValueError(f"resume: {path} was written in the middle of epoch {position['epoch'] + 1} by "
-                         f"{len(ranks)} process(es); allowed: resume it with {len(ranks)} process(es) (the "
-                         f"position in the epoch belongs to each process's shard of the data), or resume from "
-                         f"a checkpoint written at an epoch end")
-    return {**ranks[ctx.rank], **{k: v for k, v in position.items() if k != "ranks"}}
 
 
 class CheckpointManager:
@@ -82,10 +70,13 @@ class CheckpointManager:
 
     @staticmethod
     def resume_file(experiment_dir: str, p: TrainingParams) -> Optional[str]:
-        """The checkpoint a resume reads (checked to exist), or None for a fresh run."""
+        """The checkpoint a resume reads (checked to exist), or None for a fresh run (``resume: auto`` without
+        a checkpoint, too)."""
         if not (p.resume or p.resume_path):
             return None
         path = p.resume_path or os.path.join(experiment_dir, LATEST)
+        if p.resume == "auto" and not os.path.isfile(path):
+            return None
         if not os.path.isfile(path):
             raise FileNotFoundError(f"training_params.resume: no checkpoint at {path}")
         return path
@@ -104,11 +95,11 @@ class CheckpointManager:
 
     # ---- restore ---------------------------------------------------------------------------------------------
 
-    def restore(self, ck: Dict[str, Any], path: str) -> None:
+    def restore(self, ck: Dict[str, Any], path: str, kept: Tuple[str, ...] = ()) -> None:
         """Load a checkpoint into the freshly built run (NOTE [resume hyperparameters]), its progress into the
-        state, and this rank's mid-epoch position."""
+        state, and this rank's mid-epoch position (``kept``: keys set to keep the global batch)."""
         self.schedule.load_state_dict(ck.get("schedule"))
-        resume.check_changes(ck.get("training_params"), self.p, path)
+        resume.check_changes(ck.get("training_params"), self.p, path, kept)
         # The fresh param groups' settings (lr_scale, the lr tensors of NOTE [lr tensor]) are re-applied.
         resume.restore(ck, path, self.model, self.opt, self.scaler, self.ema)
         st = self.state
@@ -117,7 +108,8 @@ class CheckpointManager:
         st.stale_epochs = int(ck.get("stale_epochs", 0))
         self.skipped_before = float(ck.get("skipped_steps", 0.0))
         set_rng_state(ck["rng"], self.train_loader)
-        self.position = rank_position(ck.get("position"), self.ctx, path)
+        self.position = elastic_resume.rank_position(ck, self.ctx, path, getattr(self.train_loader, "batch_size",
+                                                                                 None))
         self.skipped_seen = self.position["skipped_seen"] if self.position else self.skipped_before
         if self.best_models is not None:
             self._restore_best_models(ck.get("averaging"))
@@ -137,16 +129,18 @@ class CheckpointManager:
         random states before the iterator is made go into mid-epoch checkpoints; a resume into this epoch makes
         the iterator from them and continues after its position."""
         at, self.position = self.position, None
-        if at is not None:
-            set_rng_state(at["rng_start"], loader)
+        if at is not None and at["rng_start"] is not None:  # None: another number of processes (their states
+            set_rng_state(at["rng_start"], loader)           # belong to the old ranks' shards)
         self.epoch_start = {"rng_start": rng_state(loader), "step0": self.state.global_step}
         if at is None:
             return loader, 0, 0
         batch_iter = resume_iterator(loader, at["batches"], self.p.resume_skip)
         self.epoch_start["step0"] = at["step0"]
-        sums.load_state_dict(at["sums"])
-        train_metrics.load_state_dict(at["train_metrics"])
-        set_rng_state(at["rng"], loader)
+        if at["sums"] is not None:  # on another number of processes, rank 0 holds the old ranks' sums
+            sums.load_state_dict(at["sums"])
+            train_metrics.load_state_dict(at["train_metrics"])
+        if at["rng"] is not None:
+            set_rng_state(at["rng"], loader)
         return batch_iter, at["batches"], at["samples"]
 
     # ---- writing ---------------------------------------------------------------------------------------------
@@ -203,6 +197,7 @@ class CheckpointManager:
                "epoch": epoch, "global_step": st.global_step, "best": dict(st.best),
                "stale_epochs": st.stale_epochs, "rng": rng_state(self.train_loader),
                "training_params": self.p.to_dict(json_safe=True), "world_size": self.ctx.world_size,
+               "data_order": elastic_resume.data_order_record(self.train_loader, self.p, self.ctx.world_size),
                "skipped_steps": self.skipped_steps(), "schedule": self.schedule.state_dict()}
         if self.best_models is not None:
             out["averaging"] = self.best_models.summary()

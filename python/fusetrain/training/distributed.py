@@ -393,7 +393,11 @@ def setup(p) -> Tuple[DistContext, torch.device]:
         kwargs: Dict[str, Any] = {}
         if device.type == "cuda":
             kwargs["device_id"] = device
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=p.dist_timeout_s), **kwargs)
+        timeout = datetime.timedelta(seconds=p.dist_timeout_s)
+        from .preemption import restart_store
+
+        kwargs.update(restart_store(rank, world, timeout))
+        dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
         owns = True
     state = DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                         backend=str(backend), owns_group=owns, timeout_s=p.dist_timeout_s, fsdp=p.multi_gpu == "fsdp")

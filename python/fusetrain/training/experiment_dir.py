@@ -65,12 +65,12 @@ class ExperimentDir:
         self._fd: Optional[int] = None
         self._created = False
 
-    def open(self, resume: bool, overwrite: bool) -> None:
+    def open(self, resume: bool, overwrite: bool, why: str = "overwrite_experiment=True") -> None:
         self._created = not os.path.isdir(self.path)
         os.makedirs(self.path, exist_ok=True)
         self._lock()
         try:
-            self._prepare(resume, overwrite)
+            self._prepare(resume, overwrite, why)
         except BaseException:
             self.close()
             raise
@@ -114,7 +114,7 @@ class ExperimentDir:
         except (OSError, ValueError, KeyError, TypeError):
             return "holder unknown"
 
-    def _prepare(self, resume: bool, overwrite: bool) -> None:
+    def _prepare(self, resume: bool, overwrite: bool, why: str) -> None:
         removed = remove_temp_files(self.path)
         if removed:
             listed = ", ".join(f"{n} ({size / 2**20:.1f} MiB)" for n, size in removed)
@@ -132,7 +132,7 @@ class ExperimentDir:
             path = os.path.join(self.path, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         if earlier:
-            warnings.warn(f"Trainer: overwrite_experiment=True: deleted the earlier run's {', '.join(earlier)} "
+            warnings.warn(f"Trainer: {why}: deleted the earlier run's {', '.join(earlier)} "
                           f"from {self.path}", stacklevel=4)
 
     def close(self) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
+import threading
 import uuid
 from typing import Any, Callable, Dict, Sequence
 
@@ -60,27 +62,50 @@ def _launch_error(exc) -> DistributedTrainingError:
         f"failed first: {_failure_text(failure)}{also}", rank=rank)
 
 
+class _Stopped:
+    """What a worker returns instead of raising TrainingInterrupted: the launcher raises it again here."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
 def _call_pickled(blob: bytes) -> Any:
+    from .triggers import TrainingInterrupted
+
     fn, args = pickle.loads(blob)
-    return fn(*args)
+    try:
+        return fn(*args)
+    except TrainingInterrupted as exc:  # a stop with a checkpoint is no failure (NOTE [preemption])
+        return _Stopped(str(exc))
 
 
 def launch(fn: Callable[..., Any], args: Sequence[Any], nprocs: int, payload_names: Sequence[str] = (),
-           how: str = "torchrun --nproc_per_node=N -m fusetrain.train_from_recipe ...") -> Any:
+           how: str = "torchrun --nproc_per_node=N -m fusetrain.train_from_recipe ...",
+           signals: Sequence[str] = ()) -> Any:
     """Run ``fn(*args)`` in ``nprocs`` worker processes on this node under
     torch's elastic agent (spawned; ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set in
     each) and return rank 0's result. ``fn`` must be a module-level function
     and ``args`` picklable. A failed worker stops all of them; the error raised
     here is a :class:`DistributedTrainingError` naming the rank that failed
-    first."""
+    first. Workers stopped by a signal with a checkpoint make it raise
+    :class:`~fusetrain.training.triggers.TrainingInterrupted`; ``signals``
+    (names) sent to this process are passed on to the workers."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .triggers import TrainingInterrupted
+
     if payload_names:
         _check_picklable(dict(zip(payload_names, args)), how)
+    handled = list(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *signals]))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"fusetrain-{uuid.uuid4().hex}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn", local_addr="127.0.0.1")
+                          monitor_interval=0.1, start_method="spawn", local_addr="127.0.0.1",
+                          signals_to_handle=",".join(handled))
+    # The launcher's handlers of these signals stay installed after it returns: the caller's come back then.
+    previous = ({name: signal.getsignal(signal.Signals[name]) for name in handled}
+                if threading.current_thread() is threading.main_thread() else {})
     env_backup = os.environ.get("OMP_NUM_THREADS")
     if env_backup is None:
         # As torchrun does: the workers share the cores, so each gets its share of intra-op threads.
@@ -92,7 +117,16 @@ def launch(fn: Callable[..., Any], args: Sequence[Any], nprocs: int, payload_nam
         results = elastic_launch(config, _call_pickled)(blob)
     except ChildFailedError as exc:
         raise _launch_error(exc) from exc
+    except SignalException as exc:  # passed on to the workers, which stop with a checkpoint
+        raise TrainingInterrupted(f"training stopped on {exc.sigval.name}: the workers were asked to stop after "
+                                  f"their step in flight and write a checkpoint") from None
     finally:
         if env_backup is None:
             os.environ.pop("OMP_NUM_THREADS", None)
+        for name, handler in previous.items():
+            if handler is not None:  # None: one set outside Python, which cannot be put back
+                signal.signal(signal.Signals[name], handler)
+    stopped = [r for r in results.values() if isinstance(r, _Stopped)]
+    if stopped:
+        raise TrainingInterrupted(stopped[0].message)
     return results[0]

@@ -10,7 +10,9 @@ samples) and the random states of the moment of the checkpoint. A resume
 sets the epoch-start states, makes the iterator again, makes it draw what it
 draws at the start of an epoch, skips the batches already trained on, and
 then sets the checkpoint's states: every later batch, random augmentation
-and dropout mask is the one the uninterrupted run would have had.
+and dropout mask is the one the uninterrupted run would have had. On
+another number of processes the position is one in the epoch's global order
+instead (NOTE [resume on another process count]).
 """
 
 from __future__ import annotations

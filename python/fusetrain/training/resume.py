@@ -14,7 +14,7 @@ error raised before anything is loaded.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..ema import unwrap_model
 from .params import TrainingParams, TrainingParamsError
@@ -58,12 +58,13 @@ def _diff(old: Any, new: Any, key: str) -> List[str]:
     return [f"{key}: {old!r} -> {new!r}"]
 
 
-def check_changes(saved: Optional[Dict[str, Any]], p: TrainingParams, path: str) -> None:
-    """Raise for a change that cannot work; warn once listing the others."""
+def check_changes(saved: Optional[Dict[str, Any]], p: TrainingParams, path: str, kept: Tuple[str, ...] = ()) -> None:
+    """Raise for a change that cannot work; warn once listing the others (not ``kept``: the keys a resume on
+    another number of processes set to keep the global batch, which it reports itself)."""
     if not saved:
         return
     new = p.to_dict(json_safe=True)
-    changed = [k for k in new if k not in IGNORED and k in saved and saved[k] != new[k]]
+    changed = [k for k in new if k not in IGNORED and k not in kept and k in saved and saved[k] != new[k]]
     refused = [f"training_params.{k}: got {new[k]!r} but the checkpoint {path} was trained with {saved[k]!r}; "
                f"allowed on resume: {saved[k]!r} ({REFUSED[k]}); to change it, start a fresh run (another "
                f"experiment_name, or overwrite_experiment=True) from the checkpoint's weights"

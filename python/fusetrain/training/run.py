@@ -24,7 +24,7 @@ from torch import nn
 from ..amp import SCALE_FLOOR, Precision
 from ..export import export_model
 from . import distributed as _dist
-from . import preflight
+from . import preemption, preflight
 from .batches import call_model, count_samples, split_batch, to_device
 from .callbacks import CallbackList, TrainerState
 from .checkpoint_manager import AVERAGE, CheckpointManager
@@ -34,6 +34,7 @@ from .evaluation import LossSums, evaluate
 from .metrics import MetricSet
 from .params import TrainingParams
 from .schedules import LRSchedule, run_epochs
+from .setting_schedules import SettingSchedule
 from .step import TrainStep
 from .triggers import StepTriggers, TrainingInterrupted
 
@@ -135,6 +136,7 @@ class Run:
     start_epoch: int = 0
     frozen_bn: List[nn.Module] = field(default_factory=list)  # kept in eval mode (freeze_bn_stats)
     sums: Optional[LossSums] = None
+    settings: Optional[SettingSchedule] = None  # momentum_schedule / weight_decay_schedule
 
     def __post_init__(self) -> None:
         self.sums = LossSums(self.device)
@@ -205,9 +207,14 @@ class Run:
         return last
 
     def interrupted(self) -> TrainingInterrupted:
+        """The error of a stop by a signal, its checkpoint written; under Slurm with auto_requeue rank 0
+        requeues the job first (NOTE [preemption])."""
+        if self.p.auto_requeue and self.ctx.is_main and preemption.requeues(self.triggers.stop.signal):
+            preemption.requeue()
         return TrainingInterrupted(
             f"training stopped on {self.triggers.stop.signal} after optimizer step {self.state.global_step}; "
-            f"{self.checkpoints.latest_path} continues it with resume=True")
+            f"{self.checkpoints.latest_path} continues it with resume=True (or the same command with resume: "
+            f"auto); exit status {TrainingInterrupted.exit_status} says so")
 
     def steps_done(self) -> bool:
         return bool(self.p.max_steps) and self.state.global_step >= self.p.max_steps
@@ -251,6 +258,8 @@ class Run:
             do_step = train_step.will_step(last_micro)
             if do_step:
                 set_lr(self.opt, self.schedule(state.global_step))
+                if self.settings is not None:
+                    self.settings.apply(self.opt, state.global_step)
             rng = preflight.target_range(y) if first else None
             try:
                 with self.ctx.grad_sync(train_step.model, do_step):  # DDP: all-reduce only on the stepping batch

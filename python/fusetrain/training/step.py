@@ -54,11 +54,19 @@ step instead.
 
 What stays fixed after compilation/capture
 ------------------------------------------
-Anything read on the host when the step was built: Python hyperparameters of
-the optimizer (betas, weight decay, momentum, max_grad_norm), the loss-scaler
-factors, the model's train/eval mode and its structure. Device tensors may
-change freely: fill the optimizer's lr tensor in place between calls (an LR
-schedule), the EMA decay and the loss scale change on the device. After
+Device tensors may change freely: fill the optimizer's lr tensor in place
+between calls (an LR schedule); the EMA decay and the loss scale change on the
+device. A fusetrain optimizer's schedulable settings (betas, momentum,
+weight_decay, eps, ...: the ``value_fields`` of ``fusetrain._ops.optim_kinds()``)
+may change through ``param_groups`` as in torch (``OneCycleLR(cycle_momentum=True)``,
+a weight-decay schedule): before each step the TrainStep writes them into the
+optimizer's device values (``sync_hyperparameters()``), which the kernels read,
+so nothing recompiles or recaptures (NOTE [device values]). A change of what the
+step still reads on the host (max_grad_norm, a flag such as nesterov or amsgrad, a
+setting of Lamb, AdamP or Muon, a schedulable value turning zero or non-zero)
+recompiles a compiled step and makes a captured one capture again (with a
+warning). Anything else read on the host when the step was built stays fixed: the
+loss-scaler factors, the model's train/eval mode and its structure. After
 ``load_state_dict`` of the model/optimizer/scaler or any structural change,
 call :meth:`TrainStep.invalidate` (or build a new step).
 """
@@ -273,7 +281,11 @@ class TrainStep:
         self._prev_mismatch = False
         self._warned_shape = False
         self._compiled_used = False
+        self._host_settings: Any = None  # NOTE [device values]: what a captured step read on the host
+        self.__dict__.setdefault("_warned_recapture", False)
         self._dynamic = self._mode == "compile" and self.compile_options.get("dynamic") is True
+        if self.fused and self._mode == "compile":
+            self.optimizer._values_outside["compiled"] = True
         self._build()
 
     def _build(self) -> None:
@@ -424,6 +436,11 @@ class TrainStep:
             return self._mismatch(x, y, do_step)
         self._prev_mismatch = False
         self._compiled_used = True
+        if do_step and self.fused:
+            self.optimizer.sync_hyperparameters()  # NOTE [device values]
+            self.optimizer._sync_masters()  # NOTE [master re-sync]
+            with self.optimizer.compiled_view():
+                return self._c[do_step](x, y)
         return self._c[do_step](x, y)
 
     # ---- CUDA graphs -------------------------------------------------------------------
@@ -453,6 +470,20 @@ class TrainStep:
         if not matches:
             return self._mismatch(x, y, do_step)
         self._prev_mismatch = False
+        if do_step:
+            host = self.optimizer.sync_hyperparameters()  # NOTE [device values]
+            self.optimizer._sync_masters()  # NOTE [master re-sync]
+            if self._graphs.get(True) is not None and host != self._host_settings:
+                if not self._warned_recapture:
+                    self._warned_recapture = True
+                    warnings.warn(
+                        "TrainStep(mode='cuda_graph'): an optimizer setting read on the host changed after capture "
+                        f"(per group: max_grad_norm, master_weights, maximize, record: {self._host_settings} -> "
+                        f"{host}); the step is captured again. Schedulable settings (betas, momentum, weight_decay, "
+                        "eps of the element-wise optimizers) change without this", stacklevel=4)
+                self.invalidate()
+                return self._run_graphed_on_device(x, y, do_step)
+            self._host_settings = host
         graph = self._graphs.get(do_step)
         if graph is None:
             return self._capture(x, y, do_step)

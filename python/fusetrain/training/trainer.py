@@ -33,9 +33,9 @@ from ..ema import ModelEMA
 from ..export import check_onnx_packages
 from ..optim._base import FusedOptimizer
 from . import distributed as _dist
-from . import finetune, fsdp, launcher, preflight, step_log
+from . import elastic_resume, finetune, fsdp, launcher, preemption, preflight, step_log
 from .callbacks import CallbackList, TrainerState, build_callbacks
-from .checkpoint_manager import CheckpointManager, rank_position
+from .checkpoint_manager import CheckpointManager
 from .data.sharding import shard_train_loader, shard_valid_loader
 from .evaluation import evaluate, resolve_fn
 from .experiment_dir import ExperimentDir
@@ -47,8 +47,9 @@ from .params.resolve import watch_candidates
 from .run import Progress as _Progress  # noqa: F401  (the progress bar, under its former name)
 from .run import Run
 from .schedules import LRSchedule, base_lr, run_steps
+from .setting_schedules import SettingSchedule
 from .step import TrainStep
-from .triggers import GracefulStop, StepTriggers
+from .triggers import GracefulStop, StepTriggers, TrainingInterrupted
 
 __all__ = ["Trainer"]
 
@@ -91,7 +92,7 @@ class Trainer:
         self.experiment_dir = os.path.join(self.ckpt_root_dir, experiment_name)
         self.params: Optional[TrainingParams] = None
 
-    _rank_position = staticmethod(rank_position)  # this rank's part of a mid-epoch checkpoint's position
+    _rank_position = staticmethod(elastic_resume.rank_position)  # this rank's part of a mid-epoch position
 
     # ---- building blocks -----------------------------------------------------------
 
@@ -146,6 +147,7 @@ class Trainer:
             raise ValueError("Trainer.train: train_loader is required")
         _named_loaders(valid_loader, "valid_loader")
         _named_loaders(test_loader, "test_loader")
+        preemption.check_auto_requeue(p)
         resume_path = CheckpointManager.resume_file(self.experiment_dir, p)
         if p.lr_mode == "plateau" and valid_loader is None:
             raise TrainingParamsError(["training_params.lr_mode: got 'plateau' without a valid_loader; allowed: "
@@ -169,16 +171,28 @@ class Trainer:
             for name, loader in _named_loaders(loaders, what).items():
                 preflight.check_not_empty(loader, f"{what}[{name!r}]" if name else what)
         n_workers = _dist.workers_to_launch(p)
+        # The data order and the global batch on this many processes, checked before anything is written
+        # (NOTE [resume on another process count]).
+        data = elastic_resume.plan(resume_ck, resume_path, p, train_loader,
+                                   n_workers if n_workers > 1 else _dist.env_world()[1])
         if n_workers > 1:  # multi_gpu 'ddp' outside a launcher: start the workers, each runs this method
             del resume_ck  # each worker reads it
             return self._launch(model, p, train_loader, valid_loader, test_loader, n_workers)
+        p = data.params
         ctx, device = _dist.setup(p)
         folder = ExperimentDir(self.experiment_dir)
         failed = True
         try:
             if ctx.is_main:  # rank 0 writes the folder (NOTE [folder lock])
-                folder.open(resume=resume_path is not None, overwrite=p.overwrite_experiment)
-            run = self._setup(model, p, train_loader, valid_loader, test_loader, resume_path, resume_ck, ctx, device)
+                self._announce_resume(p, resume_path, resume_ck)
+                # resume: auto without a checkpoint: the files of an attempt that wrote none are replaced.
+                auto_fresh = p.resume == "auto" and resume_path is None
+                folder.open(resume=resume_path is not None, overwrite=p.overwrite_experiment or auto_fresh,
+                            why="resume: auto found no checkpoint" if auto_fresh else "overwrite_experiment=True")
+            if ctx.is_main and data.note:
+                print(data.note, flush=True)
+            run = self._setup(model, p, train_loader, valid_loader, test_loader, resume_path, resume_ck, ctx, device,
+                              data)
             del resume_ck
             result = run.loop()
             if pretrained is not None:
@@ -187,6 +201,9 @@ class Trainer:
                 result["export"] = run.export()
             failed = False
             return result
+        except TrainingInterrupted:  # every rank stops at the same step, after the checkpoint: an orderly end
+            failed = False
+            raise
         except BaseException as exc:
             other_rank_failed = ctx.on_failure(exc, "during training")
             if other_rank_failed is not None:
@@ -195,6 +212,19 @@ class Trainer:
         finally:
             folder.close()
             ctx.teardown(failed)
+
+    def _announce_resume(self, p: TrainingParams, path: Optional[str], ck: Optional[Dict[str, Any]]) -> None:
+        """``resume: auto`` says whether it continues a checkpoint or starts fresh."""
+        if p.resume != "auto":
+            return
+        if path is None:
+            missing = p.resume_path or os.path.join(self.experiment_dir, "ckpt_latest.pth")
+            print(f"resume: auto: no checkpoint at {missing}; starting a fresh run", flush=True)
+            return
+        where = (f"inside epoch {ck['position']['epoch'] + 1}" if ck.get("position") is not None
+                 else f"after epoch {ck['epoch']}")
+        print(f"resume: auto: continuing from {path} (optimizer step {ck['global_step']}, {where}, written by "
+              f"{ck.get('world_size', 1)} process(es))", flush=True)
 
     @staticmethod
     def _prepare_model(model: nn.Module, p: TrainingParams, resume_path: Optional[str]):
@@ -231,7 +261,8 @@ class Trainer:
         args = (self.experiment_name, self.ckpt_root_dir, model, p, train_loader, valid_loader, test_loader)
         result = launcher.launch(_train_worker, args, nprocs,
                                  payload_names=("experiment_name", "ckpt_root_dir", "the model", "training_params",
-                                                "the train loader", "the validation loader", "the test loader"))
+                                                "the train loader", "the validation loader", "the test loader"),
+                                 signals=p.preemption_signals)
         CheckpointManager.load_final_weights(self.experiment_dir, model)
         return result
 
@@ -251,7 +282,7 @@ class Trainer:
 
     def _setup(self, model: nn.Module, p: TrainingParams, train_loader, valid_loader, test_loader,
                resume_path: Optional[str], resume_ck: Optional[Dict[str, Any]], ctx: "_dist.DistContext",
-               device: torch.device) -> Run:
+               device: torch.device, data: elastic_resume.DataPlan) -> Run:
         if p.compile_step == "cuda_graph" and (device.type != "cuda" or ctx.enabled):
             raise TrainingParamsError(["training_params.compile_step: got 'cuda_graph' "
                                        + (f"but the device is {device}; CUDA graphs need a GPU"
@@ -272,7 +303,7 @@ class Trainer:
         if torch.autograd._profiler_enabled():
             warnings.warn("Trainer: the autograd profiler is active and slows every step", stacklevel=3)
 
-        train_loader = shard_train_loader(train_loader, ctx, p.seed)
+        train_loader = shard_train_loader(train_loader, ctx, data.seed, data.batch_size, p.batch_accumulate)
         valid_loaders = {k: shard_valid_loader(v, ctx) for k, v in valid_loaders.items()}
         test_loaders = {k: shard_valid_loader(v, ctx) for k, v in test_loaders.items()}
         if ctx.enabled:
@@ -312,10 +343,11 @@ class Trainer:
                              best={"metric": p.metric_to_watch, "value": None, "epoch": None})
         logger = ExperimentLogger(self.experiment_dir) if ctx.is_main else NullLogger()
         schedule = LRSchedule(p, steps_per_epoch)
+        settings = SettingSchedule(p, schedule, opt)  # momentum / weight decay schedules
         ckpts = CheckpointManager(self.experiment_dir, p, ctx, state, model, opt, scaler, ema, schedule, train_loader,
                                   callbacks)
         if resume_ck is not None:
-            ckpts.restore(resume_ck, resume_path)
+            ckpts.restore(resume_ck, resume_path, data.changed)
             logger.load_existing(state.epoch, state.global_step)
         if ema is not None and fused:
             ema.attach(opt)
@@ -339,10 +371,12 @@ class Trainer:
                                model_input=resolve_fn(p.model_input))
         return Run(p=p, ctx=ctx, device=device, model=model, train_step=train_step, eval_model=eval_model, opt=opt,
                    fused=fused, scaler=scaler, precision=precision, ema=ema, loss_fn=loss_fn, schedule=schedule,
+                   settings=settings if settings.active else None,
                    steps_per_epoch=steps_per_epoch, train_loader=train_loader, valid_loaders=valid_loaders,
                    test_loaders=test_loaders, train_metrics=train_metrics, valid_metrics=valid_metrics,
                    callbacks=callbacks, state=state, checkpoints=ckpts, logger=logger, watch_key=watch_key,
-                   experiment_dir=self.experiment_dir, triggers=StepTriggers(p, ctx, device, GracefulStop()),
+                   experiment_dir=self.experiment_dir,
+                   triggers=StepTriggers(p, ctx, device, GracefulStop(p.preemption_signals)),
                    step_log=step_log.StepLog(step_log.build_loggers(p.loggers, p.logger_params, self.experiment_dir,
                                                                     self.experiment_name) if ctx.is_main else [],
                                              p.log_interval or steps_per_epoch, device),

@@ -4,56 +4,71 @@ or SIGTERM. Each test is host arithmetic (no device read); in a distributed
 run the ranks agree on the time- and signal-driven ones once every
 ``agree_every`` steps with one small all-reduce.
 
-NOTE [graceful stop]: the first SIGINT (Ctrl-C) or SIGTERM only sets a flag.
-The step in flight ends, a checkpoint of the position in the epoch is
-written, and ``Trainer.train`` raises :class:`TrainingInterrupted` (a
-``KeyboardInterrupt``), so ``resume=True`` continues from the next batch. A
-second signal interrupts at once, as Python would.
+NOTE [graceful stop]: the first SIGINT (Ctrl-C) or signal of
+``preemption_signals`` (default SIGTERM, SIGUSR1) only sets a flag. The step
+in flight ends, a checkpoint of the position in the epoch is written, and
+``Trainer.train`` raises :class:`TrainingInterrupted` (a
+``KeyboardInterrupt``), so ``resume`` continues from the next batch. A
+second SIGINT interrupts at once, as Python would; a preemption signal that
+comes again while the stop is under way is ignored (a scheduler and torchrun
+may both deliver the one signal; NOTE [preemption]).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
+
+from .preemption import EXIT_PREEMPTED
 
 __all__ = ["GracefulStop", "StepTriggers", "TrainingInterrupted"]
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped on SIGINT/SIGTERM after writing a checkpoint."""
+    """Training stopped on a signal after writing a checkpoint. ``exit_status``:
+    what a script should exit with (``fusetrain-train`` does; NOTE [preemption])."""
+
+    exit_status = EXIT_PREEMPTED
 
 
 class GracefulStop:
-    """Catches SIGINT and SIGTERM while training (main thread only; elsewhere
-    signals keep their handlers). NOTE [graceful stop]."""
+    """Catches SIGINT and ``signals`` (names) while training (main thread only;
+    elsewhere signals keep their handlers). NOTE [graceful stop]."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
+    def __init__(self, signals: Sequence[str] = ("SIGTERM",)) -> None:
         self.signal: Optional[str] = None
+        self.signals = tuple(dict.fromkeys([signal.SIGINT] + [signal.Signals[name] for name in signals]))
         self._previous: List[Tuple[int, Any]] = []
+        self._pid = os.getpid()
 
     @property
     def requested(self) -> bool:
         return self.signal is not None
 
     def __enter__(self) -> "GracefulStop":
+        self._pid = os.getpid()
         if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
+            for s in self.signals:
                 self._previous.append((s, signal.signal(s, self._handle)))
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if self.requested:  # the second one: at once
+        if os.getpid() != self._pid:  # a forked DataLoader worker: it keeps serving the step in flight
+            return
+        if self.requested and signum != signal.SIGINT:
+            print(f"{name} received while stopping: the checkpoint is being written", flush=True)
+            return
+        if self.requested:  # a second SIGINT: at once
             self._restore()
             raise KeyboardInterrupt(f"{name} received twice")
         self.signal = name
-        print(f"{name} received: stopping after this step and writing a checkpoint (send it again to stop at "
+        print(f"{name} received: stopping after this step and writing a checkpoint (SIGINT again stops at "
               f"once)", flush=True)
 
     def _restore(self) -> None:

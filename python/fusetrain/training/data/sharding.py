@@ -1,18 +1,22 @@
-"""Loaders of a distributed run: each rank reads its shard. The train loader
-gets a ``DistributedSampler`` (re-wrapping a user DataLoader with the same
-dataset, batch size, workers, collate_fn, ...), the validation loader an
-exact :class:`ShardSampler` (no padding, so reduced means are exact)."""
+"""Loaders of a run: the train loader reads the global order (NOTE [global
+order]; re-wrapping a user DataLoader with the same dataset, workers,
+collate_fn, ..., in a distributed run and a single process alike), each rank
+its share of it; in a distributed run the validation loader reads an exact
+:class:`ShardSampler` shard (no padding, so reduced means are exact)."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+from torch.utils.data.distributed import DistributedSampler
 
 from ..distributed import DistContext
+from .global_order import GlobalOrderSampler, SeededSamples
 
-__all__ = ["ShardSampler", "shard_train_loader", "shard_valid_loader", "set_epoch"]
+__all__ = ["ShardSampler", "shard_train_loader", "shard_valid_loader", "set_epoch", "global_order_reason",
+           "order_seed"]
 
 
 class ShardSampler(torch.utils.data.Sampler):
@@ -57,29 +61,59 @@ def _rewrap_reason(loader, what: str) -> Optional[str]:
     return None
 
 
-def shard_train_loader(loader, ctx: DistContext, seed: int):
-    """The train loader with a ``DistributedSampler`` (same batch size, workers,
-    collate_fn, drop_last, pin_memory; shuffled if the loader shuffled, with
-    ``seed``). A loader that already has one is returned as is; one that cannot
-    be rebuilt (custom batch sampler, iterable dataset, not a DataLoader) too,
-    with a warning: each rank must then see its own shard and the same number
-    of batches."""
-    from torch.utils.data import DataLoader, RandomSampler
-    from torch.utils.data.distributed import DistributedSampler
+def _order_of(loader) -> Optional[Tuple[bool, Optional[int]]]:
+    """``(shuffle, seed or None)`` of a loader whose sampler is a plain permutation or sequence, else None."""
+    from torch.utils.data import RandomSampler, SequentialSampler
 
-    if not ctx.enabled:
-        return loader
-    if isinstance(getattr(loader, "sampler", None), DistributedSampler):
-        return loader
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):
+        return sampler.shuffle, sampler.seed
+    if type(sampler) is SequentialSampler:
+        return False, None
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return True, None
+    return None
+
+
+def global_order_reason(loader) -> Optional[str]:
+    """Why the train loader cannot read the global order (NOTE [global order]), or None when it can."""
     reason = _rewrap_reason(loader, "the train loader")
+    if reason is None and _order_of(loader) is None:
+        reason = f"the train loader has a custom sampler ({type(loader.sampler).__name__})"
+    return reason
+
+
+def order_seed(loader, seed: int) -> int:
+    """The seed of the global order: a DistributedSampler's, else the loader's own generator's initial seed
+    (``dataset_params.seed`` in a recipe), else ``seed`` (``training_params.seed``)."""
+    found = _order_of(loader) if global_order_reason(loader) is None else None
+    if found is not None and found[1] is not None:
+        return int(found[1])
+    gen = getattr(loader, "generator", None)
+    return int(gen.initial_seed()) if isinstance(gen, torch.Generator) else int(seed)
+
+
+def shard_train_loader(loader, ctx: DistContext, seed: int, batch_size: Optional[int] = None,
+                       accumulate: int = 1):
+    """The train loader over this rank's share of the global order (NOTE [global order]; same workers,
+    collate_fn, pin_memory; shuffled if the loader shuffled, with ``seed``; ``batch_size`` per process, default
+    the loader's). A loader that cannot be rebuilt (custom sampler or batch sampler, iterable dataset, not a
+    DataLoader) is returned as is, in a distributed run with a warning: each rank must then see its own shard
+    and the same number of batches."""
+    from torch.utils.data import DataLoader
+
+    reason = global_order_reason(loader)
     if reason is not None:
-        warnings.warn(f"distributed run: {reason}, so it is not re-wrapped with a DistributedSampler; each rank "
-                      f"must load its own shard with the same number of batches", stacklevel=3)
+        if ctx.enabled and not isinstance(getattr(loader, "sampler", None), DistributedSampler):
+            warnings.warn(f"distributed run: {reason}, so it is not re-wrapped to read its share of the global "
+                          f"order; each rank must load its own shard with the same number of batches", stacklevel=3)
         return loader
-    shuffle = isinstance(loader.sampler, RandomSampler)
-    sampler = DistributedSampler(loader.dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=shuffle,
-                                 seed=seed, drop_last=loader.drop_last)
-    return DataLoader(loader.dataset, sampler=sampler, **_loader_kwargs(loader))
+    shuffle, _ = _order_of(loader)
+    batch_size = batch_size or loader.batch_size
+    sampler = GlobalOrderSampler(len(loader.dataset), ctx.world_size, ctx.rank, shuffle, seed, loader.drop_last,
+                                 batch_size * accumulate * ctx.world_size)
+    kw = dict(_loader_kwargs(loader), batch_size=batch_size, drop_last=False)  # the order is cut already
+    return DataLoader(SeededSamples(loader.dataset, seed), sampler=sampler, **kw)
 
 
 def shard_valid_loader(loader, ctx: DistContext):

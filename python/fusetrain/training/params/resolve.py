@@ -244,6 +244,9 @@ def _check_schedule_extras(values: Dict[str, Any]) -> List[str]:
     if cool and values["max_steps"] is None and we + cool >= max_epochs:
         errors.append(f"{ROOT}.lr_cooldown_epochs: got {cool!r} with lr_warmup_epochs {we!r} and max_epochs "
                       f"{max_epochs!r}; allowed: lr_warmup_epochs + lr_cooldown_epochs < max_epochs")
+    if values["momentum_schedule"] == "onecycle" and values["lr_mode"] != "onecycle":
+        errors.append(f"{ROOT}.momentum_schedule: got 'onecycle' with lr_mode {show(values['lr_mode'])}; allowed: "
+                      f"lr_mode 'onecycle' (or momentum_schedule 'cosine', 'linear' or 'constant')")
     freq = values["step_lr_update_freq"]
     if freq is not None and values["lr_updates"]:
         errors.append(f"{ROOT}.step_lr_update_freq: got {freq!r} with lr_updates {show(values['lr_updates'])}; "

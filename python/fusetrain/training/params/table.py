@@ -18,6 +18,7 @@ from ..batches import MODEL_INPUT_MODES
 from ..callbacks import CALLBACKS, Callback
 from ..losses import LOSS_ALIASES, MODEL_LOSS, loss_factory
 from ..metrics import METRICS, Metric
+from ..preemption import EXIT_PREEMPTED, parse_signal
 from ..registry import import_path, resolve_name, split_spec
 from .synonyms import DEVICE_SYNONYMS, KEY_SYNONYMS, LR_MODE_SYNONYMS, OPTIMIZER_SYNONYMS, WARMUP_MODE_SYNONYMS
 from .validators import (Invalid, Validator, show, any_of, boolean, callable_value, choice, dict_of, float_range,
@@ -48,6 +49,19 @@ class ParamSpec:
     default: Any
     doc: str
     validator: Callable[[Any, str], Any]
+
+
+_SIGNAL_DESC = "a signal name ('SIGTERM', 'SIGUSR1', 'USR2', ...; not SIGINT, which always stops, nor SIGKILL)"
+
+
+def _signal_check(v: Any, path: str) -> str:
+    try:
+        return parse_signal(v)
+    except ValueError as e:
+        raise Invalid(f"{path}: {e}; allowed: {_SIGNAL_DESC}") from None
+
+
+_V_SIGNAL = Validator(_SIGNAL_DESC, _signal_check)
 
 
 EMA_RESERVED = {"model": "the EMA follows the model being trained"}
@@ -374,6 +388,25 @@ _SPECS = [
         decaying schedules of `lr_mode` span the steps from the end of warmup to the start of the cooldown
         (`cosine` reaches `initial_lr * cosine_final_lr_ratio` at the last step before it), and `step` decays
         stop there. 0: no cooldown. `lr_warmup_epochs + lr_cooldown_epochs` must stay below `max_epochs`."""),
+    _p("momentum_schedule", choice("constant", "cosine", "linear", "onecycle"), "constant", """
+        How the optimizer's momentum (SGD's and RMSprop's `momentum`, the first of `betas` for AdamW, Lion, Lamb
+        and the rest of the Adam family) changes over the run. `constant` keeps the value of `optimizer_params`;
+        `cosine` and `linear` go from it to `momentum_final` over the steps after the lr warmup, on the lr
+        schedule's progress (held during the warmup and the cooldown); `onecycle` (with `lr_mode: onecycle`) moves
+        opposite to the lr like torch's `OneCycleLR(cycle_momentum=True)`: down to `momentum_final` while the lr
+        rises, back to the optimizer's value while it anneals. fusetrain optimizers read the momentum on the
+        device, so a compiled or captured step follows it without recompiling. The optimizer's momentum must not
+        be 0."""),
+    _p("momentum_final", float_range(min=0, max=1, max_inclusive=False), 0.85, """
+        For `momentum_schedule` `cosine` / `linear`, the momentum at the last optimizer step; for `onecycle`, the
+        momentum at the lr peak (torch's `base_momentum`)."""),
+    _p("weight_decay_schedule", choice("constant", "cosine", "linear"), "constant", """
+        How the weight decay changes over the run: `constant` keeps `optimizer_params.weight_decay`; `cosine` and
+        `linear` go from it to `weight_decay_final` over the steps after the lr warmup, on the lr schedule's
+        progress. Each param group's decay is scaled by the same factor, so groups without decay (e.g.
+        `zero_weight_decay_on_bias_and_bn`) keep 0. Read on the device by fusetrain optimizers (no recompile)."""),
+    _p("weight_decay_final", float_range(min=0), 0.0, """
+        For `weight_decay_schedule` `cosine` / `linear`, the weight decay at the last optimizer step."""),
     _p("zero_weight_decay_on_bias_and_bn", boolean(), False, """
         Put every one-dimensional parameter (biases and the weights of normalisation layers such as BatchNorm,
         LayerNorm and GroupNorm) in a parameter group with weight decay 0; the other parameters keep the
@@ -586,13 +619,25 @@ _SPECS = [
         `num_workers > 0`, random augmentations in the workers differ from those of an uninterrupted run);
         `replay`: the batches are loaded and dropped (exact in every case, at the cost of loading them). Loaders
         that cannot skip in their sampler replay in any case."""),
-    _p("resume", boolean(), False, """
+    _p("resume", any_of(boolean(), choice("auto"), description="a bool or 'auto'"), False, """
         Continue the run from a checkpoint: `resume_path` if set, else the experiment's `ckpt_latest.pth`. The
         model, optimizer (with master weights), loss scaler, EMA, schedule position, best metric and random states
         are restored, so training continues where it stopped. Hyperparameters come from these training_params:
         what a resume keeps from the checkpoint and what it takes from the new values is listed in
         `docs/checkpoints.md`; each changed key is reported in a warning, and a change that cannot work (another
-        `optimizer`) is an error."""),
+        `optimizer`) is an error. `auto`: resume when that checkpoint exists, else start a fresh run (the log
+        says which), so one command serves the first start and every restart (a requeued job, torchrun's
+        `--max-restarts`); the checkpoint may come from another number of processes (`docs/checkpoints.md`)."""),
+    _p("preemption_signals", list_of(_V_SIGNAL, unique=True), ["SIGTERM", "SIGUSR1"], f"""
+        Signals that stop the run after the optimizer step in flight with a mid-epoch checkpoint (SIGINT always
+        does). `Trainer.train` then raises `TrainingInterrupted`, and `fusetrain-train` exits with status
+        {EXIT_PREEMPTED}: rerun the same command with `resume: auto` (or requeue the job) to continue. The signal
+        repeated while the checkpoint is written is ignored; a second SIGINT stops at once."""),
+    _p("auto_requeue", boolean(), False, """
+        Under Slurm (`SLURM_JOB_ID` set): after the checkpoint of a stop by a signal of `preemption_signals` other
+        than SIGTERM (which `scancel` sends), e.g. the SIGUSR1 of `#SBATCH --signal=USR1@90`, rank 0 requeues the
+        job with `scontrol requeue $SLURM_JOB_ID`; with `resume: auto` the requeued job continues from the
+        checkpoint. Outside Slurm an error (before anything is written)."""),
     _p("resume_path", optional(string("a non-empty string (a checkpoint path)")), None, """
         The checkpoint file to resume from; setting it implies `resume`. None: the experiment's `ckpt_latest.pth`
         when `resume` is true."""),

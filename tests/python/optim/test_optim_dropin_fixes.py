@@ -175,6 +175,34 @@ def test_compiled_step_re_syncs_master_weights_when_rebuilt(fresh_dynamo):
     assert_masters_follow(ref, ours, ours_opt)
 
 
+def test_train_step_compiled_follows_weights_written_between_calls(fresh_dynamo):
+    """fusetrain.TrainStep checks the write marks before each compiled call (NOTE [master re-sync]): a
+    load_state_dict between calls needs no invalidate(). The CompileCounter backend runs the traced graphs as
+    they are, so the compiled run equals the eager one bit for bit."""
+    from torch._dynamo.testing import CompileCounter
+
+    from fusetrain import TrainStep
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).bfloat16()
+        opt = fo.AdamW(model.parameters(), lr=torch.tensor(LR), master_weights=True)
+        step = TrainStep(model, nn.MSELoss(), opt, mode=mode,
+                         compile_options={"backend": CompileCounter()} if mode == "compile" else None)
+        g = torch.Generator().manual_seed(4)
+        for i in range(6):
+            if i == 3:
+                torch.manual_seed(11)
+                model.load_state_dict({k: torch.randn(v.shape).bfloat16() for k, v in model.state_dict().items()})
+            step(torch.randn(4, 6, generator=g).bfloat16(), torch.randn(4, 3, generator=g).bfloat16())
+        return model, opt
+
+    (eager, eager_opt), (comp, comp_opt) = run("off"), run("compile")
+    for p, q in zip(eager.parameters(), comp.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(eager_opt.state[p]["master_param"], comp_opt.state[q]["master_param"])
+
+
 @pytest.mark.parametrize("optimizer_first", [False, True])
 def test_resume_into_live_objects_keeps_the_loaded_master_whole(optimizer_first):
     """The Trainer's resume (model and optimizer state loaded into built objects): the loaded master is in
@@ -318,6 +346,30 @@ def test_channels_last_after_steps_matches_torch(name, keep_lists):
     for k, v in mine.state[conv_weight].items():
         if v.dim() == 4:
             assert v.stride() == conv_weight.stride(), k
+
+def test_attached_ema_follows_a_channels_last_model():
+    """model.to(memory_format=torch.channels_last) after steps with an attached ModelEMA: the EMA copy is
+    re-laid out like its param (NOTE [state layout]); its values follow a run that stays contiguous (up to the
+    rounding of the channels_last convolution's gradients)."""
+    runs = []
+    for to_cl in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3))
+        opt = fo.AdamW(m.parameters(), lr=1e-2)
+        ema = ModelEMA(m, decay=0.9, decay_type="constant").attach(opt)
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+        for i in range(4):
+            if i == 2 and to_cl:
+                m.to(memory_format=torch.channels_last)
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((m, ema.module))
+    (m0, e0), (m1, e1) = runs
+    for a, b in zip(list(m0.parameters()) + list(e0.parameters()), list(m1.parameters()) + list(e1.parameters())):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in e1.parameters() if p.dim() == 4)
+
 
 
 @pytest.mark.parametrize("name", LAYOUT_CASES)

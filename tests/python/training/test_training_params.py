@@ -21,7 +21,7 @@ from fusetrain import LossScaler, ModelEMA
 from fusetrain.training import TRAINING_PARAMS, TrainingParams, TrainingParamsError, resolve_training_params
 from fusetrain.training import params as P
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 
 EXPECTED_DEFAULTS = {
     "max_epochs": 10, "max_steps": None, "optimizer": "AdamW", "optimizer_params": {}, "initial_lr": 1e-3,
@@ -32,6 +32,8 @@ EXPECTED_DEFAULTS = {
     "onecycle_pct_start": 0.3, "onecycle_div_factor": 25.0, "onecycle_final_div_factor": 1e4,
     "cyclic_min_lr_ratio": 0.1, "cyclic_period_epochs": 2.0, "lr_warmup_epochs": 0, "lr_warmup_steps": 0,
     "lr_warmup_mode": "linear", "warmup_initial_lr": None, "lr_cooldown_epochs": 0,
+    "momentum_schedule": "constant", "momentum_final": 0.85, "weight_decay_schedule": "constant",
+    "weight_decay_final": 0.0,
     "zero_weight_decay_on_bias_and_bn": False,
     "lr_multipliers": {}, "layer_decay": None, "pretrained_weights": None,
     "pretrained_params": {"strict": False, "key_map": {}, "use_ema": False, "trusted": False}, "freeze": [],
@@ -46,7 +48,8 @@ EXPECTED_DEFAULTS = {
     "run_validation_freq": 1, "valid_every_n_steps": 0, "max_train_batches": None, "max_valid_batches": None,
     "save_ckpt_epoch_list": [], "average_best_models": False, "number_of_models_to_average": 10,
     "ckpt_every_n_steps": 0, "ckpt_every_minutes": 0.0, "keep_last_ckpts": 0,
-    "resume_skip": "fast", "resume": False, "resume_path": None, "resume_trusted": False,
+    "resume_skip": "fast", "resume": False, "preemption_signals": ["SIGTERM", "SIGUSR1"], "auto_requeue": False,
+    "resume_path": None, "resume_trusted": False,
     "overwrite_experiment": False, "seed": 42, "cudnn_benchmark": True,
     "early_stopping": None,
     "log_interval": 0, "loggers": [], "logger_params": {}, "export": [], "model_input": "auto", "split_batch": None,
@@ -110,6 +113,12 @@ CASES = [
      _msg("lr_warmup_mode", "cosine", "one of 'linear', 'constant', 'exponential', 'linear_epoch', 'linspace'")),
     ("step_lr_update_freq", 2.5, 0, _msg("step_lr_update_freq", 0, "a float > 0 or None")),
     ("lr_cooldown_epochs", 2, -1, _msg("lr_cooldown_epochs", -1, "an int >= 0")),
+    ("momentum_schedule", "cosine", "cyclic",
+     _msg("momentum_schedule", "cyclic", "one of 'constant', 'cosine', 'linear', 'onecycle'")),
+    ("momentum_final", 0.9, 1.0, _msg("momentum_final", 1.0, "a float in [0, 1)")),
+    ("weight_decay_schedule", "linear", "step",
+     _msg("weight_decay_schedule", "step", "one of 'constant', 'cosine', 'linear'")),
+    ("weight_decay_final", 0.01, -0.1, _msg("weight_decay_final", -0.1, "a float >= 0")),
     ("batch_accumulate_reduction", "sum", "avg", _msg("batch_accumulate_reduction", "avg", "one of 'mean', 'sum'")),
     ("lr_updates", [2, 5], "3", _msg("lr_updates", "3", "a list of ints >= 1 (epochs)")),
     ("lr_updates", [2, 5], [2, 0], "training_params.lr_updates[1]: got 0 (int); allowed: an int >= 1"),
@@ -182,7 +191,11 @@ CASES = [
     ("average_best_models", True, "yes", _msg("average_best_models", "yes", BOOL)),
     ("number_of_models_to_average", 5, 0, _msg("number_of_models_to_average", 0, "an int >= 1")),
     ("resume_skip", "replay", "skip", _msg("resume_skip", "skip", "one of 'fast', 'replay'")),
-    ("resume", True, "True", _msg("resume", "True", BOOL)),
+    ("resume", "auto", "True", _msg("resume", "True", "a bool or 'auto'")),
+    ("preemption_signals", ["SIGUSR2"], "SIGUSR1",
+     _msg("preemption_signals", "SIGUSR1", "a list of values, each a signal name ('SIGTERM', 'SIGUSR1', 'USR2', ...; "
+          "not SIGINT, which always stops, nor SIGKILL), no duplicates")),
+    ("auto_requeue", True, "yes", _msg("auto_requeue", "yes", BOOL)),
     ("resume_path", "runs/ckpt_latest.pth", "",
      _msg("resume_path", "", "a non-empty string (a checkpoint path) or None")),
     ("resume_trusted", True, "yes", _msg("resume_trusted", "yes", BOOL)),
@@ -301,7 +314,7 @@ def test_int_keys_reject_bools_and_floats(key):
 
 @pytest.mark.parametrize("key", [k for k, s in TRAINING_PARAMS.items() if s.allowed.startswith("a float")])
 def test_float_keys_accept_ints(key):
-    value = resolve_training_params({key: 1 if key != "onecycle_pct_start" else 0.5})[key]
+    value = resolve_training_params({key: {"onecycle_pct_start": 0.5, "momentum_final": 0}.get(key, 1)})[key]
     assert type(value) is float
     for v in (True, float("nan"), "0.5"):
         assert f"training_params.{key}: got {v!r} ({type(v).__name__}); allowed: a float" in _error({key: v})

@@ -276,8 +276,25 @@ def test_resume_iterator_refuses_a_shorter_loader():
             resume_iterator(loader, 4, mode)
 
 
-def test_a_mid_epoch_checkpoint_needs_the_same_number_of_processes():
-    position = {"epoch": 2, "batches": 3, "step0": 20, "skipped_seen": 0.0, "ranks": [{}, {}]}
-    with pytest.raises(ValueError, match=r"middle of epoch 3 by 2 process\(es\); allowed: resume it with 2"):
-        Trainer._rank_position(position, DistContext(), "x.pth")
-    assert Trainer._rank_position(position, DistContext(rank=1, world_size=2), "x.pth")["step0"] == 20
+def test_a_mid_epoch_position_on_another_number_of_processes():
+    ranks = [{"sums": {"loss": torch.tensor(2.0 + r), "components": {}}, "train_metrics": [{"tensors": [
+        torch.tensor([1.0 * r, 4.0])]}], "samples": 12, "rng_start": "s", "rng": "r"} for r in range(2)]
+    position = {"epoch": 2, "batches": 3, "step0": 20, "skipped_seen": 0.0, "ranks": ranks}
+    shard_order = {"position": position, "world_size": 2,
+                   "data_order": {"global": False, "seed": None, "batch_size": 4, "batch_accumulate": 1,
+                                  "world_size": 2}}
+    with pytest.raises(ValueError, match=r"middle of epoch 3 by 2 process\(es\) and its train loader did not read "
+                                         r"the global order; allowed: resume it with 2"):
+        Trainer._rank_position(shard_order, DistContext(), "x.pth", 8)
+    assert Trainer._rank_position(shard_order, DistContext(rank=1, world_size=2), "x.pth", 4)["rng"] == "r"
+    # 3 batches of 4 on 2 processes: 24 samples into the global order; 1 process of batch 8 skips 3 batches,
+    # 3 processes of batch 2 skip 4 each; rank 0 takes the sums of both old ranks.
+    ck = dict(shard_order, data_order=dict(shard_order["data_order"], **{"global": True, "seed": 5}))
+    one = Trainer._rank_position(ck, DistContext(), "x.pth", 8)
+    assert one["batches"] == 3 and one["samples"] == 24 and one["step0"] == 20 and one["rng"] is None
+    assert one["sums"]["loss"].item() == 5.0 and one["train_metrics"][0]["tensors"][0].tolist() == [1.0, 8.0]
+    third = [Trainer._rank_position(ck, DistContext(rank=r, world_size=3), "x.pth", 2) for r in range(3)]
+    assert [t["batches"] for t in third] == [4, 4, 4] and [t["samples"] for t in third] == [24, 0, 0]
+    assert third[1]["sums"] is None
+    with pytest.raises(ValueError, match=r"24 samples into epoch 3\) is not a whole number of batches of 5"):
+        Trainer._rank_position(ck, DistContext(rank=0, world_size=3), "x.pth", 5)

@@ -840,7 +840,7 @@ def _p():
 BAD_ARGS = [
     # fusetrain's own arguments, and Lion (which torch.optim lacks); the
     # arguments of torch.optim's optimizers get torch's own errors
-    # (tests/python/test_optim_dropin.py).
+    # (tests/python/optim/test_optim_dropin.py).
     # (optimizer, kwargs, exception, match)
     *[(n, dict(max_grad_norm=0.0), ValueError, "max_grad_norm") for n in OURS],
     *[(n, dict(max_grad_norm=-1.0), ValueError, "max_grad_norm") for n in OURS],

@@ -369,8 +369,9 @@ def train(tmp_path, name, stop_at_epoch=None, **params):
                 ema_params={"decay": 0.9, "decay_type": "threshold"}, clip_grad_norm=1.0, initial_lr=3e-3,
                 lr_mode="cosine", max_valid_batches=1)
     tl, vl = digits()
-    if stop_at_epoch is not None:
-        tl = InterruptingLoader(tl, epoch=stop_at_epoch)  # raises at the start of that epoch
+    # Raises at the start of epoch stop_at_epoch (None: never). Every run goes through the wrapper: a loader
+    # that is not a DataLoader keeps its own order (NOTE [global order]), the same in each run.
+    tl = InterruptingLoader(tl, epoch=stop_at_epoch)
     result = Trainer(name, ckpt_root_dir=str(tmp_path)).train(model, {**base, **params}, tl, vl)
     return result, model
 

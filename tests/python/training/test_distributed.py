@@ -344,7 +344,8 @@ def test_shard_sampler_covers_the_dataset_once():
 
 def test_train_loader_is_rewrapped_keeping_its_settings():
     from torch.utils.data import DataLoader, TensorDataset
-    from torch.utils.data.distributed import DistributedSampler
+
+    from fusetrain.training.data.global_order import GlobalOrderSampler
 
     ds = TensorDataset(torch.arange(20.0).view(20, 1), torch.arange(20))
 
@@ -355,15 +356,20 @@ def test_train_loader_is_rewrapped_keeping_its_settings():
     for shuffle in (False, True):
         loader = DataLoader(ds, batch_size=3, shuffle=shuffle, drop_last=True, collate_fn=collate)
         sharded = sharding.shard_train_loader(loader, state, seed=7)
-        assert isinstance(sharded.sampler, DistributedSampler) and sharded.sampler.shuffle == shuffle
-        assert (sharded.batch_size, sharded.drop_last, sharded.collate_fn) == (3, True, collate)
+        assert isinstance(sharded.sampler, GlobalOrderSampler) and sharded.sampler.shuffle == shuffle
+        assert sharded.sampler.drop_last and sharded.sampler.global_batch == 6
+        assert (sharded.batch_size, sharded.collate_fn) == (3, collate)
         sharding.set_epoch(sharded, 1)
         seen = torch.cat([y for _, y in sharded])
-        assert len(seen) == 9  # 10 samples for rank 1, batches of 3, last partial batch dropped
+        assert len(seen) == 9  # 18 samples in whole global batches of 6: 9 for rank 1, batches of 3
         if not shuffle:
             assert seen.tolist() == list(range(1, 19, 2))
             assert torch.equal(next(iter(sharded))[0].view(-1), torch.tensor([2.0, 6.0, 10.0]))  # collate kept
-    assert sharding.shard_train_loader(loader, D.SINGLE, seed=0) is loader
+        else:  # rank 1's share of the epoch's permutation of the whole dataset (seed + epoch)
+            order = torch.randperm(20, generator=torch.Generator().manual_seed(8)).tolist()[:18]
+            assert seen.tolist() == order[1::2]
+    single = sharding.shard_train_loader(loader, D.SINGLE, seed=0, batch_size=6)
+    assert single.batch_size == 6 and single.sampler.world_size == 1 and len(single) == 3
 
 
 def test_epoch_seeds_differ_per_rank_and_epoch():

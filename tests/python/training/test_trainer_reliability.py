@@ -26,7 +26,7 @@ from fusetrain.training.trainer import Trainer
 from _train_helpers import one_thread  # noqa: F401  (fixture)
 
 FAST = dict(max_epochs=2, max_train_batches=3, max_valid_batches=1, progress_bar=False, device="cpu")
-CHILD = os.path.join(os.path.dirname(__file__), "_train_child.py")
+CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_train_child.py")
 
 
 def loaders():

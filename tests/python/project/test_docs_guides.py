@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-GUIDES = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides"
+GUIDES = pathlib.Path(__file__).resolve().parents[3] / "docs" / "guides"
 NAMES = ["classification", "segmentation", "detection", "custom_task", "from_super_gradients"]
 
 
