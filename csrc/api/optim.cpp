@@ -220,7 +220,7 @@ void FusedOptimizer::ensure_results(const at::Device& dev, bool capturing) {
 const FusedOptimizer::DeviceScalars& FusedOptimizer::device_scalars(size_t group, const at::Device& dev, double lr,
                                                                      const std::vector<double>& fields) {
   std::vector<double> values;
-  for (const char* name : spec_->value_fields()) values.push_back(fields[spec_->field_index(name)]);
+  for (int i : spec_->value_positions) values.push_back(fields[i]);
   auto& e = device_cache_[{group, dev.str()}];
   const bool made = e.lr.defined();
   if (!made || e.lr_value != lr || e.values_now != values)

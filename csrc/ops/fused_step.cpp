@@ -122,7 +122,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                     params.size(), " params, ", grads.size(), " grads and ", state_steps.size(), " state_steps");
   TORCH_CHECK_VALUE(!ema_decay.has_value() || ema_decay->defined(), "fused_step_: ema_decay is undefined");
   const at::TensorList group_values = group_values_arg.has_value() ? *group_values_arg : at::TensorList();
-  const size_t n_values = spec.value_fields().size();
+  const size_t n_values = spec.value_positions.size();
   TORCH_CHECK_VALUE(group_values.empty() || (n_values > 0 && group_values.size() == groups), "fused_step_: ",
                     n_values > 0 ? "group_values must hold one tensor per group (" + std::to_string(groups) + "), got " +
                                        std::to_string(group_values.size())

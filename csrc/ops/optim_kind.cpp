@@ -37,14 +37,6 @@ int KindSpec::field_index(const char* field) const {
   return -1;
 }
 
-std::vector<const char*> KindSpec::value_fields() const {
-  std::vector<const char*> out;
-  if (!schedulable) return out;
-  for (const auto& f : fields)
-    if (std::strcmp(f.type, "real") == 0) out.push_back(f.name);
-  return out;
-}
-
 const KindState* KindSpec::slot_state(const double* f, int k) const {
   for (const auto& s : states)
     if (s.slot == k && holds(*this, s, f)) return &s;
@@ -78,6 +70,9 @@ const KindSpec& register_kind(KindSpec spec) {
     TORCH_INTERNAL_ASSERT(s.slot >= 0 && s.slot < 3 && (s.when == nullptr || spec.field_index(s.when) >= 0) &&
                               (s.initial_when == nullptr || spec.field_index(s.initial_when) >= 0),
                           "kind '", spec.name, "': state '", s.name, "' has a bad slot or condition");
+  spec.value_positions.clear();
+  for (size_t i = 0; spec.schedulable && i < spec.fields.size(); ++i)
+    if (std::strcmp(spec.fields[i].type, "real") == 0) spec.value_positions.push_back(static_cast<int>(i));
   auto& entry = kinds()[spec.name];
   TORCH_INTERNAL_ASSERT(!entry, "kind '", spec.name, "' is registered twice");
   entry = std::make_unique<KindSpec>(std::move(spec));
@@ -107,17 +102,17 @@ UpdateKernel update_kernel(c10::DeviceType type) {
 }
 
 void bind_values(const KindCall& c, OptimHyper& h, std::initializer_list<std::pair<const char*, double&>> members) {
-  const std::vector<const char*> names = c.spec->value_fields();
+  const std::vector<int>& positions = c.spec->value_positions;
   h.values.count = 0;
   for (const auto& [name, member] : members) {
     member = c[name];
     if (!c.values.defined()) continue;
-    const auto it = std::find_if(names.begin(), names.end(), [&](const char* n) { return std::strcmp(n, name) == 0; });
-    TORCH_INTERNAL_ASSERT(it != names.end() && h.values.count < DeviceValues::kMax, "kind '", c.spec->name,
+    const auto it = std::find(positions.begin(), positions.end(), c.spec->field_index(name));
+    TORCH_INTERNAL_ASSERT(it != positions.end() && h.values.count < DeviceValues::kMax, "kind '", c.spec->name,
                           "': '", name, "' is not a schedulable field");
     h.values.offset[h.values.count] =
         static_cast<int>(reinterpret_cast<const char*>(&member) - reinterpret_cast<const char*>(&h));
-    h.values.index[h.values.count] = static_cast<int>(it - names.begin());
+    h.values.index[h.values.count] = static_cast<int>(it - positions.begin());
     ++h.values.count;
   }
 }
@@ -141,7 +136,7 @@ void run_kind_update(const KindCall& c, OptimHyper h, at::TensorList s1, at::Ten
   l.ema = c.emas.vec();
   h.maximize = c.maximize;
   h.max_grad_norm = c.max_grad_norm;
-  TORCH_INTERNAL_ASSERT(!c.values.defined() || h.values.count == static_cast<int>(c.spec->value_fields().size()),
+  TORCH_INTERNAL_ASSERT(!c.values.defined() || h.values.count == static_cast<int>(c.spec->value_positions.size()),
                         "kind '", c.spec->name, "' runs without binding its schedulable fields (bind_values)");
   UpdateScalars sc{c.lr, opt_or_undef(c.inv_scale), opt_or_undef(c.found_inf), opt_or_undef(c.grad_norm),
                    opt_or_undef(c.ema_decay), c.values};

@@ -81,10 +81,11 @@ struct KindSpec {
   // Whether its "real" fields are schedulable: read on the device from the
   // group's values tensor, in the order of `fields`.
   bool schedulable = false;
+  // The positions in `fields` of the schedulable fields, in order (the layout
+  // of a group's values tensor); filled by register_kind.
+  std::vector<int> value_positions{};
 
   int field_index(const char* field) const;  // -1 when absent
-  // The schedulable fields, in order (the layout of a group's values tensor).
-  std::vector<const char*> value_fields() const;
   // Whether a group with these fields keeps state slot k (0..2).
   bool uses_slot(const double* fields, int k) const { return slot_state(fields, k) != nullptr; }
   // The state a group with these fields keeps in slot k, or null.

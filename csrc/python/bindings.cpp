@@ -55,7 +55,7 @@ PYBIND11_MODULE(_C, m) {
                                    py::arg("initial_when") = name_or_none(s.initial_when)));
           }
           py::list values;
-          for (const char* name : spec->value_fields()) values.append(name);
+          for (int i : spec->value_positions) values.append(spec->fields[i].name);
           out.append(py::dict(py::arg("name") = spec->name, py::arg("doc") = spec->doc, py::arg("fields") = fields,
                               py::arg("states") = states, py::arg("value_fields") = values));
         }
