@@ -50,6 +50,9 @@ struct OptimHyper {
   bool count_step = true;  // false: the pass leaves the step counters (and tensor scalars) alone
   bool maximize = false;
   double max_grad_norm = 0.0;  // <= 0: no clipping
+  // bfloat16 params without a master are written back with stochastic
+  // rounding (NOTE [lean state] in csrc/common/lean_state.h).
+  bool stochastic_params = false;
   DeviceValues values{};
 };
 
@@ -62,8 +65,11 @@ FT_HD void read_device_values(OptimHyper& h, const double* values) {
   }
 }
 
-// The tensors of one update launch. All share a device; params share a dtype
-// and grads share a dtype (the op layer buckets mixed lists). Lists that an
+// The tensors of one update launch. All share a device; params share a dtype,
+// grads share a dtype, states share a dtype and masters share a dtype (the op
+// layer buckets mixed lists). States are float32 (float64 for float64 params)
+// or bfloat16; masters float32 or, for bfloat16 params, int16 remainders (NOTE
+// [lean state] in csrc/common/lean_state.h). Lists that an
 // optimizer does not use are empty; otherwise they have params.size() entries.
 //   Adam: state1 = exp_avg, state2 = exp_avg_sq, state3 = max_exp_avg_sq
 //   SGD:  state1 = momentum_buffer

@@ -35,6 +35,7 @@ inline at::vec::Vectorized<C> vsign(at::vec::Vectorized<C> x) {
 }  // namespace detail
 }  // namespace fusetrain
 
+#include "../common/lean_state.h"
 #include "../common/optim_kinds.h"
 #include "work_items.h"
 
@@ -74,19 +75,66 @@ void with_flags(bool a, bool b, bool c, F&& f) {
 template <typename P>
 using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
 
-template <OptimKind K, typename P, typename G>
+// NOTE [lean blocks]: the loops below convert one block (kBlock elements, so
+// the high half of an element index is the same for all of them) and are
+// written without calls or branches so that the compiler vectorises them:
+// they compute what lean_state.h's per-element functions compute.
+
+// The bfloat16 form of each of `n` values, rounded stochastically with the
+// stream `key` from element `first` on (NOTE [lean state]).
+inline void store_stochastic(const float* src, at::BFloat16* dst, int64_t n, uint32_t key, int64_t first) {
+  const uint32_t lo = static_cast<uint32_t>(first);
+  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(first) >> 32) * 0x27D4EB2Fu;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t r = mix32(mix32(key ^ (lo + static_cast<uint32_t>(i))) + hi);
+    const uint32_t b = float_bits(src[i]);
+    const uint32_t special = (b >> 16) | ((b & 0x007FFFFFu) != 0 ? 0x0040u : 0u);
+    dst[i].x = static_cast<uint16_t>((b & 0x7F800000u) == 0x7F800000u ? special : (b + (r & 0xFFFFu)) >> 16);
+  }
+}
+
+// The fp32 values of `n` bfloat16 params and their remainders.
+inline void join_block(const at::BFloat16* param, const int16_t* rem, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = bits_float((static_cast<uint32_t>(param[i].x) << 16) + static_cast<uint32_t>(static_cast<int32_t>(rem[i])));
+  }
+}
+
+// `n` fp32 values split into bfloat16 params and remainders (split_remainder).
+inline void split_block(const float* src, at::BFloat16* param, int16_t* rem, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = float_bits(src[i]);
+    const bool nan = (b & 0x7F800000u) == 0x7F800000u && (b & 0x007FFFFFu) != 0;
+    const uint32_t hi = (b + 0x8000u) >> 16;
+    param[i].x = static_cast<uint16_t>(nan ? (b >> 16) | 0x0040u : hi);
+    rem[i] = static_cast<int16_t>(nan ? 0 : static_cast<int32_t>(b - (hi << 16)));
+  }
+}
+
+// S: the state's storage type (the update's precision C, or bfloat16).
+template <OptimKind K, typename P, typename G, typename S>
 void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, float lr, float gmul, float ema_w_f,
                  bool has_ema) {
   using C = Compute<P>;
   using Vec = at::vec::Vectorized<C>;
+  // Whether the state is stored in bfloat16 (NOTE [lean state]).
+  constexpr bool kLeanState = !std::is_same_v<S, C>;
   const int64_t t = it.tensor;
   P* param = l.params[t].data_ptr<P>() + it.begin;
   const G* grad = l.grads[t].const_data_ptr<G>() + it.begin;
-  C* s1 = l.state1.empty() ? nullptr : l.state1[t].data_ptr<C>() + it.begin;
-  C* s2 = l.state2.empty() ? nullptr : l.state2[t].data_ptr<C>() + it.begin;
-  C* s3 = l.state3.empty() ? nullptr : l.state3[t].data_ptr<C>() + it.begin;
-  // Masters exist for float16/bfloat16 params only (the op layer checks).
-  float* master = l.master.empty() ? nullptr : l.master[t].data_ptr<float>() + it.begin;
+  S* s[3] = {l.state1.empty() ? nullptr : l.state1[t].data_ptr<S>() + it.begin,
+             l.state2.empty() ? nullptr : l.state2[t].data_ptr<S>() + it.begin,
+             l.state3.empty() ? nullptr : l.state3[t].data_ptr<S>() + it.begin};
+  // Masters exist for float16/bfloat16 params only (the op layer checks):
+  // an fp32 copy, or an int16 remainder of a bfloat16 param.
+  const bool has_master = !l.master.empty();
+  const bool remainder = has_master && l.master[t].scalar_type() == at::kShort;
+  float* master = has_master && !remainder ? l.master[t].data_ptr<float>() + it.begin : nullptr;
+  int16_t* rem = remainder ? l.master[t].data_ptr<int16_t>() + it.begin : nullptr;
+  // Whether the update's value is kept beyond the stored param.
+  const bool full = master != nullptr || rem != nullptr;
+  constexpr bool kBf16Param = std::is_same_v<P, at::BFloat16>;
+  const bool stochastic = kBf16Param && h.stochastic_params && !full;
   P* ema = has_ema ? l.ema[t].data_ptr<P>() + it.begin : nullptr;
   const float step = *l.steps[t].const_data_ptr<float>();
   const float aux = l.aux.empty() ? 1.f : *l.aux[t].const_data_ptr<float>();
@@ -96,6 +144,7 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
   alignas(64) float pb[kBlock];
   alignas(64) C gb[kBlock];
   alignas(64) float eb[kBlock];
+  alignas(64) C sb[3][kLeanState ? kBlock : 1];
   constexpr int64_t VS = Vec::size();
   // Whether the update runs on the param's own storage.
   constexpr bool kInPlace = std::is_same_v<P, C>;
@@ -106,7 +155,7 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
     const int64_t m = std::min(kBlock, len - off);
     // The values the update works on, in place where the storage has the
     // update's precision: the master, an fp32/fp64 param, or a converted copy
-    // of a low-precision param.
+    // of a low-precision param (joined with its remainder).
     C* pw = nullptr;
     if constexpr (std::is_same_v<C, float>) {
       if (master != nullptr) pw = master + off;
@@ -115,7 +164,15 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
       if constexpr (kInPlace) {
         pw = reinterpret_cast<C*>(param) + off;
       } else {
-        convert_block(param + off, pb, m);
+        if constexpr (kBf16Param) {
+          if (rem != nullptr) {
+            join_block(param + off, rem + off, pb, m);
+          } else {
+            convert_block(param + off, pb, m);
+          }
+        } else {
+          convert_block(param + off, pb, m);
+        }
         pw = pb;
       }
     }
@@ -126,14 +183,25 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
       convert_block(grad + off, gb, m);
       gw = gb;
     }
-    C* m1 = s1 ? s1 + off : nullptr;
-    C* m2 = s2 ? s2 + off : nullptr;
-    C* m3 = s3 ? s3 + off : nullptr;
+    C* ms[3];
+    for (int k = 0; k < 3; ++k) {
+      if (s[k] == nullptr) {
+        ms[k] = nullptr;
+      } else if constexpr (kLeanState) {
+        convert_block(s[k] + off, sb[k], m);
+        ms[k] = sb[k];
+      } else {
+        ms[k] = s[k] + off;
+      }
+    }
     // NOTE [state presence]: which state lists a group uses is decided once
     // per block (the inner loop is compiled for each combination) so that the
     // per-vector loop holds no branch on it.
-    with_flags(m1 != nullptr, m2 != nullptr, m3 != nullptr, [&](auto has1, auto has2, auto has3) {
+    with_flags(ms[0] != nullptr, ms[1] != nullptr, ms[2] != nullptr, [&](auto has1, auto has2, auto has3) {
       constexpr bool H1 = decltype(has1)::value, H2 = decltype(has2)::value, H3 = decltype(has3)::value;
+      C* m1 = ms[0];
+      C* m2 = ms[1];
+      C* m3 = ms[2];
       for (int64_t i = 0; i < m; i += VS) {
         const int c = static_cast<int>(std::min<int64_t>(VS, m - i));
         Vec p = Vec::loadu(pw + i, c);
@@ -150,18 +218,33 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
         p.store(pw + i, c);
       }
     });
+    if constexpr (kLeanState) {
+      for (int k = 0; k < 3; ++k) {
+        if (s[k] != nullptr) store_stochastic(sb[k], s[k] + off, m, rounding_key(step, t, k + 1), it.begin + off);
+      }
+    }
     // Store the (rounded) param when the update did not run on its storage.
-    if (master != nullptr || !kInPlace) convert_block(pw, param + off, m);
+    if constexpr (kBf16Param) {
+      if (rem != nullptr) {
+        split_block(pw, param + off, rem + off, m);
+      } else if (stochastic) {
+        store_stochastic(pw, param + off, m, rounding_key(step, t, 0), it.begin + off);
+      } else {
+        convert_block(pw, param + off, m);
+      }
+    } else if (master != nullptr || !kInPlace) {
+      convert_block(pw, param + off, m);
+    }
     if (ema != nullptr) {
       // NOTE [ema source]: the EMA follows the value the optimizer holds at
-      // full precision: the fp32 master when there is one, else the stored
-      // (rounded) parameter.
+      // full precision: the fp32 master (or the param joined with its
+      // remainder) when there is one, else the stored (rounded) parameter.
       const C* src = pw;
       C* ew;
       if constexpr (kInPlace) {
         ew = reinterpret_cast<C*>(ema) + off;
       } else {
-        if (master == nullptr) {
+        if (!full) {
           convert_block(param + off, pb, m);
           src = pb;
         }
@@ -178,19 +261,29 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
   }
 }
 
-template <OptimKind K, typename P, typename G>
+template <OptimKind K, typename P, typename G, typename S>
 void update_bucket(const UpdateLists& l, const OptimHyper& h, float lr, float gmul, float ema_w, bool has_ema) {
   const std::vector<WorkItem> items = make_work_items(l.params, kChunk);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) update_item<K, P, G>(l, h, items[i], lr, gmul, ema_w, has_ema);
+    for (int64_t i = b; i < e; ++i) update_item<K, P, G, S>(l, h, items[i], lr, gmul, ema_w, has_ema);
   });
 }
 
 template <typename P, typename G>
 void update_dispatch_kind(const UpdateLists& l, const OptimHyper& h, float lr, float gmul, float ema_w,
                           bool has_ema) {
+  const std::vector<at::Tensor>* states[3] = {&l.state1, &l.state2, &l.state3};
+  bool lean = false;
+  for (const auto* st : states) lean = lean || (!st->empty() && st->front().scalar_type() == at::kBFloat16);
   dispatch_kind(h.kind, [&](auto kind) {
-    update_bucket<decltype(kind)::value, P, G>(l, h, lr, gmul, ema_w, has_ema);
+    constexpr OptimKind K = decltype(kind)::value;
+    if constexpr (std::is_same_v<P, double>) {
+      update_bucket<K, P, G, double>(l, h, lr, gmul, ema_w, has_ema);
+    } else if (lean) {
+      update_bucket<K, P, G, at::BFloat16>(l, h, lr, gmul, ema_w, has_ema);
+    } else {
+      update_bucket<K, P, G, float>(l, h, lr, gmul, ema_w, has_ema);
+    }
   });
 }
 

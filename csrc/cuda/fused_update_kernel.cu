@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "../common/lean_state.h"
 #include "../common/optim_kinds.h"
 #include "multi_tensor_apply.cuh"
 
@@ -42,6 +43,7 @@ struct KernelArgs {
   const float* found_inf;
   const float* grad_norm;
   const float* ema_decay;
+  bool remainder;  // the masters are int16 remainders of bfloat16 params (NOTE [lean state])
 };
 
 static_assert(cuda::fits_kernel_params<UpdateMeta, KernelArgs>(), "fused_update_kernel arguments too large");
@@ -84,15 +86,39 @@ __device__ __forceinline__ void with_state(bool present, F&& f) {
 template <typename P>
 using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
 
-template <OptimKind K, typename P, typename G>
+// x as a T; a bfloat16 rounded stochastically with the bits of element i of
+// the stream `key` when `stochastic` (NOTE [lean state]).
+template <typename T, typename C>
+__device__ __forceinline__ T store_value(C x, bool stochastic, uint32_t key, int64_t i) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (stochastic) {
+      return T(stochastic_bf16_bits(static_cast<float>(x), rounding_bits(key, i)), T::from_bits());
+    }
+  }
+  return static_cast<T>(x);
+}
+
+// kILP values stored as T (store_value), element `first` onwards.
+template <typename T, typename C>
+__device__ __forceinline__ void store_values(T* dst, const C* src, bool stochastic, uint32_t key, int64_t first) {
+  cuda::AlignedVec<T> v;
+#pragma unroll
+  for (int k = 0; k < kILP; ++k) v.v[k] = store_value<T>(src[k], stochastic, key, first + k);
+  *reinterpret_cast<cuda::AlignedVec<T>*>(dst) = v;
+}
+
+// S: the state's storage type (the update's precision C, or bfloat16).
+template <OptimKind K, typename P, typename G, typename S>
 __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta meta, KernelArgs a) {
   using C = Compute<P>;
+  constexpr bool kLeanState = !std::is_same_v<S, C>;
+  constexpr bool kBf16Param = std::is_same_v<P, at::BFloat16>;
   // NOTE [skip]: a step with non-finite gradients changes nothing.
   if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
   const int t = meta.block_to_tensor[blockIdx.x];
   const int64_t start = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * kChunkSize;
-  const int64_t rem = meta.numel[t] - start;
-  const int64_t len = rem < kChunkSize ? rem : kChunkSize;
+  const int64_t rem_len = meta.numel[t] - start;
+  const int64_t len = rem_len < kChunkSize ? rem_len : kChunkSize;
   const float lr = *a.lr;
   const float step = *meta.step[t];
   const float aux = meta.aux[t] != nullptr ? *meta.aux[t] : 1.f;
@@ -105,17 +131,47 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
 
   P* param = static_cast<P*>(meta.addrs[0][t]) + start;
   const G* grad = static_cast<const G*>(meta.addrs[1][t]) + start;
-  C* s1 = meta.addrs[2][t] ? static_cast<C*>(meta.addrs[2][t]) + start : nullptr;
-  C* s2 = meta.addrs[3][t] ? static_cast<C*>(meta.addrs[3][t]) + start : nullptr;
-  C* s3 = meta.addrs[4][t] ? static_cast<C*>(meta.addrs[4][t]) + start : nullptr;
-  // Masters exist for float16/bfloat16 params only (the op layer checks).
-  float* master = meta.addrs[5][t] ? static_cast<float*>(meta.addrs[5][t]) + start : nullptr;
+  S* s1 = meta.addrs[2][t] ? static_cast<S*>(meta.addrs[2][t]) + start : nullptr;
+  S* s2 = meta.addrs[3][t] ? static_cast<S*>(meta.addrs[3][t]) + start : nullptr;
+  S* s3 = meta.addrs[4][t] ? static_cast<S*>(meta.addrs[4][t]) + start : nullptr;
+  // Masters exist for float16/bfloat16 params only (the op layer checks): an
+  // fp32 copy, or an int16 remainder of a bfloat16 param.
+  float* master = meta.addrs[5][t] && !a.remainder ? static_cast<float*>(meta.addrs[5][t]) + start : nullptr;
+  int16_t* rem = kBf16Param && meta.addrs[5][t] && a.remainder ? static_cast<int16_t*>(meta.addrs[5][t]) + start
+                                                               : nullptr;
+  // Whether the update's value is kept beyond the stored param.
+  const bool full = master != nullptr || rem != nullptr;
+  const bool stochastic = kBf16Param && a.hyper.stochastic_params && !full;
   P* ema = meta.addrs[6][t] ? static_cast<P*>(meta.addrs[6][t]) + start : nullptr;
+  const int64_t tensor = meta.index[t];
+  const uint32_t key_p = rounding_key(step, tensor, 0);
+  const uint32_t key_s[3] = {rounding_key(step, tensor, 1), rounding_key(step, tensor, 2),
+                             rounding_key(step, tensor, 3)};
 
   auto finish = [&](C g) {
     g *= gmul;
     if (a.hyper.maximize) g = -g;
     return g;
+  };
+  // The update's value of element i, and its stores (NOTE [lean state]).
+  auto load_param = [&](int64_t i) -> C {
+    if (master) return static_cast<C>(master[i]);
+    if constexpr (kBf16Param) {
+      if (rem) return static_cast<C>(join_remainder(param[i].x, rem[i]));
+    }
+    return static_cast<C>(param[i]);
+  };
+  auto store_param = [&](int64_t i, C p) {
+    if (master) master[i] = static_cast<float>(p);
+    if constexpr (kBf16Param) {
+      if (rem) {
+        uint16_t bits;
+        split_remainder(static_cast<float>(p), bits, rem[i]);
+        param[i] = P(bits, P::from_bits());
+        return;
+      }
+    }
+    param[i] = store_value<P>(p, stochastic, key_p, start + i);
   };
 
   // NOTE [optional states] (optim_kinds.h): H1..H3 say at compile time whether a state is present.
@@ -125,6 +181,9 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
       C p[kILP], g[kILP], r1[kILP], r2[kILP], r3[kILP], e[kILP];
       if (master) {
         cuda::load_vec(p, master + i);
+      } else if (rem) {
+#pragma unroll
+        for (int k = 0; k < kILP; ++k) p[k] = load_param(i + k);
       } else {
         cuda::load_vec(p, param + i);
       }
@@ -137,17 +196,22 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
         const C gk = finish(g[k]);
         apply_update<K>(p[k], gk, H1 ? &r1[k] : nullptr, H2 ? &r2[k] : nullptr, H3 ? &r3[k] : nullptr, co);
       }
-      if (H1 && s1) cuda::store_vec(s1 + i, r1);
-      if (H2 && s2) cuda::store_vec(s2 + i, r2);
-      if (H3 && s3) cuda::store_vec(s3 + i, r3);
-      if (master) cuda::store_vec(master + i, p);
-      cuda::store_vec(param + i, p);
+      if (H1 && s1) store_values(s1 + i, r1, kLeanState, key_s[0], start + i);
+      if (H2 && s2) store_values(s2 + i, r2, kLeanState, key_s[1], start + i);
+      if (H3 && s3) store_values(s3 + i, r3, kLeanState, key_s[2], start + i);
+      if (rem) {
+#pragma unroll
+        for (int k = 0; k < kILP; ++k) store_param(i + k, p[k]);
+      } else {
+        if (master) cuda::store_vec(master + i, p);
+        store_values(param + i, p, stochastic, key_p, start + i);
+      }
       if (ema) {
         cuda::load_vec(e, ema + i);
 #pragma unroll
         for (int k = 0; k < kILP; ++k) {
           // NOTE [ema source] (csrc/cpu/fused_update_kernel.cpp).
-          const C src = master ? p[k] : static_cast<C>(static_cast<P>(p[k]));
+          const C src = full ? p[k] : static_cast<C>(param[i + k]);
           e[k] = lerp_small_weight(e[k], src, ema_w);
         }
         cuda::store_vec(ema + i, e);
@@ -168,13 +232,19 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
     });
   }
   for (int64_t i = vec_end + threadIdx.x; i < len; i += kBlockThreads) {
-    C p = master ? static_cast<C>(master[i]) : static_cast<C>(param[i]);
+    C p = load_param(i);
     const C g = finish(static_cast<C>(grad[i]));
-    apply_update<K>(p, g, s1 ? s1 + i : nullptr, s2 ? s2 + i : nullptr, s3 ? s3 + i : nullptr, co);
-    if (master) master[i] = static_cast<float>(p);
-    param[i] = static_cast<P>(p);
+    C r[3];
+    if (s1) r[0] = static_cast<C>(s1[i]);
+    if (s2) r[1] = static_cast<C>(s2[i]);
+    if (s3) r[2] = static_cast<C>(s3[i]);
+    apply_update<K>(p, g, s1 ? &r[0] : nullptr, s2 ? &r[1] : nullptr, s3 ? &r[2] : nullptr, co);
+    if (s1) s1[i] = store_value<S>(r[0], kLeanState, key_s[0], start + i);
+    if (s2) s2[i] = store_value<S>(r[1], kLeanState, key_s[1], start + i);
+    if (s3) s3[i] = store_value<S>(r[2], kLeanState, key_s[2], start + i);
+    store_param(i, p);
     if (ema) {
-      const C src = master ? p : static_cast<C>(static_cast<P>(p));
+      const C src = full ? p : static_cast<C>(param[i]);
       ema[i] = static_cast<P>(lerp_small_weight(static_cast<C>(ema[i]), src, ema_w));
     }
   }
@@ -196,6 +266,10 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
   a.found_inf = scalar_ptr(s.found_inf);
   a.grad_norm = scalar_ptr(s.grad_norm);
   a.ema_decay = l.ema.empty() ? nullptr : scalar_ptr(s.ema_decay);
+  a.remainder = !l.master.empty() && l.master.front().scalar_type() == at::kShort;
+  bool lean = false;
+  for (const auto* st : {&l.state1, &l.state2, &l.state3})
+    lean = lean || (!st->empty() && st->front().scalar_type() == at::kBFloat16);
 
   // Steps first (the update reads the incremented step, as torch.optim does).
   cuda::check_driver_supports_large_params();
@@ -224,10 +298,30 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
       } else {
         dispatch_kind(h.kind, [&](auto kind) {
           constexpr OptimKind K = decltype(kind)::value;
-          cuda::multi_tensor_apply<UpdateMeta>(lists, l.steps, l.aux, [&](const UpdateMeta& meta, int blocks) {
-            fused_update_kernel<K, P, G><<<blocks, kBlockThreads, 0, stream>>>(meta, a);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
-          });
+          auto launch_with = [&](auto state) {
+            using S = decltype(state);
+            cuda::multi_tensor_apply<UpdateMeta>(lists, l.steps, l.aux, [&](const UpdateMeta& meta, int blocks) {
+              fused_update_kernel<K, P, G, S><<<blocks, kBlockThreads, 0, stream>>>(meta, a);
+              C10_CUDA_KERNEL_LAUNCH_CHECK();
+            });
+          };
+          // NOTE [lean kernels]: bfloat16 state is compiled for the
+          // element-wise kinds with grads of the param's dtype or float32
+          // (the op layer converts other grads of a lean group).
+          constexpr bool kLeanKind = K != OptimKind::Direction && K != OptimKind::Apply;
+          constexpr bool kLeanGrad = std::is_same_v<G, P> || std::is_same_v<G, float>;
+          if constexpr (std::is_same_v<P, double>) {
+            launch_with(double{});
+          } else if constexpr (kLeanKind && kLeanGrad) {
+            if (lean) {
+              launch_with(at::BFloat16{});
+            } else {
+              launch_with(float{});
+            }
+          } else {
+            TORCH_INTERNAL_ASSERT(!lean, "fused optimizer: bfloat16 state for this kind or grad dtype (the op checks)");
+            launch_with(float{});
+          }
         });
       }
     });

@@ -56,6 +56,7 @@ struct TensorListMeta {
   int64_t numel[MaxTensors];
   float* step[MaxTensors];
   float* aux[MaxTensors];  // NOTE [tensor scalars] in csrc/common/update_args.h
+  int32_t index[MaxTensors];  // the tensor's position in its list
   uint16_t block_to_tensor[MaxBlocks];
   int32_t block_to_chunk[MaxBlocks];
   int64_t block_offset;  // index of this launch's first block among all launches
@@ -88,6 +89,7 @@ int64_t multi_tensor_apply(const std::vector<const std::vector<at::Tensor>*>& li
     meta.numel[tensors] = first[i].numel();
     meta.step[tensors] = steps.empty() ? nullptr : steps[i].data_ptr<float>();
     meta.aux[tensors] = aux.empty() ? nullptr : aux[i].data_ptr<float>();
+    meta.index[tensors] = static_cast<int32_t>(i);
     ++tensors;
     const int64_t chunks = (first[i].numel() + kChunkSize - 1) / kChunkSize;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -111,6 +113,7 @@ int64_t multi_tensor_apply(const std::vector<const std::vector<at::Tensor>*>& li
           meta.numel[0] = meta.numel[tensors - 1];
           meta.step[0] = meta.step[tensors - 1];
           meta.aux[0] = meta.aux[tensors - 1];
+          meta.index[0] = meta.index[tensors - 1];
           tensors = 1;
         }
       }

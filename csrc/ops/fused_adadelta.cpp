@@ -30,6 +30,7 @@ const KindSpec& kind = register_kind({
     &check,
     &run,
     /*schedulable=*/true,
+    /*lean=*/true,
 });
 
 }  // namespace

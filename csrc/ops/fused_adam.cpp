@@ -38,6 +38,7 @@ const KindSpec& kind = register_kind({
     &check,
     &run,
     /*schedulable=*/true,
+    /*lean=*/true,
 });
 
 }  // namespace

@@ -35,6 +35,7 @@ const KindSpec& kind = register_kind({
     &check,
     &run,
     /*schedulable=*/true,
+    /*lean=*/true,
 });
 
 }  // namespace

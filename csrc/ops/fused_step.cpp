@@ -30,12 +30,14 @@ namespace {
 
 // NOTE [group records]: `hyper` holds one record per group: kCommon fields,
 //   max_grad_norm (<= 0: no clipping), master_weights, has_ema, maximize
-// (flags as 0 or 1), then the optimizer's own fields, in the order of its
-// entry in the kind table (NOTE [kind table] in optim_kind.h; listed in
+// (flags as 0 or 1; master_weights 0 none, 1 float32 masters, 2 int16
+// remainders, 3 stochastic rounding: NOTE [lean state] in
+// csrc/common/lean_state.h), then the optimizer's own fields, in the order of
+// its entry in the kind table (NOTE [kind table] in optim_kind.h; listed in
 // docs/ops.md). The state lists hold entries only for the groups whose entry
 // keeps them (e.g. adam's state3 = max_exp_avg_sq for amsgrad groups);
-// master_params one per float16/bfloat16 param of a master_weights group;
-// ema_params one per param of a has_ema group. With `group_values` (one per
+// master_params one per float16/bfloat16 param of a group with masters (1 or
+// 2); ema_params one per param of a has_ema group. With `group_values` (one per
 // group, of a kind with schedulable fields) the kernels read those fields from
 // the group's values tensor (NOTE [device values] in
 // csrc/common/update_args.h); the record's copies of them are checked and
@@ -140,10 +142,22 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
 
   // Every group's record is checked before anything is written.
   bool clips = false;
+  size_t first = 0;  // the group's first param
   for (size_t g = 0; g < groups; ++g) {
     const double* f = hyper.data() + g * fields;
-    spec.check("fused_step_ (" + std::string(spec.name) + ", group " + std::to_string(g) + ")",
-               KindRecord{&spec, f + kCommon});
+    const std::string where = "fused_step_ (" + std::string(spec.name) + ", group " + std::to_string(g) + ")";
+    spec.check(where, KindRecord{&spec, f + kCommon});
+    TORCH_CHECK_VALUE(f[1] == 0.0 || f[1] == 1.0 || f[1] == 2.0 || f[1] == 3.0, where,
+                      ": master_weights must be 0 (none), 1 (float32), 2 (remainder) or 3 (stochastic), got ", f[1]);
+    TORCH_CHECK_VALUE(f[1] < 2.0 || spec.lean, where, ": master_weights ", f[1] == 2.0 ? "remainder" : "stochastic",
+                      " is for the element-wise optimizers (NOTE [lean state])");
+    const size_t size = g < group_sizes.size() && group_sizes[g] > 0 ? static_cast<size_t>(group_sizes[g]) : 0;
+    for (size_t i = first; f[1] >= 2.0 && i < std::min(first + size, params.size()); ++i) {
+      TORCH_CHECK_VALUE(params[i].scalar_type() != at::kHalf, where, ": params[", i, "] is float16 but the group's "
+                        "master_weights are ", f[1] == 2.0 ? "remainders" : "stochastic",
+                        ", which keep bfloat16 params (use float32 masters for float16)");
+    }
+    first += size;
     clips = clips || f[0] > 0.0;
   }
 
@@ -189,12 +203,13 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
     for (int k = 0; k < 3; ++k) l.s[k] = sc[k].take(spec.uses_slot(f + kCommon, k) ? n : 0);
     const bool has_ema = f[2] != 0.0;
     l.emas = ec.take(has_ema ? n : 0);
+    const auto mode = static_cast<MasterMode>(static_cast<int>(f[1]));
     std::vector<size_t> low, full;
     for (size_t i = 0; i < n; ++i) {
       const auto t = l.params[i].scalar_type();
       (t == at::kHalf || t == at::kBFloat16 ? low : full).push_back(i);
     }
-    const bool masters = f[1] != 0.0 && !low.empty();
+    const bool masters = (mode == MasterMode::Full || mode == MasterMode::Remainder) && !low.empty();
     l.masters = mc.take(masters ? low.size() : 0);
     if (n == 0) continue;
 
@@ -209,6 +224,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
     call.lr = lr;
     if (!group_values.empty()) call.values = group_values[g].device() == dev ? group_values[g] : group_values[g].to(dev);
     call.maximize = f[3] != 0.0;
+    call.master_mode = mode;
     call.inv_scale = on(inv_scale.has_value() ? *inv_scale : at::Tensor(), dev);
     call.found_inf = on(flag, dev);
     call.max_grad_norm = f[0] > 0.0 ? f[0] : 0.0;

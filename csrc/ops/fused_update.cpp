@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
+#include <string>
 #include <map>
 #include <utility>
 
@@ -30,6 +32,7 @@ const char* dtype_name(at::ScalarType t) {
     case at::kDouble: return "float64";
     case at::kHalf: return "float16";
     case at::kBFloat16: return "bfloat16";
+    case at::kShort: return "int16";
     default: return c10::toString(t);
   }
 }
@@ -45,7 +48,10 @@ void check_scalar(const char* op, const char* name, const at::Tensor& t, const a
   TORCH_CHECK(t.device() == dev, op, ": ", name, " is on ", t.device(), " but params are on ", dev);
 }
 
-enum class Dtype { SameAsParam, State, Float32 };
+// SameAsParam: EMA; State: float32 (float64 for float64 params) or, for the
+// others, bfloat16 (NOTE [lean state] in csrc/common/lean_state.h); Master:
+// float32, or int16 for a bfloat16 param (its remainder).
+enum class Dtype { SameAsParam, State, Master };
 
 void check_companion(const char* op, const char* list, size_t i, const at::Tensor& t, const at::Tensor& p,
                      Dtype rule) {
@@ -61,8 +67,32 @@ void check_companion(const char* op, const char* list, size_t i, const at::Tenso
   const at::ScalarType want = rule == Dtype::SameAsParam ? p.scalar_type()
                              : rule == Dtype::State      ? state_dtype(p)
                                                          : at::kFloat;
-  TORCH_CHECK(t.scalar_type() == want, op, ": ", list, "[", i, "] has dtype ", dtype_name(t.scalar_type()),
-              " but must be ", dtype_name(want), " (params[", i, "] is ", dtype_name(p.scalar_type()), ")");
+  const at::ScalarType lean = rule == Dtype::State && p.scalar_type() != at::kDouble ? at::kBFloat16
+                            : rule == Dtype::Master && p.scalar_type() == at::kBFloat16 ? at::kShort
+                                                                                         : want;
+  TORCH_CHECK(t.scalar_type() == want || t.scalar_type() == lean, op, ": ", list, "[", i, "] has dtype ",
+              dtype_name(t.scalar_type()), " but must be ", dtype_name(want),
+              lean != want ? std::string(" or ") + dtype_name(lean) : std::string(), " (params[", i, "] is ",
+              dtype_name(p.scalar_type()), ")");
+}
+
+// The dtype of params[i]'s state tensors (float32 when it has none); they
+// must agree.
+at::ScalarType state_type(const UpdateLists& l, size_t i) {
+  at::ScalarType t = at::ScalarType::Undefined;
+  for (const auto* st : {&l.state1, &l.state2, &l.state3}) {
+    if (st->empty()) continue;
+    const at::ScalarType s = (*st)[i].scalar_type();
+    TORCH_CHECK(t == at::ScalarType::Undefined || t == s, "fused optimizer: the state tensors of params[", i,
+                "] have different dtypes (", dtype_name(t), ", ", dtype_name(s), "); they must share one");
+    t = s;
+  }
+  return t == at::ScalarType::Undefined ? at::kFloat : t;
+}
+
+std::array<int, 4> family(const at::Tensor& p, const at::Tensor& g, at::ScalarType state, at::ScalarType master) {
+  return {static_cast<int>(p.scalar_type()), static_cast<int>(g.scalar_type()), static_cast<int>(state),
+          static_cast<int>(master)};
 }
 
 void check_list_size(const char* op, const char* list, const std::vector<at::Tensor>& v, size_t n) {
@@ -101,7 +131,8 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
   // The tensors the kernels take instead of params[i] / grads[i] (dense copies).
   std::map<size_t, std::pair<at::Tensor, at::Tensor>> replaced;
-  // Whether every (param dtype, grad dtype) pair is the first one's.
+  // Each param's kernel family; whether every one is the first one's.
+  std::vector<std::array<int, 4>> keys;
   bool one_family = true;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p0 = lists.params[i];
@@ -154,12 +185,21 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     if (!lists.master.empty()) {
       TORCH_CHECK(pp.scalar_type() != at::kDouble, op, ": params[", i, "] is float64 and has a master copy; "
                   "master weights are for float16/bfloat16 params (pass none for float64 params)");
-      check_companion(op, "master_params", i, lists.master[i], pp, Dtype::Float32);
+      check_companion(op, "master_params", i, lists.master[i], pp, Dtype::Master);
     }
     if (!lists.ema.empty()) check_companion(op, "ema_params", i, lists.ema[i], pp, Dtype::SameAsParam);
+    const at::ScalarType sd = state_type(lists, i);
+    TORCH_CHECK(sd == at::kFloat || sd == at::kDouble || (hyper.kind != OptimKind::Direction &&
+                                                           hyper.kind != OptimKind::Apply),
+                op, ": bfloat16 state is for the element-wise optimizers (NOTE [lean state])");
+    if (sd == at::kBFloat16 && g0.scalar_type() != pp.scalar_type() && g0.scalar_type() != at::kFloat) {
+      // NOTE [lean kernels] in csrc/cuda/fused_update_kernel.cu: such a group reads float32 grads.
+      g = (g.defined() ? g : g0).to(at::kFloat);
+    }
     if (p.defined() || g.defined()) replaced[i] = {pp, g.defined() ? g : g0};
-    one_family = one_family && pp.scalar_type() == lists.params[0].scalar_type() &&
-                 g0.scalar_type() == lists.grads[0].scalar_type();
+    keys.push_back(family(pp, g.defined() ? g : g0, sd, lists.master.empty() ? at::kFloat
+                                                                              : lists.master[i].scalar_type()));
+    one_family = one_family && keys.back() == keys.front();
   }
   if (dev.is_cpu()) check_cpu_features(op);
   if (one_family && replaced.empty()) {
@@ -168,13 +208,13 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     return;
   }
 
-  // Bucket by (param dtype, grad dtype): each bucket is one kernel family.
-  std::map<std::pair<int, int>, UpdateLists> buckets;
+  // Bucket by kernel family (param, grad, state and master dtypes).
+  std::map<std::array<int, 4>, UpdateLists> buckets;
   for (size_t i = 0; i < n; ++i) {
     const auto r = replaced.find(i);
     const at::Tensor& p = r == replaced.end() ? lists.params[i] : r->second.first;
     const at::Tensor& g = r == replaced.end() ? lists.grads[i] : r->second.second;
-    UpdateLists& b = buckets[{static_cast<int>(p.scalar_type()), static_cast<int>(g.scalar_type())}];
+    UpdateLists& b = buckets[keys[i]];
     b.params.push_back(p);
     b.grads.push_back(g);
     b.steps.push_back(lists.steps[i]);

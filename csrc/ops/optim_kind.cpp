@@ -136,6 +136,7 @@ void run_kind_update(const KindCall& c, OptimHyper h, at::TensorList s1, at::Ten
   l.ema = c.emas.vec();
   h.maximize = c.maximize;
   h.max_grad_norm = c.max_grad_norm;
+  h.stochastic_params = c.master_mode == MasterMode::Stochastic;
   TORCH_INTERNAL_ASSERT(!c.values.defined() || h.values.count == static_cast<int>(c.spec->value_positions.size()),
                         "kind '", c.spec->name, "' runs without binding its schedulable fields (bind_values)");
   UpdateScalars sc{c.lr, opt_or_undef(c.inv_scale), opt_or_undef(c.found_inf), opt_or_undef(c.grad_norm),

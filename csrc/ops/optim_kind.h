@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "../common/lean_state.h"
 #include "../common/update_args.h"
 
 namespace fusetrain {
@@ -66,6 +67,7 @@ struct KindCall : KindRecord {
   at::Tensor lr;
   at::Tensor values;  // the group's schedulable fields (NOTE [device values]); undefined: the record's
   bool maximize = false;
+  MasterMode master_mode = MasterMode::None;  // the group's master_weights (NOTE [lean state])
   OptT inv_scale, found_inf, grad_norm, ema_decay;
   double max_grad_norm = 0.0;
 };
@@ -81,6 +83,9 @@ struct KindSpec {
   // Whether its "real" fields are schedulable: read on the device from the
   // group's values tensor, in the order of `fields`.
   bool schedulable = false;
+  // Whether it takes lean state (NOTE [lean state] in csrc/common/lean_state.h):
+  // remainder or stochastic masters and bfloat16 moments.
+  bool lean = false;
   // The positions in `fields` of the schedulable fields, in order (the layout
   // of a group's values tensor); filled by register_kind.
   std::vector<int> value_positions{};

@@ -57,12 +57,14 @@ PYBIND11_MODULE(_C, m) {
           py::list values;
           for (int i : spec->value_positions) values.append(spec->fields[i].name);
           out.append(py::dict(py::arg("name") = spec->name, py::arg("doc") = spec->doc, py::arg("fields") = fields,
-                              py::arg("states") = states, py::arg("value_fields") = values));
+                              py::arg("states") = states, py::arg("value_fields") = values,
+                              py::arg("lean") = spec->lean));
         }
         return out;
       },
       "The optimizer kinds of fusetrain::fused_step_ (NOTE [kind table] in csrc/ops/optim_kind.h): each kind's "
-      "name, its record's fields in order, its per-param state and its schedulable fields.");
+      "name, its record's fields in order, its per-param state, its schedulable fields and whether it takes lean "
+      "state (NOTE [lean state] in csrc/common/lean_state.h).");
   m.def(
       "check_kind_record",
       [](const std::string& kind, const std::vector<double>& fields) {

@@ -1079,6 +1079,41 @@ TEST_P(FusedArgs, MixedDevices) {
   }
 }
 
+// NOTE [lean state] (csrc/common/lean_state.h): a bfloat16 param and its
+// int16 remainder (master_weights 2) are the fp32 master (master_weights 1)
+// bit for bit, with bfloat16 moments too (the same stochastic rounding both times).
+TEST_P(FusedCommon, RemainderIsTheFloat32MasterBitForBit) {
+  const int64_t n = 70001;
+  const auto bf = f32().dtype(at::kBFloat16);
+  const at::Tensor start = at::randn({n}, f32()).to(at::kBFloat16);
+  at::Tensor p_full = start.clone(), p_lean = start.clone(), master = start.to(at::kFloat);
+  at::Tensor rem = at::zeros({n}, f32().dtype(at::kShort));
+  TensorVec m = {at::zeros({n}, bf), at::zeros({n}, bf)}, v = {at::zeros({n}, bf), at::zeros({n}, bf)};
+  TensorVec steps = {at::zeros({}, f32()), at::zeros({}, f32())};
+  const at::Tensor lr = at::full({}, 1e-2, f32());
+  std::vector<double> record = {0.0, 0.0, 0.0, 0.0};
+  for (const auto& f : fusetrain::detail::find_kind("adam").fields) {
+    const std::map<std::string, double> values = {{"beta1", 0.9}, {"beta2", 0.999}, {"weight_decay", 0.1},
+                                                  {"eps", 1e-8}, {"amsgrad", 0.0}, {"decoupled_weight_decay", 1.0},
+                                                  {"bias_correction", 1.0}};
+    record.push_back(values.at(f.name));
+  }
+  for (int step = 0; step < 5; ++step) {
+    const at::Tensor g = at::randn({n}, f32()).to(at::kBFloat16);
+    for (int k = 0; k < 2; ++k) {
+      record[1] = k == 0 ? 1.0 : 2.0;
+      fusetrain::fused_step_("adam", {k == 0 ? p_full : p_lean}, {g}, {steps[k]}, {m[k]}, {v[k]}, {},
+                             {k == 0 ? master : rem}, {}, {1}, {lr}, record, std::nullopt, std::nullopt,
+                             std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+    }
+  }
+  const at::Tensor joined = p_lean.view(at::kShort).to(at::kInt).bitwise_and(0xFFFF).__lshift__(16).add(
+      rem.to(at::kInt));
+  EXPECT_TRUE(at::equal(joined, master.view(at::kInt)));
+  EXPECT_TRUE(at::equal(m[0], m[1]) && at::equal(v[0], v[1]));
+  EXPECT_GT(rem.abs().sum().item<int64_t>(), 0);
+}
+
 FT_ON_DEVICES(FusedAdam);
 FT_ON_DEVICES(FusedSGD);
 FT_ON_DEVICES(FusedLion);

@@ -37,9 +37,12 @@ _LOW = (torch.float16, torch.bfloat16)
 _KIND_PLANS: Dict[type, Any] = {}  # FusedOptimizer._kind_plan, per class
 
 
-def _state_dtype(p: Tensor, complex_state: bool = True) -> torch.dtype:
+def _state_dtype(p: Tensor, complex_state: bool = True, group: Optional[Mapping[str, Any]] = None) -> torch.dtype:
     """The dtype of ``p``'s optimizer state: float64 (complex128) for float64
-    (complex128) params, float32 (complex64) for the others."""
+    (complex128) params, float32 (complex64) for the others, unless ``group``
+    keeps bfloat16 state (NOTE [lean state])."""
+    if group is not None and group.get("state_dtype", "float32") == "bfloat16" and p.dtype in _LOW + (torch.float32,):
+        return torch.bfloat16
     wide = p.dtype in (torch.float64, torch.complex128)
     if p.is_complex() and complex_state:
         return torch.complex128 if wide else torch.complex64
@@ -48,6 +51,57 @@ def _state_dtype(p: Tensor, complex_state: bool = True) -> torch.dtype:
 
 def _same(t: Tensor) -> Tensor:
     return t
+
+
+# NOTE [lean state] in csrc/common/lean_state.h: how a group keeps its
+# bfloat16 params' full value (master_weights) and its moments (state_dtype).
+#: master_weights values and their code in a group record.
+_MASTER_CODES = {False: 0.0, True: 1.0, "remainder": 2.0, "stochastic": 3.0}
+_MASTER_NAMES = "False, True, 'remainder' or 'stochastic'"
+_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: The state entry holding a param's full value, by master_weights value.
+_MASTER_KEYS = {True: "master_param", "remainder": "master_remainder"}
+
+
+def _check_master_weights(opt: str, value: Any, lean: bool) -> Any:
+    """``value`` as a group's master_weights setting, or a clear error."""
+    if not isinstance(value, (bool, str)):
+        raise TypeError(f"{opt}: master_weights must be {_MASTER_NAMES}, got {value!r}")
+    if not (isinstance(value, bool) or value in ("remainder", "stochastic")):
+        raise ValueError(f"{opt}: master_weights must be {_MASTER_NAMES}, got {value!r}")
+    if not isinstance(value, bool) and not lean:
+        raise ValueError(f"{opt}: master_weights={value!r} is for the element-wise optimizers (AdamW, Adam, SGD, "
+                         "Lion, RMSprop, Adadelta, RAdam, NAdam); use master_weights=True")
+    return value
+
+
+def _check_state_dtype(opt: str, value: Any, lean: bool) -> str:
+    """``value`` (a torch dtype or its name) as a group's state_dtype setting
+    ("float32" or "bfloat16"), or a clear error."""
+    name = next((n for n, d in _STATE_DTYPES.items() if value == d or value == n), None)
+    if name is None:
+        raise ValueError(f"{opt}: state_dtype must be torch.float32 or torch.bfloat16 (or their names), "
+                         f"got {value!r}")
+    if name != "float32" and not lean:
+        raise ValueError(f"{opt}: state_dtype={value!r} is for the element-wise optimizers (AdamW, Adam, SGD, "
+                         "Lion, RMSprop, Adadelta, RAdam, NAdam)")
+    return name
+
+
+def _split_remainder(x: Tensor):
+    """NOTE [lean state]: float32 ``x`` as its bfloat16 value (rounded to
+    nearest, ties away from zero) and int16 remainder, the kernels' split."""
+    b = x.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    hi = (b + 0x8000) >> 16
+    rem = (b - (hi << 16)).to(torch.int16)
+    hi = hi & 0xFFFF
+    return torch.where(hi >= 0x8000, hi - 0x10000, hi).to(torch.int16).view(torch.bfloat16), rem
+
+
+def _join_remainder(p: Tensor, rem: Tensor) -> Tensor:
+    """The float32 value of a bfloat16 param and its int16 remainder."""
+    v = (((p.view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + rem.to(torch.int64)) & 0xFFFFFFFF
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32).view(torch.float32)
 
 
 # NOTE [state layout]: a state tensor (and a master copy) is laid out as its
@@ -172,14 +226,18 @@ class FusedOptimizer(Optimizer):
 
     _opt_name = "FusedOptimizer"
 
-    def __init__(self, params, defaults: Dict[str, Any], max_grad_norm: Optional[float], master_weights: bool):
+    def __init__(self, params, defaults: Dict[str, Any], max_grad_norm: Optional[float], master_weights: Any,
+                 state_dtype: Any = torch.float32):
         if max_grad_norm is not None:
             _check_range(self._opt_name, "max_grad_norm", max_grad_norm, 0.0)
             if max_grad_norm == 0:
                 raise ValueError(f"{self._opt_name}: max_grad_norm must be > 0 or None, got {max_grad_norm}")
-        if not isinstance(master_weights, bool):
-            raise TypeError(f"{self._opt_name}: master_weights must be a bool, got {master_weights!r}")
-        defaults = dict(defaults, max_grad_norm=max_grad_norm, master_weights=master_weights)
+        lean = KINDS[self._kind]["lean"]
+        defaults = dict(defaults, max_grad_norm=max_grad_norm,
+                        master_weights=_check_master_weights(self._opt_name, master_weights, lean))
+        state_dtype = _check_state_dtype(self._opt_name, state_dtype, lean)
+        if lean:  # the others keep float32 state: no such setting in their groups
+            defaults["state_dtype"] = state_dtype
         self._lr_cache: Dict[int, List[Any]] = {}
         self._values_cache: Dict[int, List[Any]] = {}  # NOTE [device values]
         self._snapshots: Dict[int, Dict[str, Any]] = {}  # _compiled_settings
@@ -221,6 +279,7 @@ class FusedOptimizer(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
+        self._check_lean_group(gi, group)
         devices = set()
         for i, p in enumerate(group["params"]):
             if p.dtype not in _SUPPORTED_DTYPES:
@@ -240,6 +299,32 @@ class FusedOptimizer(Optimizer):
         if self._ema_lists is not None:
             self._ema_lists.append(None)
         self._forget_lists()
+
+    def _check_lean_group(self, gi: int, group: Dict[str, Any]) -> None:
+        """Checks (and normalises) a new group's lean-state settings (NOTE
+        [lean state]); the group is removed again when they do not fit."""
+        try:
+            self._check_lean_group_settings(gi, group)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+
+    def _check_lean_group_settings(self, gi: int, group: Dict[str, Any]) -> None:
+        """Checks (and normalises) a group's lean-state settings against its params."""
+        lean = KINDS[self._kind]["lean"]
+        where = f"{self._opt_name} (param group {gi})"
+        group["master_weights"] = _check_master_weights(where, group["master_weights"], lean)
+        if lean:
+            group["state_dtype"] = _check_state_dtype(where, group["state_dtype"], lean)
+        elif "state_dtype" in group:
+            _check_state_dtype(where, group["state_dtype"], lean)
+        for i, p in enumerate(group["params"]):
+            if group.get("state_dtype") == "bfloat16" and p.dtype not in _LOW + (torch.float32,):
+                raise ValueError(f"{where}: param {i} has dtype {p.dtype}; state_dtype=bfloat16 keeps the "
+                                 "state of float32, bfloat16 and float16 params (use state_dtype=float32)")
+            if p.dtype == torch.float16 and not isinstance(group["master_weights"], bool):
+                raise ValueError(f"{where}: param {i} is float16; master_weights={group['master_weights']!r} "
+                                 "keeps bfloat16 params (use master_weights=True for float16)")
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # torch.optim.Optimizer.__setstate__ (also run by load_state_dict) adds
@@ -280,14 +365,30 @@ class FusedOptimizer(Optimizer):
         torch.optim optimizer. Optimizer state is float32 for float32,
         float16 and bfloat16 params (torch would cast it to the param dtype)
         and float64 for float64 params; complex params keep complex state, as
-        in torch. Step counters move to the param's device as float32 tensors."""
+        in torch. Step counters move to the param's device as float32 tensors.
+
+        NOTE [lean state] in csrc/common/lean_state.h: ``master_weights`` and
+        ``state_dtype`` say how the state is stored. A group that sets them
+        (anything but False / float32) keeps its own, whatever the state dict
+        was saved with; the others take the saved ones, as torch takes every
+        setting. A float32 state loaded into a group with bfloat16 state is
+        rounded to it, a float32 master becomes a remainder (or is dropped
+        for "stochastic") at the next step, and the reverse."""
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
+        own = [{k: g[k] for k in ("master_weights", "state_dtype") if g.get(k, False) not in (False, "float32")}
+               for g in self.param_groups]
+        for gi, (saved, group, kept) in enumerate(zip(saved_groups, self.param_groups, own)):
+            # Checked before anything is loaded.
+            trial = dict(self.defaults, **{k: v for k, v in saved.items() if k != "params"})
+            self._check_lean_group_settings(gi, dict(trial, **kept, params=group["params"]))
         super().load_state_dict(state_dict)
-        id_to_param = {}
-        for saved, group in zip(saved_groups, self.param_groups):
+        id_to_param, group_of = {}, {}
+        for saved, group, kept in zip(saved_groups, self.param_groups, own):
+            group.update(kept)
             for pid, p in zip(saved["params"], group["params"]):
                 id_to_param[pid] = p
+                group_of[pid] = group
         for pid, st in saved_state.items():
             p = id_to_param.get(pid)
             if p is None:
@@ -296,9 +397,11 @@ class FusedOptimizer(Optimizer):
                 if isinstance(v, Tensor):
                     if v.is_sparse:  # torch's SGD keeps a sparse momentum buffer for sparse gradients
                         v = v.to_dense()
-                    dtype = _state_dtype(p, complex_state=v.is_complex())
-                    if k in self._scalar_states:
+                    dtype = _state_dtype(p, complex_state=v.is_complex(), group=group_of[pid])
+                    if k in self._scalar_states or k == "master_param":
                         dtype = torch.float32
+                    elif k == "master_remainder":
+                        dtype = torch.int16
                     self.state[p][k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
         self._lr_cache.clear()
         self._forget_lists()
@@ -425,11 +528,22 @@ class FusedOptimizer(Optimizer):
             if name in self._scalar_states:
                 if not _is_device_scalar(state[name], p.device):
                     return False
-            elif name is not None and not _fits(state[name], p, _state_dtype(p)):
+            elif name is not None and not _fits(state[name], p, _state_dtype(p, group=group)):
                 return False
-        if group["master_weights"] and p.dtype in _LOW:
-            return _fits(state.get("master_param"), p, torch.float32)
-        return True
+        key = self._master_key(group, p)
+        if key is not None:
+            return _fits(state.get(key), p, torch.float32 if key == "master_param" else torch.int16)
+        return not any(k in state for k in _MASTER_KEYS.values())
+
+    @staticmethod
+    def _master_key(group: Dict[str, Any], p: Tensor) -> Optional[str]:
+        """The state entry that keeps ``p``'s full value (NOTE [lean state]), or None."""
+        mode = group["master_weights"]
+        if mode is True and p.dtype in _LOW:
+            return "master_param"
+        if mode == "remainder" and p.dtype == torch.bfloat16:
+            return "master_remainder"
+        return None
 
     def _ensure_state(self, group, p: Tensor) -> None:
         """Create (or move next to ``p``) the state tensors a step of ``p`` needs."""
@@ -447,15 +561,46 @@ class FusedOptimizer(Optimizer):
                 elif not _is_device_scalar(state[name], p.device):  # also a Python number (older checkpoints)
                     state[name] = torch.as_tensor(state[name], dtype=torch.float32).to(p.device).reshape(())
             elif name is not None and state.get(name) is None:
-                state[name] = torch.full_like(p, self._initial_state_value(name), dtype=_state_dtype(p),
+                state[name] = torch.full_like(p, self._initial_state_value(name), dtype=_state_dtype(p, group=group),
                                               memory_format=torch.preserve_format)
             elif name is not None:  # NOTE [state layout]
-                state[name] = _conform(state[name], p, _state_dtype(p))
-        if group["master_weights"] and p.dtype in _LOW:
-            if state.get("master_param") is None:
-                state["master_param"] = p.detach().to(dtype=torch.float32, memory_format=torch.preserve_format)
-            else:
-                state["master_param"] = _conform(state["master_param"], p, torch.float32)
+                state[name] = _conform(state[name], p, _state_dtype(p, group=group))
+        self._ensure_master(group, p, state)
+
+    @torch.no_grad()
+    def _ensure_master(self, group: Dict[str, Any], p: Tensor, state: Dict[str, Any]) -> None:
+        """NOTE [lean state]: the entry that keeps ``p``'s full value in the
+        group's form, converted from the other form when a state dict brought
+        that one (a float32 master into a remainder and the reverse), and no
+        other such entry. A master is kept where it rounds to the param (NOTE
+        [master re-sync]); a remainder then holds it exactly, the param
+        rounded as the remainder form rounds (an exact tie may move it by an
+        ulp)."""
+        key = self._master_key(group, p)
+        loc = _sharded.local_fn() if self._sharding["any"] else _same
+        full = None  # p's full value (local), from the entry the state has
+        if key != "master_param" and state.get("master_param") is not None:
+            full = loc(_conform(state.pop("master_param"), p, torch.float32))
+        if key != "master_remainder" and state.get("master_remainder") is not None:
+            rem = loc(_conform(state.pop("master_remainder"), p, torch.int16))
+            full = _join_remainder(loc(p.detach()), rem) if p.dtype == torch.bfloat16 else None
+        if key is None:
+            return
+        if state.get(key) is not None:
+            state[key] = _conform(state[key], p, torch.float32 if key == "master_param" else torch.int16)
+            return
+        local = loc(p.detach())
+        if key == "master_param":
+            state[key] = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            loc(state[key]).copy_(local if full is None else torch.where(full.to(p.dtype) == local, full,
+                                                                         local.float()))
+            return
+        state[key] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
+        if full is not None:
+            kept = full.to(p.dtype) == local
+            hi, r = _split_remainder(full)
+            local.copy_(torch.where(kept, hi, local))
+            loc(state[key]).copy_(torch.where(kept, r, torch.zeros_like(r)))
 
     def init_state(self) -> None:
         """Create the state of every parameter that requires grad (what its
@@ -514,7 +659,6 @@ class FusedOptimizer(Optimizer):
         outs = (state1, state2, state3)
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         ema_list = self._ema_lists[gi] if self._ema_lists is not None else None
-        master = group["master_weights"]
         # NOTE [sharded steps]: a DTensor's step runs on its local shard; nothing to unwrap otherwise.
         loc = _sharded.local_fn() if self._sharding["any"] else _same
         for i, p in enumerate(group["params"]):
@@ -555,9 +699,10 @@ class FusedOptimizer(Optimizer):
                 continue
             params.append(loc(p))
             grads.append(loc(g))
-            if master and p.dtype in _LOW:
-                self._sync_master(p, loc(p), loc(state["master_param"]))
-                masters.append(loc(state["master_param"]))
+            key = self._master_key(group, p)
+            if key is not None:
+                self._sync_master(p, loc(p), loc(state[key]))
+                masters.append(loc(state[key]))
             if ema_list is not None:
                 e = ema_list[i]
                 if not self._sharding["any"] and e.device == p.device and not _fits(e, p, e.dtype):
@@ -584,6 +729,17 @@ class FusedOptimizer(Optimizer):
         checks them before each call (``_sync_masters``); after writing such
         params outside a step you compiled or captured yourself, rebuild it."""
         mark = (p._version, local.data_ptr())
+        if master.dtype == torch.int16:
+            # A remainder (NOTE [lean state]) is kept when it was written too
+            # (loaded with its param), else zeroed: the param is the value.
+            mark += (master._version, master.data_ptr())
+            old = self._master_marks.get(id(p))
+            if old == mark or _capturing(p.device):
+                return
+            if old is not None and old[2:] == mark[2:]:
+                master.zero_()
+            self._master_marks[id(p)] = mark
+            return
         if self._master_marks.get(id(p)) == mark or _capturing(p.device):
             return
         kept = (master.to(local.dtype) == local).all()
@@ -597,11 +753,10 @@ class FusedOptimizer(Optimizer):
         its lists): no host sync, nothing done for params nothing wrote."""
         loc = None
         for group in self.param_groups:
-            if not group["master_weights"]:
-                continue
             for p in group["params"]:
-                st = self.state.get(p) if p.dtype in _LOW else None
-                master = st.get("master_param") if st else None
+                key = self._master_key(group, p)
+                st = self.state.get(p) if key is not None else None
+                master = st.get(key) if st else None
                 if master is not None:
                     loc = loc or (_sharded.local_fn() if self._sharding["any"] else _same)
                     self._sync_master(p, loc(p), loc(master))
@@ -753,7 +908,11 @@ class FusedOptimizer(Optimizer):
             lrs.append(self._lr_tensor(gi, group, device))
             max_norm = group["max_grad_norm"]
             hyper.append(0.0 if max_norm is None else float(max_norm))
-            hyper.append(1.0 if group["master_weights"] else 0.0)
+            code = _MASTER_CODES.get(group["master_weights"]) if isinstance(group["master_weights"], (bool, str)) \
+                else None
+            if code is None:
+                _check_master_weights(f"{self._opt_name} (param group {gi})", group["master_weights"], True)
+            hyper.append(code)
             hyper.append(1.0 if has_ema else 0.0)
             hyper.append(1.0 if group["maximize"] else 0.0)
             fields = self._kind_fields(group)
@@ -885,7 +1044,7 @@ class FusedOptimizer(Optimizer):
 
     def _plan_key(self, group: Dict[str, Any]):
         """What a group's lists depend on beyond the params and their state objects."""
-        return tuple(self._state_names(group)), group["master_weights"]
+        return tuple(self._state_names(group)), group["master_weights"], group.get("state_dtype")
 
     def _plan_holds(self, kept: Dict[str, Any]) -> bool:
         # EMA attach/detach, added groups, loads and new state drop the plan (_forget_lists).
@@ -920,8 +1079,8 @@ class FusedOptimizer(Optimizer):
                     cache[id(p)] = _sharded.copies(p)
             copies = [cache[id(p)] for p in stepped]
         # NOTE [master re-sync]: the plan lets go when a param with a master copy is written.
-        watched = [i for i, (p, sd) in enumerate(zip(stepped, sds)) if p.dtype in _LOW and "master_param" in sd] \
-            if masters else []
+        watched = [i for i, (p, sd) in enumerate(zip(stepped, sds))
+                   if p.dtype in _LOW and ("master_param" in sd or "master_remainder" in sd)] if masters else []
         plan = _C.StepPlan(self._kind, self.param_groups, self.state, dtensor, params, steps, s1, s2, s3, masters,
                            emas, sizes, stepped, sds, [i[0] for i in items], [i[1] for i in items],
                            [i[2] for i in items], local, copies, watched)

@@ -55,15 +55,18 @@ def render_markdown() -> str:
     out: List[str] = [
         BEGIN,
         "",
-        "`hyper` holds one record per group: `max_grad_norm` (<= 0: no clipping), `master_weights`, `has_ema`,",
-        "`maximize`, then the optimizer's own fields in the order below (flags as 0 or 1). A state list holds one",
-        "tensor per param of each group whose condition holds, none for the other groups. A *schedulable* field",
-        "is read by the kernels from the group's values tensor (`group_values`, float64, the schedulable fields in",
-        "order), so a schedule may change it under a compiled or captured step.",
+        "`hyper` holds one record per group: `max_grad_norm` (<= 0: no clipping), `master_weights` (0 none,",
+        "1 float32 masters, 2 int16 remainders, 3 stochastic rounding), `has_ema`, `maximize`, then the",
+        "optimizer's own fields in the order below (flags as 0 or 1). A state list holds one tensor per param of",
+        "each group whose condition holds, none for the other groups. A *schedulable* field is read by the",
+        "kernels from the group's values tensor (`group_values`, float64, the schedulable fields in order), so a",
+        "schedule may change it under a compiled or captured step. A kind marked *lean* takes master_weights 2",
+        "and 3 and bfloat16 state tensors (docs/optimizers.md, lean state).",
     ]
     for name in sorted(KINDS):
         kind = KINDS[name]
-        out += ["", f"#### `{name}`: {kind['doc']}", "", "| field | type | meaning |", "|---|---|---|"]
+        lean = " (lean)" if kind["lean"] else ""
+        out += ["", f"#### `{name}`{lean}: {kind['doc']}", "", "| field | type | meaning |", "|---|---|---|"]
         sched = set(kind["value_fields"])
         out += [f"| `{f['name']}` | {f['type']}{', schedulable' if f['name'] in sched else ''} | {f['doc']} |"
                 for f in kind["fields"]]

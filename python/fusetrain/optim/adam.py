@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -17,8 +17,17 @@ class Adam(FusedOptimizer):
     Extra arguments:
       max_grad_norm: clip gradients to this global L2 norm inside the step
         (computed on the device, no host sync). ``None`` disables clipping.
-      master_weights: keep an fp32 master copy of fp16/bf16 params; the update
-        runs on the master and writes the rounded param in the same pass.
+      master_weights: how the full value of fp16/bf16 params is kept: True,
+        an fp32 master copy (the update runs on it and writes the rounded
+        param in the same pass); ``"remainder"``, bf16 params only: an int16
+        remainder per element, param and remainder together are the exact
+        fp32 master (2 bytes instead of 4; state ``master_remainder``);
+        ``"stochastic"``, bf16 params only: no master, the param is written
+        with stochastic rounding (unbiased, reproducible); False: none.
+      state_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: the
+        moments in bf16, written with stochastic rounding (float32, bf16 and
+        fp16 params). docs/optimizers.md ("Lean state") has the bytes per
+        parameter of each choice.
       bias_correction: False drops Adam's ``1 - beta^t`` corrections of both
         moments (the BertAdam form: ``p -= lr * m / (sqrt(v) + eps)``).
 
@@ -36,7 +45,8 @@ class Adam(FusedOptimizer):
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: Optional[bool] = None, max_grad_norm: Optional[float] = None,
-                 master_weights: bool = False, bias_correction: bool = True):
+                 master_weights: Union[bool, str] = False,
+                 state_dtype: Union[torch.dtype, str] = torch.float32, bias_correction: bool = True):
         _no_differentiable(self._opt_name, differentiable)
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled_default
@@ -49,7 +59,7 @@ class Adam(FusedOptimizer):
                         amsgrad=bool(amsgrad), maximize=bool(maximize), foreach=foreach, capturable=capturable,
                         differentiable=False, fused=fused, decoupled_weight_decay=bool(decoupled_weight_decay),
                         bias_correction=bias_correction)
-        super().__init__(params, defaults, max_grad_norm, master_weights)
+        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
 
     def _sparse_error(self) -> str:
         return "Adam does not support sparse gradients, please consider SparseAdam instead"  # torch's message
@@ -77,8 +87,10 @@ class AdamW(Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None, max_grad_norm: Optional[float] = None,
-                 master_weights: bool = False, bias_correction: bool = True):
+                 master_weights: Union[bool, str] = False,
+                 state_dtype: Union[torch.dtype, str] = torch.float32, bias_correction: bool = True):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, max_grad_norm=max_grad_norm,
-                         master_weights=master_weights, bias_correction=bias_correction)
+                         master_weights=master_weights, state_dtype=state_dtype,
+                         bias_correction=bias_correction)

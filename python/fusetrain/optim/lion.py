@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
+
+import torch
 
 from ._base import FusedOptimizer, _check_betas, _check_range
 
@@ -19,13 +21,14 @@ class Lion(FusedOptimizer):
     _kind = "lion"
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize: bool = False,
-                 max_grad_norm: Optional[float] = None, master_weights: bool = False):
+                 max_grad_norm: Optional[float] = None, master_weights: Union[bool, str] = False,
+                 state_dtype: Union[torch.dtype, str] = torch.float32):
         name = self._opt_name
         _check_range(name, "lr", lr, 0.0)
         _check_range(name, "weight_decay", weight_decay, 0.0)
         _check_betas(name, betas)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=bool(maximize))
-        super().__init__(params, defaults, max_grad_norm, master_weights)
+        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
 
     def _kind_values(self, group):
         beta1, beta2 = group["betas"]

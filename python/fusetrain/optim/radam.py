@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -22,12 +22,13 @@ class RAdam(FusedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  decoupled_weight_decay: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False, max_grad_norm: Optional[float] = None,
-                 master_weights: bool = False):
+                 master_weights: Union[bool, str] = False,
+                 state_dtype: Union[torch.dtype, str] = torch.float32):
         _no_differentiable(self._opt_name, differentiable)
         defaults = _torch_checks(torch.optim.RAdam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  decoupled_weight_decay=decoupled_weight_decay, foreach=foreach, maximize=maximize,
                                  capturable=capturable)
-        super().__init__(params, defaults, max_grad_norm, master_weights)
+        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
 
     def _kind_values(self, group):
         beta1, beta2 = group["betas"]

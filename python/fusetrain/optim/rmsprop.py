@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -22,12 +22,13 @@ class RMSprop(FusedOptimizer):
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
                  capturable: bool = False, foreach: Optional[bool] = None, maximize: bool = False,
                  differentiable: bool = False, *, max_grad_norm: Optional[float] = None,
-                 master_weights: bool = False):
+                 master_weights: Union[bool, str] = False,
+                 state_dtype: Union[torch.dtype, str] = torch.float32):
         _no_differentiable(self._opt_name, differentiable)
         defaults = _torch_checks(torch.optim.RMSprop, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
                                  momentum=momentum, centered=centered, capturable=capturable, foreach=foreach,
                                  maximize=maximize)
-        super().__init__(params, defaults, max_grad_norm, master_weights)
+        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
 
     def _kind_values(self, group):
         return {"tf_style": False, "lr_in_momentum": False, "decoupled_weight_decay": False}
@@ -48,14 +49,15 @@ class RMSpropTF(RMSprop):
 
     def __init__(self, params, lr=1e-2, alpha=0.9, eps=1e-10, weight_decay=0.0, momentum=0.0, centered=False,
                  decoupled_decay: bool = False, lr_in_momentum: bool = True, *, maximize: bool = False,
-                 max_grad_norm: Optional[float] = None, master_weights: bool = False):
+                 max_grad_norm: Optional[float] = None, master_weights: Union[bool, str] = False,
+                 state_dtype: Union[torch.dtype, str] = torch.float32):
         for name, value in (("lr", lr), ("alpha", alpha), ("eps", eps), ("weight_decay", weight_decay),
                             ("momentum", momentum)):
             _check_range(self._opt_name, name, value, 0.0)
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
                         centered=bool(centered), decoupled_decay=bool(decoupled_decay),
                         lr_in_momentum=bool(lr_in_momentum), maximize=bool(maximize))
-        super(RMSprop, self).__init__(params, defaults, max_grad_norm, master_weights)
+        super(RMSprop, self).__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
 
     def _initial_state_value(self, name):
         return 1.0 if name == "square_avg" else 0.0
@@ -74,8 +76,9 @@ class Adadelta(FusedOptimizer):
 
     def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, foreach: Optional[bool] = None, *,
                  capturable: bool = False, maximize: bool = False, differentiable: bool = False,
-                 max_grad_norm: Optional[float] = None, master_weights: bool = False):
+                 max_grad_norm: Optional[float] = None, master_weights: Union[bool, str] = False,
+                 state_dtype: Union[torch.dtype, str] = torch.float32):
         _no_differentiable(self._opt_name, differentiable)
         defaults = _torch_checks(torch.optim.Adadelta, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay,
                                  foreach=foreach, capturable=capturable, maximize=maximize)
-        super().__init__(params, defaults, max_grad_norm, master_weights)
+        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype)

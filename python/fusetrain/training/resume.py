@@ -39,6 +39,8 @@ NOTES = {
                      "continue from the checkpoint",
     "mixed_precision": "applied; the loss scaler's state is restored only when both runs use fp16",
     "ema": "applied; an EMA that the checkpoint lacks starts from the restored weights",
+    "weights_dtype": "applied: the restored weights are cast to it (rounded from float32 to bfloat16; a master "
+                     "copy or remainder the checkpoint lacks starts from the rounded weights)",
     **dict.fromkeys(("max_epochs", "max_steps"), "applied; the schedule is recomputed for the new length at the "
                     "restored step"),
     **dict.fromkeys(("lr_multipliers", "layer_decay", "freeze"), "applied to the restored groups; a change that "

@@ -157,6 +157,11 @@ class Trainer:
             raise TrainingParamsError(["training_params.average_best_models: got True without a valid_loader; "
                                        "allowed: pass valid_loader (the best models are those of metric_to_watch "
                                        "after each validation), or average_best_models=False"])
+        if p.weights_dtype == "bfloat16" and (p.mixed_precision in (False, "fp32", "fp16") or p.multi_gpu == "fsdp"):
+            raise TrainingParamsError([
+                f"training_params.weights_dtype: got 'bfloat16' with mixed_precision {p.mixed_precision!r} and "
+                f"multi_gpu {p.multi_gpu!r}; allowed: mixed_precision bf16 (or true), whose autocast feeds the "
+                "bfloat16 weights, without multi_gpu fsdp (or weights_dtype float32)"])
         step_log.check_logger_packages(p.loggers)
         if any(name.endswith(".onnx") for name in p.export):
             check_onnx_packages()
@@ -311,7 +316,13 @@ class Trainer:
         steps_per_epoch = preflight.steps_per_epoch(train_loader, p)
         precision = resolve_precision(p.mixed_precision, device)
         scaler = precision.make_scaler(**p.scaler_params)
+        if p.weights_dtype == "bfloat16" and precision.name != "bf16":
+            raise TrainingParamsError([f"training_params.weights_dtype: got 'bfloat16' but mixed_precision "
+                                       f"{p.mixed_precision!r} resolves to {precision.name} on {device}; allowed: "
+                                       "mixed_precision bf16 (or weights_dtype float32)"])
         model = model.to(device)
+        if p.weights_dtype == "bfloat16":
+            model = model.to(torch.bfloat16)
         if p.channels_last:
             model = model.to(memory_format=torch.channels_last)
         if p.sync_bn:

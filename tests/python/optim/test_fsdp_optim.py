@@ -79,7 +79,7 @@ def sharded_worker(rank, world, out, cfg):
     fully_shard(model)
     assert all(hasattr(p, "to_local") for p in model.parameters())
     opt = OPTIMIZERS[cfg["opt"]](model.parameters(), lr=1e-2, max_grad_norm=cfg["clip"],
-                                 master_weights=cfg["dtype"] == torch.bfloat16)
+                                 **lean_settings(cfg))
     scaler = fusetrain.LossScaler(init_scale=1024.0) if cfg["scaler"] else None
     norms, flags, ema = train(model, opt, scaler, cfg, rank, world)
     st = opt.state[model[0].weight]
@@ -89,7 +89,7 @@ def sharded_worker(rank, world, out, cfg):
     result = {"params": [full(p).cpu() for p in model.parameters()], "ema": [full(e).cpu() for e in ema.values()],
               "norms": norms, "flags": flags}
     if cfg["dtype"] == torch.bfloat16:
-        result["masters"] = [full(opt.state[p]["master_param"]).cpu() for p in model.parameters()]
+        result["masters"] = [master_value(opt, p, full) for p in model.parameters()]
     if rank == 0:
         torch.save(result, out)
 
@@ -97,14 +97,37 @@ def sharded_worker(rank, world, out, cfg):
 def single(cfg):
     model = make_model(cfg["dtype"], cfg.get("device", "cpu"))
     opt = OPTIMIZERS[cfg["opt"]](model.parameters(), lr=1e-2, max_grad_norm=cfg["clip"],
-                                 master_weights=cfg["dtype"] == torch.bfloat16)
+                                 **lean_settings(cfg))
     scaler = fusetrain.LossScaler(init_scale=1024.0) if cfg["scaler"] else None
     norms, flags, ema = train(model, opt, scaler, cfg)
     result = {"params": [p.detach().cpu() for p in model.parameters()], "ema": [e.cpu() for e in ema.values()],
               "norms": norms, "flags": flags}
     if cfg["dtype"] == torch.bfloat16:
-        result["masters"] = [opt.state[p]["master_param"].cpu() for p in model.parameters()]
+        result["masters"] = [master_value(opt, p, lambda t: t.detach()) for p in model.parameters()]
     return result
+
+
+def lean_settings(cfg):
+    """master_weights (True for bf16 unless the case names one) and state_dtype (NOTE [lean state])."""
+    return dict(master_weights=cfg.get("master", cfg["dtype"] == torch.bfloat16),
+                state_dtype=cfg.get("state_dtype", torch.float32))
+
+
+def master_value(opt, p, whole):
+    """The full value the optimizer keeps of bf16 param ``p`` (whole tensors, on the CPU)."""
+    st = opt.state[p]
+    if "master_remainder" not in st:
+        return whole(st["master_param"]).cpu()
+    from fusetrain.optim._base import _join_remainder
+
+    rem = st["master_remainder"]
+    if not hasattr(rem, "to_local"):
+        return _join_remainder(p.detach().cpu(), rem.cpu())
+    # Joined on each shard (gloo gathers no int16), then gathered.
+    from torch.distributed.tensor import DTensor
+
+    joined = _join_remainder(p.to_local().detach(), rem.to_local())
+    return whole(DTensor.from_local(joined, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())).cpu()
 
 
 CASES = {
@@ -113,6 +136,9 @@ CASES = {
                                          world=4),
     "adamw-bf16-master-clip-2": dict(opt="AdamW", dtype=torch.bfloat16, clip=1.0, scaler=False, inf_step=-1,
                                      world=2),
+    "adamw-bf16-remainder-bf16state-scaler-inf-2": dict(opt="AdamW", dtype=torch.bfloat16, clip=1.0, scaler=True,
+                                                        inf_step=2, world=2, master="remainder",
+                                                        state_dtype=torch.bfloat16),
     "nadam-fp32-inf-2": dict(opt="NAdam", dtype=torch.float32, clip=1.0, scaler=False, inf_step=3, world=2),
 }
 

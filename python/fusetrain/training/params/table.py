@@ -463,6 +463,12 @@ _SPECS = [
         `scaler_params`) whose unscaling, non-finite check and step skipping happen inside the fused optimizer
         step, on the device. `true`: bf16 on CPU and on GPUs that support it, fp16 on older GPUs. Weights and
         optimizer state stay float32. Strings are case-insensitive and normalised to lower case."""),
+    _p("weights_dtype", choice("float32", "bfloat16", case_insensitive=True), "float32", """
+        The dtype of the model's weights and buffers during training. `bfloat16` halves them and, with the
+        element-wise optimizers' lean state (`optimizer_params: {master_weights: remainder, state_dtype:
+        bfloat16}`, docs/optimizers.md "Lean state"), brings AdamW from 12 bytes per parameter to 8 (6 with
+        `master_weights: stochastic`). Needs `mixed_precision: bf16` (or `true` resolving to it), whose autocast
+        feeds the weights; not with `multi_gpu: fsdp`. Checkpoints hold the bfloat16 weights."""),
     _p("scaler_params", kwargs_of(LossScaler, ("device", "enabled"), SCALER_RESERVED, "a dict of "
                                    "fusetrain.LossScaler keyword arguments"), {}, """
         Keyword arguments of `fusetrain.LossScaler` for fp16 training (dynamic loss scaling: the initial scale, how

@@ -1,0 +1,108 @@
+"""benchmarks/lean_accuracy.py: the overrides it builds for a recipe, the run
+summary it parses, the per-seed differences it averages (hand-computed), the
+finished runs it reuses, and a one-epoch, one-seed run of two configurations
+(then a --merge sweep that adds a seed) that writes its report to a temporary
+path (never over the committed results)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from _bench_helpers import REPO, load_script, script_path
+
+
+def test_overrides_add_missing_keys_and_change_present_ones():
+    mod = load_script("lean_accuracy")
+    # The default recipe has mixed_precision and optimizer_params, not weights_dtype or state_dtype.
+    assert mod.recipe_overrides("default", mod.CONFIGS["bf16_remainder_bf16state"][1]) == [
+        "+training_params.weights_dtype=bfloat16",
+        "training_params.mixed_precision=bf16",
+        "+training_params.optimizer_params.master_weights=remainder",
+        "+training_params.optimizer_params.state_dtype=bfloat16",
+    ]
+    assert mod.recipe_overrides("default", mod.CONFIGS["fp32"][1]) == []
+
+
+def test_final_summary_is_the_last_json_object():
+    mod = load_script("lean_accuracy")
+    last = {"final": {"epoch": 2, "valid_accuracy": 0.5}, "best": {"metric": "accuracy", "value": 0.6, "epoch": 1}}
+    stdout = ("Epoch: 1, Loss: 1.0 {not json}\n" + json.dumps({"final": {}, "best": {}}) + "\n"
+              + json.dumps(last, indent=2) + "\n")
+    assert mod.final_summary(stdout) == last
+    assert mod.final_summary("Epoch: 1, Loss: 1.0\n{\n  \"final\": {\n") is None
+
+
+def test_summary_differences_are_per_seed_means():
+    mod = load_script("lean_accuracy")
+
+    def run(config, seed, final, best):
+        return {"config": config, "seed": seed, "final": final, "best": best, "wall_s": 10.0}
+
+    runs = [dict(run("fp32", 0, 0.90, 0.92), final_valid={"valid_loss": 0.5}),
+            dict(run("fp32", 1, 0.80, 0.81), final_valid={"valid_loss": 0.7}),
+            run("bf16_master", 0, 0.91, 0.92), run("bf16_master", 1, 0.80, 0.82),
+            run("fp32w_bf16state", 0, 0.88, 0.90), run("fp32w_bf16state", 1, 0.81, 0.81),
+            run("fp32w_bf16state", 2, 0.99, 0.99),  # no fp32 run of seed 2: left out of the differences
+            {"config": "bf16_remainder_bf16state", "seed": 0, "wall_s": 1.0, "returncode": 1}]
+    s = mod.summarize(runs, ["fp32", "bf16_master", "fp32w_bf16state", "bf16_remainder_bf16state"])
+    row = s["fp32w_bf16state"]
+    assert row["n"] == 3 and row["seeds"] == [0, 1, 2]
+    assert row["final_mean"] == pytest.approx((88 + 81 + 99) / 3)
+    assert (row["final_min"], row["final_max"]) == (pytest.approx(81), pytest.approx(99))
+    assert row["final_diff_vs_fp32_per_seed"] == [pytest.approx(-2), pytest.approx(1)]
+    assert row["final_diff_vs_fp32"] == pytest.approx(-0.5)
+    assert row["final_diff_vs_fp32_sem"] == pytest.approx(1.5)  # stdev of (-2, 1) = sqrt(4.5), over sqrt(2)
+    assert "valid_loss_mean" not in row and s["fp32"]["valid_loss_mean"] == pytest.approx(0.6)
+    assert row["final_diff_vs_bf16_master"] == pytest.approx((-3 + 1) / 2)
+    assert row["best_diff_vs_fp32"] == pytest.approx((-2 + 0) / 2)
+    assert s["fp32"]["final_diff_vs_fp32"] == 0
+    assert s["bf16_remainder_bf16state"] == {"n": 0}
+
+
+def test_reusable_runs_need_the_same_sweep_settings():
+    mod = load_script("lean_accuracy")
+    ov = {"fp32": [], "fp32w_bf16state": ["+training_params.optimizer_params.state_dtype=bfloat16"]}
+    done = {"config": "fp32", "seed": 0, "final": 0.9}
+    entry = {"config": {"max_epochs": None, "device": "cpu", "overrides": ov},
+             "runs": [done, {"config": "fp32", "seed": 1, "returncode": 1},
+                      {"config": "fp32w_bf16state", "seed": 0, "final": 0.8}]}
+    assert mod.reusable_runs(entry, None, "cpu", ov) == {("fp32", 0): done, ("fp32w_bf16state", 0): entry["runs"][2]}
+    assert mod.reusable_runs(entry, None, "cpu", {"fp32": [], "fp32w_bf16state": []}) == {("fp32", 0): done}
+    assert mod.reusable_runs(entry, 1, "cpu", ov) == {}
+    assert mod.reusable_runs(entry, None, "cuda", ov) == {}
+    assert mod.reusable_runs(None, None, "cpu", ov) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.bench
+def test_one_epoch_run_writes_report(tmp_path):
+    out = tmp_path / "lean_accuracy.json"
+    proc = subprocess.run([sys.executable, script_path("lean_accuracy"), "--device", "cpu", "--max-epochs", "1",
+                           "--seeds", "3", "--configs", "fp32,bf16_remainder_bf16state", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TARGET [cpu] [default] bf16_remainder_bf16state" in proc.stdout
+    report = json.loads(out.read_text())
+    entry = report["recipes"]["default"]
+    assert entry["config"]["configs"] == ["fp32", "bf16_remainder_bf16state"]
+    assert entry["metric"] == "accuracy" and entry["failed_runs"] == []
+    assert [(r["config"], r["seed"]) for r in entry["runs"]] == [("fp32", 3), ("bf16_remainder_bf16state", 3)]
+    for r in entry["runs"]:
+        assert r["returncode"] == 0 and r["final_epoch"] == 1 and 0 <= r["final"] <= 1
+        assert r["final"] == r["final_valid"]["valid_accuracy"] and r["best_epoch"] == 1
+        assert "training_params.max_epochs=1" in r["command"] and "training_params.seed=3" in r["command"]
+    assert "+training_params.optimizer_params.state_dtype=bfloat16" in entry["runs"][1]["command"]
+    assert entry["summary"]["bf16_remainder_bf16state"]["final_diff_vs_fp32"] == pytest.approx(
+        100 * (entry["runs"][1]["final"] - entry["runs"][0]["final"]))
+
+    # A second sweep with --merge keeps the finished fp32 run of seed 3 and runs seed 4 only.
+    proc = subprocess.run([sys.executable, script_path("lean_accuracy"), "--device", "cpu", "--max-epochs", "1",
+                           "--seeds", "3,4", "--configs", "fp32", "--merge", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("(kept from") == 1
+    again = json.loads(out.read_text())["recipes"]["default"]
+    assert again["runs"][0] == entry["runs"][0] and again["kept_runs"] == 1
+    assert [(r["config"], r["seed"]) for r in again["runs"]] == [("fp32", 3), ("fp32", 4)]

@@ -1,0 +1,60 @@
+"""training_params.weights_dtype with the optimizers' lean state (NOTE [lean state] in
+csrc/common/lean_state.h): a Trainer run keeps bfloat16 weights with int16 remainders and bfloat16
+moments, resumes from its checkpoint exactly, and a weights_dtype its precision cannot feed is refused
+before the experiment folder is written."""
+
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fusetrain import Trainer
+from fusetrain.training.params import TrainingParamsError
+
+LEAN = dict(weights_dtype="bfloat16", mixed_precision="bf16",
+            optimizer_params={"master_weights": "remainder", "state_dtype": "bfloat16", "weight_decay": 0.01})
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=8), DataLoader(TensorDataset(x, y), batch_size=32)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _train(tmp_path, name, **params):
+    train, valid = _data()
+    model = _model()
+    trainer = Trainer(name, ckpt_root_dir=str(tmp_path))
+    result = trainer.train(model, dict(dict(max_epochs=2, progress_bar=False, device="cpu", initial_lr=1e-2,
+                                            valid_metrics=["accuracy"]), **params), train, valid)
+    return result, model, trainer
+
+
+def test_a_lean_run_keeps_bfloat16_weights_remainders_and_moments(tmp_path):
+    result, model, _ = _train(tmp_path, "lean", **LEAN)
+    assert math.isfinite(result["final"]["train_loss"])
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    ck = torch.load(os.path.join(str(tmp_path), "lean", "ckpt_latest.pth"), weights_only=True)
+    states = ck["optimizer"]["state"].values()
+    assert all(st["master_remainder"].dtype == torch.int16 and st["exp_avg_sq"].dtype == torch.bfloat16
+               for st in states)
+    # A resume for one more epoch continues the same run as an uninterrupted 3-epoch run.
+    resumed, model_r, _ = _train(tmp_path, "lean", max_epochs=3, resume=True, **LEAN)
+    whole, model_w, _ = _train(tmp_path, "lean_whole", max_epochs=3, **LEAN)
+    for a, b in zip(model_r.parameters(), model_w.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("precision", [False, "fp16"])
+def test_bfloat16_weights_need_bf16_autocast(tmp_path, precision):
+    with pytest.raises(TrainingParamsError, match="weights_dtype: got 'bfloat16' with mixed_precision"):
+        _train(tmp_path, "refused", weights_dtype="bfloat16", mixed_precision=precision)
+    assert not os.path.exists(os.path.join(str(tmp_path), "refused"))
