@@ -36,7 +36,7 @@ void check_not_capturing(const at::Device& dev, const char* what) {
 
 }  // namespace
 
-using api_detail::needs_master;
+using api_detail::keeps_master;
 using api_detail::state_zeros_like;
 
 // ---- param state ---------------------------------------------------------------
@@ -97,6 +97,18 @@ void FusedOptimizer::check_kind() {
     TORCH_CHECK(FusedParamState().find(s.name) != nullptr, "fusetrain: FusedParamState has no state '", s.name,
                 "' of the kind '", kind(), "'");
   spec_ = &spec;
+  check_lean(dynamic_cast<const FusedCommonOptions&>(defaults()));
+}
+
+void FusedOptimizer::check_lean(const FusedCommonOptions& o) const {
+  const auto form = static_cast<int64_t>(o.master_form_);
+  TORCH_CHECK_VALUE(form >= 1 && form <= 3, "fusetrain: master_form must be MasterForm::Float32, Remainder or "
+                    "Stochastic, got ", form);
+  TORCH_CHECK_VALUE(o.state_dtype_ == at::kFloat || o.state_dtype_ == at::kBFloat16, "fusetrain: state_dtype must be "
+                    "at::kFloat or at::kBFloat16, got ", o.state_dtype_);
+  TORCH_CHECK_VALUE(spec_->lean || (o.master_form_ == MasterForm::Float32 && o.state_dtype_ == at::kFloat),
+                    "fusetrain: the '", kind(), "' optimizer keeps float32 state and masters; master_form Remainder "
+                    "or Stochastic and state_dtype at::kBFloat16 are for the element-wise optimizers");
 }
 
 std::vector<double> FusedOptimizer::kind_record(const torch::optim::OptimizerOptions& o) const {
@@ -112,7 +124,8 @@ std::vector<double> FusedOptimizer::kind_record(const torch::optim::OptimizerOpt
   return fields;
 }
 
-void FusedOptimizer::init_state(FusedParamState& s, const at::Tensor& p, const double* fields) const {
+void FusedOptimizer::init_state(FusedParamState& s, const at::Tensor& p, const double* fields,
+                                bool lean_state) const {
   for (int k = 0; k < 3; ++k) {
     const detail::KindState* st = spec_->slot_state(fields, k);
     if (st == nullptr) continue;
@@ -122,7 +135,7 @@ void FusedOptimizer::init_state(FusedParamState& s, const at::Tensor& p, const d
     if (st->scalar) {
       *t = at::full({}, v, p.options().dtype(at::kFloat));
     } else {
-      *t = state_zeros_like(p);
+      *t = state_zeros_like(p, lean_state);
       if (v != 0.0) t->fill_(v);
     }
   }
@@ -160,6 +173,7 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
     if (params.empty()) continue;
     if (sizes.empty()) capturing = detail::stream_is_capturing(params.front().device());
     const auto& common = dynamic_cast<const FusedCommonOptions&>(opts);
+    check_lean(common);
     const std::vector<double> fields = kind_record(opts);
     const detail::KindState* slots[3];
     for (int k = 0; k < 3; ++k) slots[k] = spec_->slot_state(fields.data(), k);
@@ -170,7 +184,7 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
       l.params.push_back(p);
       l.grads.push_back(p.grad());
       l.steps.push_back(st.step());
-      if (common.master_weights_ && needs_master(p)) l.masters.push_back(st.master());
+      if (keeps_master(common, p)) l.masters.push_back(st.master());
       for (int k = 0; k < 3; ++k)
         if (slots[k] != nullptr) lists[k]->push_back(*st.find(slots[k]->name));
       if (ema_ == nullptr) continue;
@@ -186,7 +200,8 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
     const DeviceScalars& scalars = device_scalars(gi, params.front().device(), opts.get_lr(), fields);
     lrs.push_back(scalars.lr);
     if (scalars.values.defined()) values.push_back(scalars.values);
-    hyper.insert(hyper.end(), {common.max_grad_norm_, common.master_weights_ ? 1.0 : 0.0, with_ema > 0 ? 1.0 : 0.0,
+    const double master_code = common.master_weights_ ? static_cast<double>(common.master_form_) : 0.0;
+    hyper.insert(hyper.end(), {common.max_grad_norm_, master_code, with_ema > 0 ? 1.0 : 0.0,
                                common.maximize_ ? 1.0 : 0.0});
     hyper.insert(hyper.end(), fields.begin(), fields.end());
   }
@@ -243,14 +258,16 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
   auto key_impl = p.unsafeGetTensorImpl();
   auto found = state_.find(key_impl);
   auto* s = found == state_.end() ? nullptr : static_cast<FusedParamState*>(found->second.get());
-  const bool has_master = dynamic_cast<const FusedCommonOptions&>(opts).master_weights_ && needs_master(p);
+  const auto& common = dynamic_cast<const FusedCommonOptions&>(opts);
+  const bool has_master = keeps_master(common, p);
+  const bool lean_state = common.state_dtype_ == at::kBFloat16;
   if (capturing) {
     // Nothing may be created or moved now: check that the state is complete.
     bool ready = s != nullptr && s->step().defined() && s->step().scalar_type() == at::kFloat &&
                  (!has_master || s->master().defined());
     if (ready) {
       FusedParamState probe = *s;
-      init_state(probe, p, fields.data());  // defines what is missing; nothing is missing when ready
+      init_state(probe, p, fields.data(), lean_state);  // defines what is missing; nothing is missing when ready
       for (const auto* t : {&probe.step(), &probe.exp_avg(), &probe.exp_avg_sq(), &probe.max_exp_avg_sq(),
                             &probe.momentum_buffer(), &probe.square_avg(), &probe.grad_avg(), &probe.acc_delta(),
                             &probe.mu_product(), &probe.master()})
@@ -282,8 +299,13 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
   s->acc_delta(to_dev(s->acc_delta()));
   if (s->mu_product().defined()) s->mu_product(to_dev(s->mu_product()).to(at::kFloat));
   s->master(to_dev(s->master()));
-  init_state(*s, p, fields.data());  // fills whatever is still missing
-  if (has_master && !s->master().defined()) s->master(p.detach().to(at::kFloat).clone());
+  init_state(*s, p, fields.data(), lean_state);  // fills whatever is still missing
+  if (has_master && !s->master().defined()) {
+    // NOTE [lean state]: a remainder starts at 0 (the param is the value).
+    s->master(common.master_form_ == MasterForm::Remainder && p.scalar_type() == at::kBFloat16
+                  ? at::zeros_like(p, p.options().dtype(at::kShort), at::MemoryFormat::Preserve)
+                  : p.detach().to(at::kFloat).clone());
+  }
   return *s;
 }
 

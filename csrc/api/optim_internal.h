@@ -4,6 +4,7 @@
 
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
+#include <fusetrain/optim.h>
 
 #include <tuple>
 
@@ -26,11 +27,16 @@ inline void check_betas(const char* opt, const std::tuple<double, double>& b) {
 
 // NOTE [float64 params] in csrc/ops/fused_update.cpp: float64 state for float64
 // params, float32 for the others; fp32 masters for float16/bfloat16 params.
-inline at::Tensor state_zeros_like(const at::Tensor& p) {
-  const auto dtype = p.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+// `lean`: the group keeps bfloat16 state (NOTE [lean state] in csrc/common/lean_state.h).
+inline at::Tensor state_zeros_like(const at::Tensor& p, bool lean = false) {
+  const auto dtype = p.scalar_type() == at::kDouble ? at::kDouble : lean ? at::kBFloat16 : at::kFloat;
   return at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
 }
 inline bool needs_master(const at::Tensor& p) { return p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16; }
+// Whether a param of a group with these options keeps a `master` tensor.
+inline bool keeps_master(const FusedCommonOptions& o, const at::Tensor& p) {
+  return o.master_weights_ && needs_master(p) && o.master_form_ != MasterForm::Stochastic;
+}
 
 
 }  // namespace api_detail

@@ -357,6 +357,55 @@ TEST(CppApiOptim, StateSaveLoadRoundTrip) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "param " << i;
 }
 
+// NOTE [lean state] (csrc/common/lean_state.h): the C++ options take the lean
+// forms; a remainder is the fp32 master bit for bit, the state is bfloat16, the
+// options round-trip through an archive, and kinds that cannot take them refuse.
+TEST(CppApiOptim, LeanStateOptions) {
+  auto init = make_params(5);
+  for (auto& p : init) p = p.detach().to(torch::kBFloat16).set_requires_grad(true);
+  auto a = clone_params(init), b = clone_params(init), c = clone_params(init);
+  auto base = fusetrain::AdamWOptions(1e-2).weight_decay(0.1).master_weights(true).state_dtype(torch::kBFloat16);
+  fusetrain::AdamW full(a, base);
+  fusetrain::AdamW lean(b, fusetrain::AdamWOptions(base).master_form(fusetrain::MasterForm::Remainder));
+  fusetrain::AdamW none(c, fusetrain::AdamWOptions(base).master_form(fusetrain::MasterForm::Stochastic));
+  for (int s = 0; s < 6; ++s) {
+    set_grads(a, b, s);
+    for (size_t i = 0; i < c.size(); ++i) c[i].mutable_grad() = a[i].grad().clone();
+    full.step();
+    lean.step();
+    none.step();
+  }
+  auto state = [](fusetrain::AdamW& o, const torch::Tensor& p) -> fusetrain::FusedParamState& {
+    return static_cast<fusetrain::FusedParamState&>(*o.state().at(p.unsafeGetTensorImpl()));
+  };
+  for (size_t i = 0; i < a.size(); ++i) {
+    const auto& rem = state(lean, b[i]).master();
+    ASSERT_EQ(rem.scalar_type(), torch::kShort);
+    const auto joined = b[i].detach().view(torch::kShort).to(torch::kInt).bitwise_and(0xFFFF).__lshift__(16).add(
+        rem.to(torch::kInt));
+    EXPECT_TRUE(torch::equal(joined, state(full, a[i]).master().view(torch::kInt))) << "param " << i;
+    EXPECT_EQ(state(lean, b[i]).exp_avg_sq().scalar_type(), torch::kBFloat16);
+    EXPECT_FALSE(state(none, c[i]).master().defined());
+  }
+  std::stringstream buf;
+  torch::save(lean, buf);
+  auto d = clone_params(b);
+  fusetrain::AdamW loaded(d, fusetrain::AdamWOptions(1.0));
+  torch::load(loaded, buf);
+  const auto& lo = static_cast<const fusetrain::AdamWOptions&>(loaded.param_groups()[0].options());
+  EXPECT_EQ(lo.master_form(), fusetrain::MasterForm::Remainder);
+  EXPECT_EQ(lo.state_dtype(), torch::kBFloat16);
+  for (int s = 6; s < 9; ++s) {
+    set_grads(b, d, s);
+    lean.step();
+    loaded.step();
+  }
+  for (size_t i = 0; i < b.size(); ++i) EXPECT_TRUE(torch::equal(b[i], d[i])) << "param " << i;
+  auto e = clone_params(init);
+  EXPECT_THROW(fusetrain::Lamb(e, fusetrain::LambOptions(1e-3).state_dtype(torch::kBFloat16)), c10::ValueError);
+  EXPECT_THROW(fusetrain::AdamW(e, fusetrain::AdamWOptions(1e-3).state_dtype(torch::kHalf)), c10::ValueError);
+}
+
 TEST(CppApiOptim, NewStateFieldsSaveAndLoad) {
   // RMSprop (square_avg, momentum_buffer, grad_avg) and Adadelta (square_avg, acc_delta).
   auto init = make_params(8);

@@ -41,7 +41,7 @@ struct FusedParamState : public torch::optim::OptimizerCloneableParamState<Fused
   TORCH_ARG(torch::Tensor, grad_avg);    // centered RMSprop
   TORCH_ARG(torch::Tensor, acc_delta);   // Adadelta
   TORCH_ARG(torch::Tensor, mu_product);  // NAdam: 0-d float32, like step
-  TORCH_ARG(torch::Tensor, master);  // fp32 master copy of an fp16/bf16 param
+  TORCH_ARG(torch::Tensor, master);  // fp32 master copy (or int16 remainder) of an fp16/bf16 param
 
  public:
   // The state tensor of this name (a state name of the kind table), or null.
@@ -61,13 +61,24 @@ using LambParamState = FusedParamState;
 using AdamPParamState = FusedParamState;
 using MuonParamState = FusedParamState;
 
+// How master_weights keeps the full value of fp16/bf16 params (NOTE [lean
+// state] in csrc/common/lean_state.h): an fp32 copy in the state's `master`,
+// an int16 remainder there beside a bfloat16 param (together the exact fp32
+// value), or none, the param written with stochastic rounding (bfloat16).
+enum class MasterForm : int64_t { Float32 = 1, Remainder = 2, Stochastic = 3 };
+
 // The options every fusetrain optimizer has: lr, weight_decay, maximize,
-// max_grad_norm (global L2 norm clipping over all groups; 0 = off) and
-// master_weights (keep an fp32 master copy of fp16/bf16 params in the state).
+// max_grad_norm (global L2 norm clipping over all groups; 0 = off),
+// master_weights (keep the full value of fp16/bf16 params, in master_form)
+// and state_dtype (at::kFloat, or at::kBFloat16: the moments in bfloat16,
+// written with stochastic rounding). The lean forms (a master_form other
+// than Float32, bfloat16 state) are for the element-wise optimizers.
 struct FusedCommonOptions {
   virtual ~FusedCommonOptions() = default;
   double lr_ = 1e-3, weight_decay_ = 0.0, max_grad_norm_ = 0.0;
   bool maximize_ = false, master_weights_ = false;
+  MasterForm master_form_ = MasterForm::Float32;
+  at::ScalarType state_dtype_ = at::kFloat;
 };
 
 namespace options_detail {
@@ -80,6 +91,21 @@ template <typename T>
 void io(torch::serialize::InputArchive& archive, const char* key, T& value) {
   c10::IValue v;
   if (archive.try_read(key, v)) value = v.to<T>();
+}
+// Enumerations travel as their integer values.
+inline void io(torch::serialize::OutputArchive& archive, const char* key, const MasterForm& value) {
+  archive.write(key, c10::IValue(static_cast<int64_t>(value)));
+}
+inline void io(torch::serialize::InputArchive& archive, const char* key, MasterForm& value) {
+  c10::IValue v;
+  if (archive.try_read(key, v)) value = static_cast<MasterForm>(v.toInt());
+}
+inline void io(torch::serialize::OutputArchive& archive, const char* key, const at::ScalarType& value) {
+  archive.write(key, c10::IValue(static_cast<int64_t>(value)));
+}
+inline void io(torch::serialize::InputArchive& archive, const char* key, at::ScalarType& value) {
+  c10::IValue v;
+  if (archive.try_read(key, v)) value = static_cast<at::ScalarType>(v.toInt());
 }
 }  // namespace options_detail
 
@@ -104,6 +130,8 @@ struct FusedOptions : torch::optim::OptimizerCloneableOptions<Derived>, FusedCom
   FUSETRAIN_COMMON_OPTION(bool, maximize)
   FUSETRAIN_COMMON_OPTION(double, max_grad_norm)
   FUSETRAIN_COMMON_OPTION(bool, master_weights)
+  FUSETRAIN_COMMON_OPTION(MasterForm, master_form)
+  FUSETRAIN_COMMON_OPTION(at::ScalarType, state_dtype)
 #undef FUSETRAIN_COMMON_OPTION
   double get_lr() const override { return lr_; }
   void set_lr(const double lr) override { lr_ = lr; }
@@ -122,6 +150,8 @@ struct FusedOptions : torch::optim::OptimizerCloneableOptions<Derived>, FusedCom
     options_detail::io(archive, "maximize", self.maximize_);
     options_detail::io(archive, "max_grad_norm", self.max_grad_norm_);
     options_detail::io(archive, "master_weights", self.master_weights_);
+    options_detail::io(archive, "master_form", self.master_form_);
+    options_detail::io(archive, "state_dtype", self.state_dtype_);
     Derived::fields(archive, self);
   }
 };
@@ -424,7 +454,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // A group's own record fields in the kind table's order.
   std::vector<double> kind_record(const torch::optim::OptimizerOptions& o) const;
   // Creates the states that the kind keeps for a group with these fields.
-  void init_state(FusedParamState& s, const at::Tensor& p, const double* fields) const;
+  void init_state(FusedParamState& s, const at::Tensor& p, const double* fields, bool lean_state) const;
+  // Refuses lean options (NOTE [lean state]) this optimizer's kind cannot take.
+  void check_lean(const FusedCommonOptions& options) const;
   // The lr (0-d float32) and schedulable fields (float64 vector, undefined
   // when the kind has none) of (group, device) as device tensors, refilled
   // only where they change (no allocation per step).
