@@ -339,6 +339,10 @@ class Trainer:
             ddp_model = ctx.wrap(model, device, p.find_unused_parameters)
         ema = None
         if p.ema:
+            if p.weights_dtype == "bfloat16" and ctx.is_main:
+                warnings.warn("Trainer: ema with weights_dtype bfloat16 keeps the EMA in bfloat16, where an update "
+                              "smaller than half an ulp (1 - decay below about 0.002 of the weights) rounds away; "
+                              "use weights_dtype float32 for an EMA with a decay close to 1", stacklevel=3)
             ema_kwargs = dict(p.ema_params)
             ema_kwargs.setdefault("total_steps", run_steps(p, steps_per_epoch))
             ema = ModelEMA(model, **ema_kwargs)

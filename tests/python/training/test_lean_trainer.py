@@ -58,3 +58,9 @@ def test_bfloat16_weights_need_bf16_autocast(tmp_path, precision):
     with pytest.raises(TrainingParamsError, match="weights_dtype: got 'bfloat16' with mixed_precision"):
         _train(tmp_path, "refused", weights_dtype="bfloat16", mixed_precision=precision)
     assert not os.path.exists(os.path.join(str(tmp_path), "refused"))
+
+
+def test_an_ema_with_bfloat16_weights_is_warned_about(tmp_path):
+    with pytest.warns(UserWarning, match="ema with weights_dtype bfloat16 keeps the EMA in bfloat16"):
+        result, _, _ = _train(tmp_path, "lean_ema", max_epochs=1, ema=True, **LEAN)
+    assert math.isfinite(result["final"]["train_loss"])

@@ -468,7 +468,8 @@ _SPECS = [
         element-wise optimizers' lean state (`optimizer_params: {master_weights: remainder, state_dtype:
         bfloat16}`, docs/optimizers.md "Lean state"), brings AdamW from 12 bytes per parameter to 8 (6 with
         `master_weights: stochastic`). Needs `mixed_precision: bf16` (or `true` resolving to it), whose autocast
-        feeds the weights; not with `multi_gpu: fsdp`. Checkpoints hold the bfloat16 weights."""),
+        feeds the weights; not with `multi_gpu: fsdp`. Checkpoints hold the bfloat16 weights. An `ema` is kept in
+        bfloat16 too, where a decay close to 1 rounds its updates away (a warning says so)."""),
     _p("scaler_params", kwargs_of(LossScaler, ("device", "enabled"), SCALER_RESERVED, "a dict of "
                                    "fusetrain.LossScaler keyword arguments"), {}, """
         Keyword arguments of `fusetrain.LossScaler` for fp16 training (dynamic loss scaling: the initial scale, how
