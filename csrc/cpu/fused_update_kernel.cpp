@@ -75,40 +75,10 @@ void with_flags(bool a, bool b, bool c, F&& f) {
 template <typename P>
 using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
 
-// NOTE [lean blocks]: the loops below convert one block (kBlock elements, so
-// the high half of an element index is the same for all of them) and are
-// written without calls or branches so that the compiler vectorises them:
-// they compute what lean_state.h's per-element functions compute.
-
 // The bfloat16 form of each of `n` values, rounded stochastically with the
 // stream `key` from element `first` on (NOTE [lean state]).
 inline void store_stochastic(const float* src, at::BFloat16* dst, int64_t n, uint32_t key, int64_t first) {
-  const uint32_t lo = static_cast<uint32_t>(first);
-  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(first) >> 32) * 0x27D4EB2Fu;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t r = mix32(mix32(key ^ (lo + static_cast<uint32_t>(i))) + hi);
-    const uint32_t b = float_bits(src[i]);
-    const uint32_t special = (b >> 16) | ((b & 0x007FFFFFu) != 0 ? 0x0040u : 0u);
-    dst[i].x = static_cast<uint16_t>((b & 0x7F800000u) == 0x7F800000u ? special : (b + (r & 0xFFFFu)) >> 16);
-  }
-}
-
-// The fp32 values of `n` bfloat16 params and their remainders.
-inline void join_block(const at::BFloat16* param, const int16_t* rem, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    dst[i] = bits_float((static_cast<uint32_t>(param[i].x) << 16) + static_cast<uint32_t>(static_cast<int32_t>(rem[i])));
-  }
-}
-
-// `n` fp32 values split into bfloat16 params and remainders (split_remainder).
-inline void split_block(const float* src, at::BFloat16* param, int16_t* rem, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t b = float_bits(src[i]);
-    const bool nan = (b & 0x7F800000u) == 0x7F800000u && (b & 0x007FFFFFu) != 0;
-    const uint32_t hi = (b + 0x8000u) >> 16;
-    param[i].x = static_cast<uint16_t>(nan ? (b >> 16) | 0x0040u : hi);
-    rem[i] = static_cast<int16_t>(nan ? 0 : static_cast<int32_t>(b - (hi << 16)));
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i].x = stochastic_bf16_bits(src[i], rounding_bits(key, first + i));
 }
 
 // S: the state's storage type (the update's precision C, or bfloat16).
@@ -166,7 +136,7 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
       } else {
         if constexpr (kBf16Param) {
           if (rem != nullptr) {
-            join_block(param + off, rem + off, pb, m);
+            for (int64_t i = 0; i < m; ++i) pb[i] = join_remainder(param[off + i].x, rem[off + i]);
           } else {
             convert_block(param + off, pb, m);
           }
@@ -226,7 +196,7 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
     // Store the (rounded) param when the update did not run on its storage.
     if constexpr (kBf16Param) {
       if (rem != nullptr) {
-        split_block(pw, param + off, rem + off, m);
+        for (int64_t i = 0; i < m; ++i) split_remainder(pw[i], param[off + i].x, rem[off + i]);
       } else if (stochastic) {
         store_stochastic(pw, param + off, m, rounding_key(step, t, 0), it.begin + off);
       } else {

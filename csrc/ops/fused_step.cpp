@@ -151,7 +151,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                       ": master_weights must be 0 (none), 1 (float32), 2 (remainder) or 3 (stochastic), got ", f[1]);
     TORCH_CHECK_VALUE(f[1] < 2.0 || spec.lean, where, ": master_weights ", f[1] == 2.0 ? "remainder" : "stochastic",
                       " is for the element-wise optimizers (NOTE [lean state])");
-    const size_t size = g < group_sizes.size() && group_sizes[g] > 0 ? static_cast<size_t>(group_sizes[g]) : 0;
+    const size_t size = group_sizes[g] > 0 ? static_cast<size_t>(group_sizes[g]) : 0;
     for (size_t i = first; f[1] >= 2.0 && i < std::min(first + size, params.size()); ++i) {
       TORCH_CHECK_VALUE(params[i].scalar_type() != at::kHalf, where, ": params[", i, "] is float16 but the group's "
                         "master_weights are ", f[1] == 2.0 ? "remainders" : "stochastic",
