@@ -105,5 +105,91 @@ FT_HD void split_remainder(float x, uint16_t& param_bits, int16_t& rem) {
   rem = static_cast<int16_t>(static_cast<int32_t>(b - (hi << 16)));
 }
 
+// NOTE [8-bit state]: state_dtype "int8" keeps each state slot of a param as
+// one byte per element (a code) and one float32 scale per block of B elements
+// (B = 64, 128 or 256; the blocks start at element 0 of the param's state and
+// never cross a param or an FSDP shard: each shard's state is its own tensor).
+// A block's scale is the largest magnitude of its values; a code is that
+// value divided by the scale in a small floating-point format whose rounding
+// is stochastic (the bits of lean_state's stream, so a moment decaying by
+// 0.999 a step keeps decaying). The sign of the scale names the block's map:
+//   * scale >= +0 (some value negative): sign bit, 4 exponent bits and 3
+//     mantissa bits (E4M3), normal down to 2^-14 of the scale, then a linear
+//     step of 2^-17;
+//   * scale <= -0 (every value >= 0, e.g. a second moment): 5 exponent bits
+//     and 3 mantissa bits (E5M3) with no sign, normal down to 2^-30 of the
+//     scale, then a linear step of 2^-33 (the range a second moment needs).
+// A block holding a non-finite value gets the scale NaN and codes 0 (its
+// values read back as NaN, as an fp32 state would hold them). The codes are
+// the fp32 bits of the normalised value shifted, so encoding and decoding are
+// exact integer operations; python/fusetrain/optim/_int8_state.py mirrors
+// them for state-dict conversion and the tests check the two bit for bit.
+constexpr int kQ8Shift = 20;  // fp32 mantissa bits below a code's 3
+
+// The normalised value (|x| / |scale|, before the scale) of code c.
+FT_HD float q8_decode(uint8_t c, bool unsigned_map) {
+  if (unsigned_map) {
+    if ((c >> 3) == 0) return static_cast<float>(c) * 1.16415321826934814453125e-10f;  // 2^-33
+    return bits_float((static_cast<uint32_t>(c) + 768u) << kQ8Shift);
+  }
+  const uint32_t m = c & 0x7Fu;
+  const float v = (m >> 3) == 0 ? static_cast<float>(m) * 7.62939453125e-6f  // 2^-17
+                                : bits_float((m + 896u) << kQ8Shift);
+  return (c & 0x80u) ? -v : v;
+}
+
+// The constants of one map of NOTE [8-bit state].
+struct Q8Map {
+  uint32_t low;       // the fp32 bits where its normal codes start (2^-30 or 2^-14)
+  int32_t bias;       // fp32 (exponent, 3 mantissa bits) minus code, for normal codes
+  int32_t top;        // its largest code
+  float linear;       // 1 / the step of its linear codes (2^33 or 2^17)
+  uint32_t sign;      // 0x80 where the map has a sign bit
+};
+
+FT_HD Q8Map q8_map(bool unsigned_map) {
+  return unsigned_map ? Q8Map{97u << 23, 768, 255, 8589934592.0f, 0u} : Q8Map{113u << 23, 896, 127, 131072.0f, 0x80u};
+}
+
+// The code of x (a value divided by its block's largest magnitude: |x| <= 1),
+// rounded stochastically with the random bits `rnd`. Both forms are computed
+// and one is picked: no branch, so a loop over it vectorises.
+FT_HD uint8_t q8_encode(float x, const Q8Map& map, uint32_t rnd) {
+  const uint32_t b = float_bits(x);
+  const uint32_t mag = b & 0x7FFFFFFFu;
+  // Normal codes: the exponent and 3 mantissa bits, the bits below rounded
+  // by adding random bits (a carry is the next code).
+  int32_t normal = static_cast<int32_t>((mag + (rnd & 0xFFFFFu)) >> kQ8Shift) - map.bias;
+  normal = normal < map.top ? normal : map.top;
+  // The linear steps below them: q in [0, 8), rounded up with probability frac(q).
+  float q = bits_float(mag) * map.linear;
+  q = q < 8.f ? q : 8.f;
+  const int32_t whole = static_cast<int32_t>(q);
+  const float u = static_cast<float>(static_cast<int32_t>(rnd >> 8)) * 5.9604644775390625e-8f;  // [0, 1), 2^-24 steps
+  const int32_t linear = whole + ((q - static_cast<float>(whole)) > u ? 1 : 0);
+  const int32_t code = mag >= map.low ? normal : linear;
+  return static_cast<uint8_t>(code | static_cast<int32_t>((b >> 24) & map.sign));
+}
+
+// The scale a block stores (NOTE [8-bit state]): `absmax` the largest
+// magnitude of its finite values, `negative` whether one is below zero,
+// `finite` whether all are finite.
+FT_HD float q8_block_scale(float absmax, bool negative, bool finite) {
+  if (!finite) return bits_float(0x7FC00000u);
+  return negative ? absmax : -absmax;
+}
+
+// The code of value y of a block with that largest magnitude and map.
+FT_HD uint8_t q8_store(float y, float absmax, bool unsigned_map, bool finite, uint32_t rnd) {
+  if (!finite || !(absmax > 0.f)) return 0;
+  return q8_encode(y / absmax, q8_map(unsigned_map), rnd);
+}
+
+// The value of code c of a block with stored scale `scale`.
+FT_HD float q8_load(uint8_t c, float scale) {
+  const uint32_t b = float_bits(scale);
+  return q8_decode(c, (b >> 31) != 0) * bits_float(b & 0x7FFFFFFFu);
+}
+
 }  // namespace detail
 }  // namespace fusetrain

@@ -68,8 +68,8 @@ FT_HD void read_device_values(OptimHyper& h, const double* values) {
 // The tensors of one update launch. All share a device; params share a dtype,
 // grads share a dtype, states share a dtype and masters share a dtype (the op
 // layer buckets mixed lists). States are float32 (float64 for float64 params)
-// or bfloat16; masters float32 or, for bfloat16 params, int16 remainders (NOTE
-// [lean state] in csrc/common/lean_state.h). Lists that an
+// or bfloat16 or int8 codes; masters float32 or, for bfloat16 params, int16
+// remainders (NOTE [lean state] in csrc/common/lean_state.h). Lists that an
 // optimizer does not use are empty; otherwise they have params.size() entries.
 //   Adam: state1 = exp_avg, state2 = exp_avg_sq, state3 = max_exp_avg_sq
 //   SGD:  state1 = momentum_buffer
@@ -91,6 +91,11 @@ FT_HD void read_device_values(OptimHyper& h, const double* values) {
 // factor computed on the device by an ATen stage.
 struct UpdateLists {
   std::vector<at::Tensor> params, grads, state1, state2, state3, master, ema, steps, aux;
+  // NOTE [8-bit state] in csrc/common/lean_state.h: with int8 states, the
+  // float32 block scales of state1..3 (one 1-D tensor per param, empty for an
+  // absent slot) and the block size, one for the whole launch.
+  std::vector<at::Tensor> scales[3];
+  int64_t state_block = 0;
   // Argument names of state1..3, for error messages.
   const char* state_names[3] = {"state1", "state2", "state3"};
   const char* aux_name = "aux";

@@ -13,7 +13,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -81,7 +83,76 @@ inline void store_stochastic(const float* src, at::BFloat16* dst, int64_t n, uin
   for (int64_t i = 0; i < n; ++i) dst[i].x = stochastic_bf16_bits(src[i], rounding_bits(key, first + i));
 }
 
-// S: the state's storage type (the update's precision C, or bfloat16).
+// NOTE [8-bit state]: the value of each code of either map for a scale of 1
+// (index: 256 for the unsigned map, plus the code), as q8_decode gives it.
+struct Q8Table {
+  float v[512];
+  Q8Table() {
+    for (int c = 0; c < 256; ++c) {
+      v[c] = q8_decode(static_cast<uint8_t>(c), false);
+      v[256 + c] = q8_decode(static_cast<uint8_t>(c), true);
+    }
+  }
+};
+
+// The values of `n` codes from element `first` (a block boundary) of a state
+// whose blocks of `block` elements have the scales `scales` (q8_load).
+inline void load_q8(const int8_t* src, const float* scales, float* dst, int64_t n, int64_t first, int64_t block) {
+  static const Q8Table table;
+  for (int64_t b = 0; b < n; b += block) {
+    const uint32_t bits = float_bits(scales[(first + b) / block]);
+    const float* map = table.v + ((bits >> 31) != 0 ? 256 : 0);
+    const float mag = bits_float(bits & 0x7FFFFFFFu);
+    const int64_t m = std::min(block, n - b);
+    for (int64_t i = b; i < b + m; ++i) dst[i] = map[static_cast<uint8_t>(src[i])] * mag;
+  }
+}
+
+// Stores `n` values from element `first` (a block boundary) as codes and
+// block scales, rounded with the stream `key` (q8_block_scale, q8_store).
+inline void store_q8(const float* src, int8_t* dst, float* scales, int64_t n, int64_t first, int64_t block,
+                     uint32_t key) {
+  using Vec = at::vec::Vectorized<float>;
+  alignas(64) float x[kBlock];
+  alignas(64) uint32_t rnd[kBlock];
+  for (int64_t b = 0; b < n; b += block) {
+    const int64_t m = std::min(block, n - b);
+    // NaN-propagating: a block with a NaN or an infinity is not finite, and
+    // then neither its largest magnitude nor its sign matters.
+    Vec vmax(0.f), vmin(0.f);
+    for (int64_t i = 0; i < m; i += Vec::size()) {
+      const int c = static_cast<int>(std::min<int64_t>(Vec::size(), m - i));
+      const Vec v = Vec::loadu(src + b + i, c);  // the lanes past c load as 0
+      vmax = at::vec::maximum(vmax, v.abs());
+      vmin = at::vec::minimum(vmin, v);
+    }
+    float absmax = 0.f, least = 0.f;
+    alignas(64) float lanes[Vec::size()];
+    vmax.store(lanes);
+    for (float l : lanes) absmax = std::isnan(l) || std::isnan(absmax) ? NAN : std::max(absmax, l);
+    vmin.store(lanes);
+    for (float l : lanes) least = std::min(least, l);
+    const bool finite = absmax <= std::numeric_limits<float>::max();
+    const bool negative = least < 0.f;
+    scales[(first + b) / block] = q8_block_scale(absmax, negative, finite);
+    if (!finite || !(absmax > 0.f)) {
+      std::memset(dst + b, 0, m);
+      continue;
+    }
+    const Vec va(absmax);
+    for (int64_t i = 0; i < m; i += Vec::size()) {
+      const int c = static_cast<int>(std::min<int64_t>(Vec::size(), m - i));
+      (Vec::loadu(src + b + i, c) / va).store(x + i, c);
+    }
+    // The random bits first, in a loop of their own (it vectorises).
+    for (int64_t i = 0; i < m; ++i) rnd[i] = rounding_bits(key, first + b + i);
+    const Q8Map map = q8_map(!negative);
+    for (int64_t i = 0; i < m; ++i) dst[b + i] = static_cast<int8_t>(q8_encode(x[i], map, rnd[i]));
+  }
+}
+
+// S: the state's storage type (the update's precision C, bfloat16, or int8
+// codes with block scales).
 template <OptimKind K, typename P, typename G, typename S>
 void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, float lr, float gmul, float ema_w_f,
                  bool has_ema) {
@@ -89,12 +160,20 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
   using Vec = at::vec::Vectorized<C>;
   // Whether the state is stored in bfloat16 (NOTE [lean state]).
   constexpr bool kLeanState = !std::is_same_v<S, C>;
+  constexpr bool kQ8 = std::is_same_v<S, int8_t>;
   const int64_t t = it.tensor;
   P* param = l.params[t].data_ptr<P>() + it.begin;
   const G* grad = l.grads[t].const_data_ptr<G>() + it.begin;
   S* s[3] = {l.state1.empty() ? nullptr : l.state1[t].data_ptr<S>() + it.begin,
              l.state2.empty() ? nullptr : l.state2[t].data_ptr<S>() + it.begin,
              l.state3.empty() ? nullptr : l.state3[t].data_ptr<S>() + it.begin};
+  const int64_t qblock = l.state_block;
+  float* scales[3] = {nullptr, nullptr, nullptr};
+  if constexpr (kQ8) {
+    for (int k = 0; k < 3; ++k) {
+      if (s[k] != nullptr) scales[k] = l.scales[k][t].data_ptr<float>();
+    }
+  }
   // Masters exist for float16/bfloat16 params only (the op layer checks):
   // an fp32 copy, or an int16 remainder of a bfloat16 param.
   const bool has_master = !l.master.empty();
@@ -157,6 +236,9 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
     for (int k = 0; k < 3; ++k) {
       if (s[k] == nullptr) {
         ms[k] = nullptr;
+      } else if constexpr (kQ8) {
+        load_q8(s[k] + off, scales[k], sb[k], m, it.begin + off, qblock);
+        ms[k] = sb[k];
       } else if constexpr (kLeanState) {
         convert_block(s[k] + off, sb[k], m);
         ms[k] = sb[k];
@@ -188,7 +270,13 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
         p.store(pw + i, c);
       }
     });
-    if constexpr (kLeanState) {
+    if constexpr (kQ8) {
+      for (int k = 0; k < 3; ++k) {
+        if (s[k] != nullptr) {
+          store_q8(sb[k], s[k] + off, scales[k], m, it.begin + off, qblock, rounding_key(step, t, k + 1));
+        }
+      }
+    } else if constexpr (kLeanState) {
       for (int k = 0; k < 3; ++k) {
         if (s[k] != nullptr) store_stochastic(sb[k], s[k] + off, m, rounding_key(step, t, k + 1), it.begin + off);
       }
@@ -243,13 +331,15 @@ template <typename P, typename G>
 void update_dispatch_kind(const UpdateLists& l, const OptimHyper& h, float lr, float gmul, float ema_w,
                           bool has_ema) {
   const std::vector<at::Tensor>* states[3] = {&l.state1, &l.state2, &l.state3};
-  bool lean = false;
-  for (const auto* st : states) lean = lean || (!st->empty() && st->front().scalar_type() == at::kBFloat16);
+  at::ScalarType sd = at::kFloat;
+  for (const auto* st : states) sd = st->empty() ? sd : st->front().scalar_type();
   dispatch_kind(h.kind, [&](auto kind) {
     constexpr OptimKind K = decltype(kind)::value;
     if constexpr (std::is_same_v<P, double>) {
       update_bucket<K, P, G, double>(l, h, lr, gmul, ema_w, has_ema);
-    } else if (lean) {
+    } else if (sd == at::kChar) {
+      update_bucket<K, P, G, int8_t>(l, h, lr, gmul, ema_w, has_ema);
+    } else if (sd == at::kBFloat16) {
       update_bucket<K, P, G, at::BFloat16>(l, h, lr, gmul, ema_w, has_ema);
     } else {
       update_bucket<K, P, G, float>(l, h, lr, gmul, ema_w, has_ema);

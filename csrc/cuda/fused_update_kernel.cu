@@ -107,12 +107,57 @@ __device__ __forceinline__ void store_values(T* dst, const C* src, bool stochast
   *reinterpret_cast<cuda::AlignedVec<T>*>(dst) = v;
 }
 
+// A chunk's params as the update reads and writes them (NOTE [lean state]):
+// through the fp32 master, the bfloat16 param joined with its int16
+// remainder, or the param itself (rounded stochastically when `stochastic`).
+template <typename P, typename C>
+struct ParamIO {
+  static constexpr bool kBf16 = std::is_same_v<P, at::BFloat16>;
+  P* param;
+  float* master;
+  int16_t* rem;
+  bool stochastic;
+  uint32_t key;   // the param's rounding stream
+  int64_t start;  // the chunk's first element in the tensor
+
+  // addrs: the param's and master's addresses in a multi-tensor launch.
+  __device__ ParamIO(void* p, void* m, bool remainder, const OptimHyper& h, float step, int64_t tensor, int64_t first)
+      : param(static_cast<P*>(p) + first),
+        master(m && !remainder ? static_cast<float*>(m) + first : nullptr),
+        rem(kBf16 && m && remainder ? static_cast<int16_t*>(m) + first : nullptr),
+        stochastic(kBf16 && h.stochastic_params && !m),
+        key(rounding_key(step, tensor, 0)),
+        start(first) {}
+  // Whether the update's value is kept beyond the stored param.
+  __device__ bool full() const { return master != nullptr || rem != nullptr; }
+  __device__ C load(int64_t i) const {
+    if (master) return static_cast<C>(master[i]);
+    if constexpr (kBf16) {
+      if (rem) return static_cast<C>(join_remainder(param[i].x, rem[i]));
+    }
+    return static_cast<C>(param[i]);
+  }
+  __device__ void store(int64_t i, C p) const {
+    if (master) master[i] = static_cast<float>(p);
+    if constexpr (kBf16) {
+      if (rem) {
+        uint16_t bits;
+        split_remainder(static_cast<float>(p), bits, rem[i]);
+        param[i] = P(bits, P::from_bits());
+        return;
+      }
+    }
+    param[i] = store_value<P>(p, stochastic, key, start + i);
+  }
+  // The value the EMA follows (NOTE [ema source] in csrc/cpu/fused_update_kernel.cpp).
+  __device__ C ema_source(int64_t i, C p) const { return full() ? p : static_cast<C>(param[i]); }
+};
+
 // S: the state's storage type (the update's precision C, or bfloat16).
 template <OptimKind K, typename P, typename G, typename S>
 __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta meta, KernelArgs a) {
   using C = Compute<P>;
   constexpr bool kLeanState = !std::is_same_v<S, C>;
-  constexpr bool kBf16Param = std::is_same_v<P, at::BFloat16>;
   // NOTE [skip]: a step with non-finite gradients changes nothing.
   if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
   const int t = meta.block_to_tensor[blockIdx.x];
@@ -129,22 +174,20 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
       static_cast<C>(grad_multiplier(a.inv_scale, a.grad_norm, static_cast<float>(a.hyper.max_grad_norm)));
   const C ema_w = a.ema_decay != nullptr ? static_cast<C>(1.f - *a.ema_decay) : C(0);
 
-  P* param = static_cast<P*>(meta.addrs[0][t]) + start;
+  const int64_t tensor = meta.index[t];
+  // Masters exist for float16/bfloat16 params only (the op layer checks): an
+  // fp32 copy, or an int16 remainder of a bfloat16 param.
+  const ParamIO<P, C> io(meta.addrs[0][t], meta.addrs[5][t], a.remainder, a.hyper, step, tensor, start);
+  P* param = io.param;
+  float* master = io.master;
+  int16_t* rem = io.rem;
+  const bool stochastic = io.stochastic;
+  const uint32_t key_p = io.key;
   const G* grad = static_cast<const G*>(meta.addrs[1][t]) + start;
   S* s1 = meta.addrs[2][t] ? static_cast<S*>(meta.addrs[2][t]) + start : nullptr;
   S* s2 = meta.addrs[3][t] ? static_cast<S*>(meta.addrs[3][t]) + start : nullptr;
   S* s3 = meta.addrs[4][t] ? static_cast<S*>(meta.addrs[4][t]) + start : nullptr;
-  // Masters exist for float16/bfloat16 params only (the op layer checks): an
-  // fp32 copy, or an int16 remainder of a bfloat16 param.
-  float* master = meta.addrs[5][t] && !a.remainder ? static_cast<float*>(meta.addrs[5][t]) + start : nullptr;
-  int16_t* rem = kBf16Param && meta.addrs[5][t] && a.remainder ? static_cast<int16_t*>(meta.addrs[5][t]) + start
-                                                               : nullptr;
-  // Whether the update's value is kept beyond the stored param.
-  const bool full = master != nullptr || rem != nullptr;
-  const bool stochastic = kBf16Param && a.hyper.stochastic_params && !full;
   P* ema = meta.addrs[6][t] ? static_cast<P*>(meta.addrs[6][t]) + start : nullptr;
-  const int64_t tensor = meta.index[t];
-  const uint32_t key_p = rounding_key(step, tensor, 0);
   const uint32_t key_s[3] = {rounding_key(step, tensor, 1), rounding_key(step, tensor, 2),
                              rounding_key(step, tensor, 3)};
 
@@ -153,26 +196,8 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
     if (a.hyper.maximize) g = -g;
     return g;
   };
-  // The update's value of element i, and its stores (NOTE [lean state]).
-  auto load_param = [&](int64_t i) -> C {
-    if (master) return static_cast<C>(master[i]);
-    if constexpr (kBf16Param) {
-      if (rem) return static_cast<C>(join_remainder(param[i].x, rem[i]));
-    }
-    return static_cast<C>(param[i]);
-  };
-  auto store_param = [&](int64_t i, C p) {
-    if (master) master[i] = static_cast<float>(p);
-    if constexpr (kBf16Param) {
-      if (rem) {
-        uint16_t bits;
-        split_remainder(static_cast<float>(p), bits, rem[i]);
-        param[i] = P(bits, P::from_bits());
-        return;
-      }
-    }
-    param[i] = store_value<P>(p, stochastic, key_p, start + i);
-  };
+  auto load_param = [&](int64_t i) -> C { return io.load(i); };
+  auto store_param = [&](int64_t i, C p) { io.store(i, p); };
 
   // NOTE [optional states] (optim_kinds.h): H1..H3 say at compile time whether a state is present.
   auto update_vectors = [&](int64_t vec_end, auto has1, auto has2, auto has3) {
@@ -210,9 +235,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
         cuda::load_vec(e, ema + i);
 #pragma unroll
         for (int k = 0; k < kILP; ++k) {
-          // NOTE [ema source] (csrc/cpu/fused_update_kernel.cpp).
-          const C src = full ? p[k] : static_cast<C>(param[i + k]);
-          e[k] = lerp_small_weight(e[k], src, ema_w);
+          e[k] = lerp_small_weight(e[k], io.ema_source(i + k, p[k]), ema_w);
         }
         cuda::store_vec(ema + i, e);
       }
@@ -244,8 +267,95 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
     if (s3) s3[i] = store_value<S>(r[2], kLeanState, key_s[2], start + i);
     store_param(i, p);
     if (ema) {
-      const C src = full ? p : static_cast<C>(param[i]);
-      ema[i] = static_cast<P>(lerp_small_weight(static_cast<C>(ema[i]), src, ema_w));
+      ema[i] = static_cast<P>(lerp_small_weight(static_cast<C>(ema[i]), io.ema_source(i, p), ema_w));
+    }
+  }
+}
+
+// Depth 10: UpdateMeta's lists, then the block scales of state1..3.
+using Q8Meta = cuda::TensorListMeta<10, 96, 1280>;
+static_assert(cuda::fits_kernel_params<Q8Meta, KernelArgs, int>(), "fused_update_q8_kernel arguments too large");
+constexpr int kWarps = kBlockThreads / 32;
+constexpr int kMaxLaneValues = 8;  // a block of 256 over 32 lanes
+
+// NOTE [8-bit state] (csrc/common/lean_state.h): int8 states with block
+// scales. Each warp updates whole blocks: lane l holds elements l, l + 32, ...
+// of its block, the warp reduces the block's largest magnitude, and lane 0
+// writes the block's scale. `block` is 64, 128 or 256 and divides kChunkSize.
+template <OptimKind K, typename P, typename G>
+__global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta meta, KernelArgs a, int block) {
+  using C = float;
+  if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
+  const int t = meta.block_to_tensor[blockIdx.x];
+  const int64_t start = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * kChunkSize;
+  const int64_t rem_len = meta.numel[t] - start;
+  const int64_t len = rem_len < kChunkSize ? rem_len : kChunkSize;
+  const float step = *meta.step[t];
+  const float aux = meta.aux[t] != nullptr ? *meta.aux[t] : 1.f;
+  OptimHyper hyper = a.hyper;
+  read_device_values(hyper, a.values);
+  const auto co = make_coeffs<K, C>(hyper, *a.lr, step, aux);
+  const C gmul = grad_multiplier(a.inv_scale, a.grad_norm, static_cast<float>(a.hyper.max_grad_norm));
+  const C ema_w = a.ema_decay != nullptr ? 1.f - *a.ema_decay : 0.f;
+  const int64_t tensor = meta.index[t];
+  const ParamIO<P, C> io(meta.addrs[0][t], meta.addrs[5][t], a.remainder, a.hyper, step, tensor, start);
+  const G* grad = static_cast<const G*>(meta.addrs[1][t]) + start;
+  P* ema = meta.addrs[6][t] ? static_cast<P*>(meta.addrs[6][t]) + start : nullptr;
+  int8_t* codes[3];
+  float* scales[3];
+  uint32_t key[3];
+  for (int k = 0; k < 3; ++k) {
+    codes[k] = meta.addrs[2 + k][t] ? static_cast<int8_t*>(meta.addrs[2 + k][t]) + start : nullptr;
+    scales[k] = meta.addrs[7 + k][t] ? static_cast<float*>(meta.addrs[7 + k][t]) + start / block : nullptr;
+    key[k] = rounding_key(step, tensor, k + 1);
+  }
+  const int lane = threadIdx.x % 32;
+  const int per_lane = block / 32;
+  const int64_t blocks = (len + block - 1) / block;
+  for (int64_t b = threadIdx.x / 32; b < blocks; b += kWarps) {
+    const int64_t first = b * block;
+    C r[3][kMaxLaneValues];
+    C p[kMaxLaneValues];
+    float scale[3];
+    for (int k = 0; k < 3; ++k) scale[k] = codes[k] ? scales[k][b] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kMaxLaneValues; ++j) {
+      const int64_t i = first + lane + 32 * j;
+      if (j >= per_lane || i >= len) continue;
+      p[j] = io.load(i);
+      C g = static_cast<C>(grad[i]) * gmul;
+      if (a.hyper.maximize) g = -g;
+#pragma unroll
+      for (int k = 0; k < 3; ++k) r[k][j] = codes[k] ? q8_load(static_cast<uint8_t>(codes[k][i]), scale[k]) : 0.f;
+      apply_update<K>(p[j], g, codes[0] ? &r[0][j] : nullptr, codes[1] ? &r[1][j] : nullptr,
+                      codes[2] ? &r[2][j] : nullptr, co);
+      io.store(i, p[j]);
+      if (ema) ema[i] = static_cast<P>(lerp_small_weight(static_cast<C>(ema[i]), io.ema_source(i, p[j]), ema_w));
+    }
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      if (!codes[k]) continue;
+      float absmax = 0.f;
+      bool negative = false, finite = true;
+#pragma unroll
+      for (int j = 0; j < kMaxLaneValues; ++j) {
+        if (j >= per_lane || first + lane + 32 * j >= len) continue;
+        const float v = fabsf(r[k][j]);
+        absmax = v > absmax ? v : absmax;
+        negative = negative || r[k][j] < 0.f;
+        finite = finite && v <= 3.402823466e38f;
+      }
+      for (int o = 16; o > 0; o >>= 1) absmax = fmaxf(absmax, __shfl_xor_sync(0xFFFFFFFFu, absmax, o));
+      negative = __any_sync(0xFFFFFFFFu, negative);
+      finite = __all_sync(0xFFFFFFFFu, finite);
+      if (lane == 0) scales[k][b] = q8_block_scale(absmax, negative, finite);
+#pragma unroll
+      for (int j = 0; j < kMaxLaneValues; ++j) {
+        const int64_t i = first + lane + 32 * j;
+        if (j >= per_lane || i >= len) continue;
+        codes[k][i] =
+            static_cast<int8_t>(q8_store(r[k][j], absmax, !negative, finite, rounding_bits(key[k], start + i)));
+      }
     }
   }
 }
@@ -267,9 +377,10 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
   a.grad_norm = scalar_ptr(s.grad_norm);
   a.ema_decay = l.ema.empty() ? nullptr : scalar_ptr(s.ema_decay);
   a.remainder = !l.master.empty() && l.master.front().scalar_type() == at::kShort;
-  bool lean = false;
-  for (const auto* st : {&l.state1, &l.state2, &l.state3})
-    lean = lean || (!st->empty() && st->front().scalar_type() == at::kBFloat16);
+  at::ScalarType sd = at::kFloat;
+  for (const auto* st : {&l.state1, &l.state2, &l.state3}) sd = st->empty() ? sd : st->front().scalar_type();
+  const bool lean = sd == at::kBFloat16;
+  const bool q8 = sd == at::kChar;
 
   // Steps first (the update reads the incremented step, as torch.optim does).
   cuda::check_driver_supports_large_params();
@@ -305,21 +416,31 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
               C10_CUDA_KERNEL_LAUNCH_CHECK();
             });
           };
-          // NOTE [lean kernels]: bfloat16 state is compiled for the
-          // element-wise kinds with grads of the param's dtype or float32
+          // NOTE [lean kernels]: bfloat16 and int8 state are compiled for
+          // the element-wise kinds with grads of the param's dtype or float32
           // (the op layer converts other grads of a lean group).
           constexpr bool kLeanKind = K != OptimKind::Direction && K != OptimKind::Apply;
           constexpr bool kLeanGrad = std::is_same_v<G, P> || std::is_same_v<G, float>;
           if constexpr (std::is_same_v<P, double>) {
             launch_with(double{});
           } else if constexpr (kLeanKind && kLeanGrad) {
-            if (lean) {
+            if (q8) {
+              const std::vector<const std::vector<at::Tensor>*> q8_lists = {
+                  &l.params, &l.grads, &l.state1, &l.state2, &l.state3, &l.master, &l.ema,
+                  &l.scales[0], &l.scales[1], &l.scales[2]};
+              const int block = static_cast<int>(l.state_block);
+              TORCH_INTERNAL_ASSERT(block == 64 || block == 128 || block == 256, "int8 state block ", block);
+              cuda::multi_tensor_apply<Q8Meta>(q8_lists, l.steps, l.aux, [&](const Q8Meta& meta, int blocks) {
+                fused_update_q8_kernel<K, P, G><<<blocks, kBlockThreads, 0, stream>>>(meta, a, block);
+                C10_CUDA_KERNEL_LAUNCH_CHECK();
+              });
+            } else if (lean) {
               launch_with(at::BFloat16{});
             } else {
               launch_with(float{});
             }
           } else {
-            TORCH_INTERNAL_ASSERT(!lean, "fused optimizer: bfloat16 state for this kind or grad dtype (the op checks)");
+            TORCH_INTERNAL_ASSERT(!lean && !q8, "fused optimizer: lean state for this kind or grad dtype (the op checks)");
             launch_with(float{});
           }
         });

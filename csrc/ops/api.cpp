@@ -45,11 +45,13 @@ void fused_step_(c10::string_view optimizer, at::TensorList params, at::TensorLi
                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& ema_decay,
                  const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out,
                  const std::optional<at::Tensor>& grad_norm,
-                 const std::optional<at::TensorList>& group_values) {
+                 const std::optional<at::TensorList>& group_values,
+                 const std::optional<at::TensorList>& state_scales) {
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("fusetrain::fused_step_", "").typed<decltype(fused_step_)>();
   op.call(optimizer, params, grads, state_steps, state1, state2, state3, master_params, ema_params, group_sizes, lrs,
-          hyper, inv_scale, found_inf, ema_decay, grad_norm_out, found_inf_out, grad_norm, group_values);
+          hyper, inv_scale, found_inf, ema_decay, grad_norm_out, found_inf_out, grad_norm, group_values,
+          state_scales);
 }
 
 void ema_decay_(const at::Tensor& decay_out, const at::Tensor& step, const std::optional<at::Tensor>& total_steps,

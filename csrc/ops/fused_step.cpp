@@ -41,12 +41,16 @@ namespace {
 // group, of a kind with schedulable fields) the kernels read those fields from
 // the group's values tensor (NOTE [device values] in
 // csrc/common/update_args.h); the record's copies of them are checked and
-// decide which states a group keeps.
+// decide which states a group keeps. `state_scales` holds the block scales of
+// int8 state tensors (NOTE [8-bit state] in csrc/common/lean_state.h): group
+// by group, slot by slot (state1, state2, state3), one per param whose state
+// tensor in that slot is int8.
 constexpr int kCommon = 4;
 
 // One group's slices of the flattened lists (views, no copies).
 struct Lists {
   at::TensorList params, grads, steps, s[3], masters, emas;
+  std::vector<at::Tensor> scales[3];  // per param of an int8 state slot; undefined elsewhere
 };
 
 // Takes the next `n` entries of a flattened list.
@@ -107,7 +111,8 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                      const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& ema_decay,
                      const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out,
                      const std::optional<at::Tensor>& grad_norm,
-                     const std::optional<at::TensorList>& group_values_arg) {
+                     const std::optional<at::TensorList>& group_values_arg,
+                     const std::optional<at::TensorList>& state_scales) {
   // NOTE [below autograd]: the ops this step calls go straight to their CPU or
   // CUDA kernels. The dispatcher would otherwise send each through the boxed
   // autograd fallback (no fusetrain op has an autograd formula), which copies
@@ -143,6 +148,9 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
   // Every group's record is checked before anything is written.
   bool clips = false;
   size_t first = 0;  // the group's first param
+  const at::TensorList states[3] = {state1, state2, state3};
+  size_t state_pos[3] = {0, 0, 0};
+  size_t n_scales = 0;  // state_scales the int8 states use (NOTE [group records])
   for (size_t g = 0; g < groups; ++g) {
     const double* f = hyper.data() + g * fields;
     const std::string where = "fused_step_ (" + std::string(spec.name) + ", group " + std::to_string(g) + ")";
@@ -157,9 +165,19 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                         "master_weights are ", f[1] == 2.0 ? "remainders" : "stochastic",
                         ", which keep bfloat16 params (use float32 masters for float16)");
     }
+    for (int k = 0; k < 3; ++k) {
+      if (!spec.uses_slot(f + kCommon, k)) continue;
+      for (size_t i = state_pos[k]; i < std::min(state_pos[k] + size, states[k].size()); ++i)
+        n_scales += states[k][i].defined() && states[k][i].scalar_type() == at::kChar;
+      state_pos[k] += size;
+    }
     first += size;
     clips = clips || f[0] > 0.0;
   }
+  const size_t given_scales = state_scales.has_value() ? state_scales->size() : 0;
+  TORCH_CHECK_VALUE(given_scales == n_scales, "fused_step_: state_scales has ", given_scales, " tensors but the "
+                    "int8 state tensors need ", n_scales, " (one per int8 state; NOTE [group records] in "
+                    "csrc/ops/fused_step.cpp)");
 
   // 1. Stats pass: the norm for clipping (unless the caller measured it), the
   // flag for an unscaled step.
@@ -192,6 +210,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
   Cursor pc{params, "params"}, gc{grads, "grads"}, tc{state_steps, "state_steps"};
   Cursor sc[3] = {{state1, "state1"}, {state2, "state2"}, {state3, "state3"}};
   Cursor mc{master_params, "master_params"}, ec{ema_params, "ema_params"};
+  Cursor qc{state_scales.has_value() ? *state_scales : at::TensorList(), "state_scales"};
   for (size_t g = 0; g < groups; ++g) {
     const double* f = hyper.data() + g * fields;
     TORCH_CHECK_VALUE(group_sizes[g] >= 0, "fused_step_: group_sizes[", g, "] is negative");
@@ -200,7 +219,15 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
     l.params = pc.take(n);
     l.grads = gc.take(n);
     l.steps = tc.take(n);
-    for (int k = 0; k < 3; ++k) l.s[k] = sc[k].take(spec.uses_slot(f + kCommon, k) ? n : 0);
+    for (int k = 0; k < 3; ++k) {
+      l.s[k] = sc[k].take(spec.uses_slot(f + kCommon, k) ? n : 0);
+      size_t q8 = 0;
+      for (const auto& t : l.s[k]) q8 += t.defined() && t.scalar_type() == at::kChar;
+      const at::TensorList taken = qc.take(q8);
+      size_t next = 0;
+      for (const auto& t : l.s[k])
+        l.scales[k].push_back(t.defined() && t.scalar_type() == at::kChar ? taken[next++] : at::Tensor());
+    }
     const bool has_ema = f[2] != 0.0;
     l.emas = ec.take(has_ema ? n : 0);
     const auto mode = static_cast<MasterMode>(static_cast<int>(f[1]));
@@ -237,7 +264,10 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
       call.params = part.params;
       call.grads = part.grads;
       call.steps = part.steps;
-      for (int k = 0; k < 3; ++k) call.state[k] = part.s[k];
+      for (int k = 0; k < 3; ++k) {
+        call.state[k] = part.s[k];
+        call.scales[k] = part.scales[k];
+      }
       call.masters = part.masters;
       call.emas = part.emas;
       spec.run(call);
@@ -259,7 +289,11 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
       part.params = pick(l.params, v[0]);
       part.grads = pick(l.grads, v[1]);
       part.steps = pick(l.steps, v[2]);
-      for (int k = 0; k < 3; ++k) part.s[k] = pick(l.s[k], v[3 + k]);
+      for (int k = 0; k < 3; ++k) {
+        part.s[k] = pick(l.s[k], v[3 + k]);
+        if (!l.scales[k].empty())
+          for (size_t i : *idx) part.scales[k].push_back(l.scales[k][i]);
+      }
       part.emas = pick(l.emas, v[6]);
       if (idx == &low) part.masters = l.masters;
       run(part);
@@ -269,6 +303,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
   for (const auto& c : sc) c.expect_done();
   mc.expect_done();
   ec.expect_done();
+  qc.expect_done();
 }
 
 }  // namespace
@@ -282,7 +317,8 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
       "Tensor(c!)[] state1, Tensor(d!)[] state2, Tensor(e!)[] state3, Tensor(f!)[] master_params, "
       "Tensor(g!)[] ema_params, int[] group_sizes, Tensor[] lrs, float[] hyper, Tensor? inv_scale=None, "
       "Tensor? found_inf=None, Tensor? ema_decay=None, Tensor(h!)? grad_norm_out=None, "
-      "Tensor(i!)? found_inf_out=None, Tensor? grad_norm=None, Tensor[]? group_values=None) -> ()");
+      "Tensor(i!)? found_inf_out=None, Tensor? grad_norm=None, Tensor[]? group_values=None, "
+      "Tensor(j!)[]? state_scales=None) -> ()");
 }
 
 // Composite: the update and stats ops it calls dispatch per device.

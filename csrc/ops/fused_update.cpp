@@ -33,6 +33,7 @@ const char* dtype_name(at::ScalarType t) {
     case at::kHalf: return "float16";
     case at::kBFloat16: return "bfloat16";
     case at::kShort: return "int16";
+    case at::kChar: return "int8";
     default: return c10::toString(t);
   }
 }
@@ -49,8 +50,9 @@ void check_scalar(const char* op, const char* name, const at::Tensor& t, const a
 }
 
 // SameAsParam: EMA; State: float32 (float64 for float64 params) or, for the
-// others, bfloat16 (NOTE [lean state] in csrc/common/lean_state.h); Master:
-// float32, or int16 for a bfloat16 param (its remainder).
+// others, bfloat16 or int8 codes (NOTE [lean state], NOTE [8-bit state] in
+// csrc/common/lean_state.h); Master: float32, or int16 for a bfloat16 param
+// (its remainder).
 enum class Dtype { SameAsParam, State, Master };
 
 void check_companion(const char* op, const char* list, size_t i, const at::Tensor& t, const at::Tensor& p,
@@ -67,13 +69,15 @@ void check_companion(const char* op, const char* list, size_t i, const at::Tenso
   const at::ScalarType want = rule == Dtype::SameAsParam ? p.scalar_type()
                              : rule == Dtype::State      ? state_dtype(p)
                                                          : at::kFloat;
-  const at::ScalarType lean = rule == Dtype::State && p.scalar_type() != at::kDouble ? at::kBFloat16
+  const bool lean_state = rule == Dtype::State && p.scalar_type() != at::kDouble;
+  const at::ScalarType lean = lean_state                                                  ? at::kBFloat16
                             : rule == Dtype::Master && p.scalar_type() == at::kBFloat16 ? at::kShort
                                                                                          : want;
-  TORCH_CHECK(t.scalar_type() == want || t.scalar_type() == lean, op, ": ", list, "[", i, "] has dtype ",
+  const bool q8 = lean_state && t.scalar_type() == at::kChar;
+  TORCH_CHECK(t.scalar_type() == want || t.scalar_type() == lean || q8, op, ": ", list, "[", i, "] has dtype ",
               dtype_name(t.scalar_type()), " but must be ", dtype_name(want),
-              lean != want ? std::string(" or ") + dtype_name(lean) : std::string(), " (params[", i, "] is ",
-              dtype_name(p.scalar_type()), ")");
+              lean != want ? std::string(lean_state ? ", " : " or ") + dtype_name(lean) : std::string(),
+              lean_state ? " or int8" : "", " (params[", i, "] is ", dtype_name(p.scalar_type()), ")");
 }
 
 // The dtype of params[i]'s state tensors (float32 when it has none); they
@@ -90,9 +94,43 @@ at::ScalarType state_type(const UpdateLists& l, size_t i) {
   return t == at::ScalarType::Undefined ? at::kFloat : t;
 }
 
-std::array<int, 4> family(const at::Tensor& p, const at::Tensor& g, at::ScalarType state, at::ScalarType master) {
+std::array<int, 5> family(const at::Tensor& p, const at::Tensor& g, at::ScalarType state, at::ScalarType master,
+                          int64_t block) {
   return {static_cast<int>(p.scalar_type()), static_cast<int>(g.scalar_type()), static_cast<int>(state),
-          static_cast<int>(master)};
+          static_cast<int>(master), static_cast<int>(block)};
+}
+
+// NOTE [8-bit state]: the block size of params[i]'s int8 states, read from
+// the length of their scales: the smallest of 64, 128, 256 that gives it (a
+// state of one block holds the same values whichever size covers it).
+int64_t state_block_size(const char* op, const UpdateLists& l, size_t i, const at::Tensor& p) {
+  const int64_t n = p.numel();
+  int64_t block = 0;
+  for (int k = 0; k < 3; ++k) {
+    const std::vector<at::Tensor>& st = k == 0 ? l.state1 : k == 1 ? l.state2 : l.state3;
+    if (st.empty()) continue;
+    const char* name = l.state_names[k];
+    TORCH_CHECK(l.scales[k].size() == st.size() && l.scales[k][i].defined(), op, ": ", name, "[", i,
+                "] is int8 but has no block scales (state_scales; NOTE [8-bit state])");
+    const at::Tensor& sc = l.scales[k][i];
+    TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.dim() == 1 && sc.is_contiguous() && sc.device() == p.device(),
+                op, ": the block scales of ", name, "[", i, "] must be a contiguous 1-D float32 tensor on ",
+                p.device(), ", got ", sc.scalar_type(), " of shape ", sc.sizes(), " on ", sc.device());
+    const int64_t nb = sc.numel();
+    int64_t b = 0;
+    for (int64_t cand : {64, 128, 256}) {
+      if ((n + cand - 1) / cand == nb) {
+        b = cand;
+        break;
+      }
+    }
+    TORCH_CHECK(n == 0 || b != 0, op, ": ", name, "[", i, "] has ", n, " elements and ", nb,
+                " block scales; blocks of 64, 128 or 256 elements give ", (n + 63) / 64, ", ", (n + 127) / 128,
+                " or ", (n + 255) / 256);
+    TORCH_CHECK(block == 0 || block == b, op, ": the int8 states of params[", i, "] have different block sizes");
+    block = b;
+  }
+  return block;
 }
 
 void check_list_size(const char* op, const char* list, const std::vector<at::Tensor>& v, size_t n) {
@@ -132,7 +170,7 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
   // The tensors the kernels take instead of params[i] / grads[i] (dense copies).
   std::map<size_t, std::pair<at::Tensor, at::Tensor>> replaced;
   // Each param's kernel family; whether every one is the first one's.
-  std::vector<std::array<int, 4>> keys;
+  std::vector<std::array<int, 5>> keys;
   bool one_family = true;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p0 = lists.params[i];
@@ -191,25 +229,33 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     const at::ScalarType sd = state_type(lists, i);
     TORCH_CHECK(sd == at::kFloat || sd == at::kDouble || (hyper.kind != OptimKind::Direction &&
                                                            hyper.kind != OptimKind::Apply),
-                op, ": bfloat16 state is for the element-wise optimizers (NOTE [lean state])");
-    if (sd == at::kBFloat16 && g0.scalar_type() != pp.scalar_type() && g0.scalar_type() != at::kFloat) {
+                op, ": ", dtype_name(sd), " state is for the element-wise optimizers (NOTE [lean state])");
+    const int64_t block = sd == at::kChar ? state_block_size(op, lists, i, pp) : 0;
+    if ((sd == at::kBFloat16 || sd == at::kChar) && g0.scalar_type() != pp.scalar_type() &&
+        g0.scalar_type() != at::kFloat) {
       // NOTE [lean kernels] in csrc/cuda/fused_update_kernel.cu: such a group reads float32 grads.
       g = (g.defined() ? g : g0).to(at::kFloat);
     }
     if (p.defined() || g.defined()) replaced[i] = {pp, g.defined() ? g : g0};
-    keys.push_back(family(pp, g.defined() ? g : g0, sd, lists.master.empty() ? at::kFloat
-                                                                              : lists.master[i].scalar_type()));
+    keys.push_back(family(pp, g.defined() ? g : g0, sd,
+                          lists.master.empty() ? at::kFloat : lists.master[i].scalar_type(), block));
     one_family = one_family && keys.back() == keys.front();
   }
   if (dev.is_cpu()) check_cpu_features(op);
   if (one_family && replaced.empty()) {
     // The common case: one kernel family, nothing copied; no second set of lists.
-    kernel(lists, hyper, scalars);
+    if (keys.front()[4] == 0) {
+      kernel(lists, hyper, scalars);
+    } else {
+      UpdateLists with_block = lists;
+      with_block.state_block = keys.front()[4];
+      kernel(with_block, hyper, scalars);
+    }
     return;
   }
 
   // Bucket by kernel family (param, grad, state and master dtypes).
-  std::map<std::array<int, 4>, UpdateLists> buckets;
+  std::map<std::array<int, 5>, UpdateLists> buckets;
   for (size_t i = 0; i < n; ++i) {
     const auto r = replaced.find(i);
     const at::Tensor& p = r == replaced.end() ? lists.params[i] : r->second.first;
@@ -224,6 +270,11 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     if (!lists.state3.empty()) b.state3.push_back(lists.state3[i]);
     if (!lists.master.empty()) b.master.push_back(lists.master[i]);
     if (!lists.ema.empty()) b.ema.push_back(lists.ema[i]);
+    if (keys[i][4] != 0) {
+      b.state_block = keys[i][4];
+      for (int k = 0; k < 3; ++k)
+        if (!lists.scales[k].empty()) b.scales[k].push_back(lists.scales[k][i]);
+    }
   }
   for (auto& kv : buckets) kernel(kv.second, hyper, scalars);
   for (auto& [view, dense] : write_back) view.copy_(dense);

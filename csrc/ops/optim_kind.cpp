@@ -128,6 +128,10 @@ void run_kind_update(const KindCall& c, OptimHyper h, at::TensorList s1, at::Ten
   l.state1 = s1.vec();
   l.state2 = s2.vec();
   l.state3 = s3.vec();
+  const at::TensorList given[3] = {s1, s2, s3};
+  for (int k = 0; k < 3; ++k) {
+    if (!given[k].empty() && !c.scales[k].empty()) l.scales[k] = c.scales[k].vec();
+  }
   l.steps = c.steps.vec();
   l.aux = aux.vec();
   for (const auto& s : c.spec->states)

@@ -64,6 +64,7 @@ struct KindCall : KindRecord {
   const char* op = "fused_step_";
   UpdateKernel kernel = nullptr;
   at::TensorList params, grads, steps, state[3], masters, emas;
+  at::TensorList scales[3];  // NOTE [8-bit state]: per param of state[k]; undefined for a non-int8 state
   at::Tensor lr;
   at::Tensor values;  // the group's schedulable fields (NOTE [device values]); undefined: the record's
   bool maximize = false;

@@ -75,7 +75,7 @@ def grad_stats(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None) -> t
 
 def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
                 group_sizes, lrs, hyper, *, inv_scale=None, found_inf=None, ema_decay=None, grad_norm_out=None,
-                found_inf_out=None, grad_norm=None, group_values=()) -> None:
+                found_inf_out=None, grad_norm=None, group_values=(), state_scales=()) -> None:
     """The whole optimizer tail for every group of one optimizer (a kind of
     ``optim_kinds()``): the stats pass when a group clips or the gradients
     are loss-scaled without a flag, then one update pass per group. Lists are
@@ -85,10 +85,12 @@ def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, stat
     and ``found_inf_out`` receive the global norm (NaN when none was measured)
     and the step's non-finite flag. ``group_values``: one float64 vector per
     group on its params' device holding the kind's ``value_fields``, which the
-    kernels then read there (NOTE [device values] in csrc/common/update_args.h)."""
+    kernels then read there (NOTE [device values] in csrc/common/update_args.h).
+    ``state_scales``: the block scales of int8 state tensors (NOTE [group
+    records]; NOTE [8-bit state] in csrc/common/lean_state.h)."""
     _ops.fused_step_(optimizer, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
                      group_sizes, lrs, hyper, inv_scale, found_inf, ema_decay, grad_norm_out, found_inf_out,
-                     grad_norm, list(group_values) or None)
+                     grad_norm, list(group_values) or None, list(state_scales) or None)
 
 
 def ema_decay_(decay_out: Tensor, step: Tensor, total_steps: Optional[Tensor], decay_type: str, decay: float,

@@ -58,8 +58,10 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, co
 // empty, holds one float64 vector per group on its params' device with the
 // kind's schedulable fields (optim_kinds(); NOTE [device values] in
 // csrc/common/update_args.h): the kernels read those fields there, so a
-// compiled or captured step follows their changes. This is what
-// fusetrain::FusedOptimizer and fusetrain.optim.* call.
+// compiled or captured step follows their changes. state_scales: the block
+// scales of int8 state tensors (NOTE [group records]; NOTE [8-bit state] in
+// csrc/common/lean_state.h). This is what fusetrain::FusedOptimizer and
+// fusetrain.optim.* call.
 void fused_step_(c10::string_view optimizer, at::TensorList params, at::TensorList grads, at::TensorList state_steps,
                  at::TensorList state1, at::TensorList state2, at::TensorList state3, at::TensorList master_params,
                  at::TensorList ema_params, at::IntArrayRef group_sizes, at::TensorList lrs,
@@ -67,7 +69,8 @@ void fused_step_(c10::string_view optimizer, at::TensorList params, at::TensorLi
                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& ema_decay,
                  const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out,
                  const std::optional<at::Tensor>& grad_norm = std::nullopt,
-                 const std::optional<at::TensorList>& group_values = std::nullopt);
+                 const std::optional<at::TensorList>& group_values = std::nullopt,
+                 const std::optional<at::TensorList>& state_scales = std::nullopt);
 
 // The EMA decay of the next update (1-based number step + 1) into decay_out:
 // decay_type "constant", "threshold" or "exp" (needs total_steps), optionally

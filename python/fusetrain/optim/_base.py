@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import _C, _ops
-from . import _sharded
+from . import _int8_state, _sharded
 from ._kinds import KINDS
 
 # Complex params are updated as real views (torch.view_as_real), as torch.optim
@@ -40,9 +40,14 @@ _KIND_PLANS: Dict[type, Any] = {}  # FusedOptimizer._kind_plan, per class
 def _state_dtype(p: Tensor, complex_state: bool = True, group: Optional[Mapping[str, Any]] = None) -> torch.dtype:
     """The dtype of ``p``'s optimizer state: float64 (complex128) for float64
     (complex128) params, float32 (complex64) for the others, unless ``group``
-    keeps bfloat16 state (NOTE [lean state])."""
-    if group is not None and group.get("state_dtype", "float32") == "bfloat16" and p.dtype in _LOW + (torch.float32,):
-        return torch.bfloat16
+    keeps bfloat16 or int8 state (NOTE [lean state]; int8 for params of at
+    least ``_int8_state.MIN_NUMEL`` elements, NOTE [8-bit state])."""
+    lean = "float32" if group is None else group.get("state_dtype", "float32")
+    if lean != "float32" and p.dtype in _LOW + (torch.float32,):
+        if lean == "bfloat16":
+            return torch.bfloat16
+        if p.numel() >= _int8_state.MIN_NUMEL:
+            return torch.int8
     wide = p.dtype in (torch.float64, torch.complex128)
     if p.is_complex() and complex_state:
         return torch.complex128 if wide else torch.complex64
@@ -58,7 +63,7 @@ def _same(t: Tensor) -> Tensor:
 #: master_weights values and their code in a group record.
 _MASTER_CODES = {False: 0.0, True: 1.0, "remainder": 2.0, "stochastic": 3.0}
 _MASTER_NAMES = "False, True, 'remainder' or 'stochastic'"
-_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 #: The state entry holding a param's full value, by master_weights value.
 _MASTER_KEYS = {True: "master_param", "remainder": "master_remainder"}
 
@@ -77,15 +82,27 @@ def _check_master_weights(opt: str, value: Any, lean: bool) -> Any:
 
 def _check_state_dtype(opt: str, value: Any, lean: bool) -> str:
     """``value`` (a torch dtype or its name) as a group's state_dtype setting
-    ("float32" or "bfloat16"), or a clear error."""
+    ("float32", "bfloat16" or "int8"), or a clear error."""
     name = next((n for n, d in _STATE_DTYPES.items() if value == d or value == n), None)
     if name is None:
-        raise ValueError(f"{opt}: state_dtype must be torch.float32 or torch.bfloat16 (or their names), "
-                         f"got {value!r}")
+        raise ValueError(f"{opt}: state_dtype must be torch.float32, torch.bfloat16 or torch.int8 (or their "
+                         f"names), got {value!r}")
     if name != "float32" and not lean:
         raise ValueError(f"{opt}: state_dtype={value!r} is for the element-wise optimizers (AdamW, Adam, SGD, "
                          "Lion, RMSprop, Adadelta, RAdam, NAdam)")
     return name
+
+
+def _check_block_size(opt: str, value: Any) -> int:
+    """``value`` as a group's state_block_size (NOTE [8-bit state]), or a clear error."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{opt}: state_block_size must be an int, got {type(value).__name__} {value!r}")
+    if value not in _int8_state.BLOCK_SIZES:
+        what = "not a power of two" if value <= 0 or value & (value - 1) else "out of range"
+        raise ValueError(f"{opt}: state_block_size must be a power of two among "
+                         f"{', '.join(map(str, _int8_state.BLOCK_SIZES))} (elements per int8 block), got {value} "
+                         f"({what})")
+    return value
 
 
 def _split_remainder(x: Tensor):
@@ -227,7 +244,7 @@ class FusedOptimizer(Optimizer):
     _opt_name = "FusedOptimizer"
 
     def __init__(self, params, defaults: Dict[str, Any], max_grad_norm: Optional[float], master_weights: Any,
-                 state_dtype: Any = torch.float32):
+                 state_dtype: Any = torch.float32, state_block_size: int = _int8_state.DEFAULT_BLOCK):
         if max_grad_norm is not None:
             _check_range(self._opt_name, "max_grad_norm", max_grad_norm, 0.0)
             if max_grad_norm == 0:
@@ -238,6 +255,7 @@ class FusedOptimizer(Optimizer):
         state_dtype = _check_state_dtype(self._opt_name, state_dtype, lean)
         if lean:  # the others keep float32 state: no such setting in their groups
             defaults["state_dtype"] = state_dtype
+            defaults["state_block_size"] = _check_block_size(self._opt_name, state_block_size)
         self._lr_cache: Dict[int, List[Any]] = {}
         self._values_cache: Dict[int, List[Any]] = {}  # NOTE [device values]
         self._snapshots: Dict[int, Dict[str, Any]] = {}  # _compiled_settings
@@ -318,10 +336,17 @@ class FusedOptimizer(Optimizer):
             group["state_dtype"] = _check_state_dtype(where, group["state_dtype"], lean)
         elif "state_dtype" in group:
             _check_state_dtype(where, group["state_dtype"], lean)
+        if lean:
+            group["state_block_size"] = _check_block_size(where, group.get("state_block_size",
+                                                                           _int8_state.DEFAULT_BLOCK))
+        lean_state = group.get("state_dtype", "float32")
         for i, p in enumerate(group["params"]):
-            if group.get("state_dtype") == "bfloat16" and p.dtype not in _LOW + (torch.float32,):
-                raise ValueError(f"{where}: param {i} has dtype {p.dtype}; state_dtype=bfloat16 keeps the "
+            if lean_state != "float32" and p.dtype not in _LOW + (torch.float32,):
+                raise ValueError(f"{where}: param {i} has dtype {p.dtype}; state_dtype={lean_state} keeps the "
                                  "state of float32, bfloat16 and float16 params (use state_dtype=float32)")
+            if lean_state == "int8" and _sharded.is_sharded(p):
+                raise ValueError(f"{where}: param {i} is sharded (FSDP2); state_dtype=int8 keeps unsharded params' "
+                                 "state only (use state_dtype=bfloat16 with FSDP2)")
             if p.dtype == torch.float16 and not isinstance(group["master_weights"], bool):
                 raise ValueError(f"{where}: param {i} is float16; master_weights={group['master_weights']!r} "
                                  "keeps bfloat16 params (use master_weights=True for float16)")
@@ -373,11 +398,15 @@ class FusedOptimizer(Optimizer):
         was saved with; the others take the saved ones, as torch takes every
         setting. A float32 state loaded into a group with bfloat16 state is
         rounded to it, a float32 master becomes a remainder (or is dropped
-        for "stochastic") at the next step, and the reverse."""
+        for "stochastic") at the next step, and the reverse. Moments into or
+        out of int8 (NOTE [8-bit state]) are encoded or decoded here, when
+        loaded; ``fusetrain.optim.full_precision_state_dict`` turns a lean
+        state dict into a float32 one."""
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
-        own = [{k: g[k] for k in ("master_weights", "state_dtype") if g.get(k, False) not in (False, "float32")}
-               for g in self.param_groups]
+        own = [{k: g[k] for k, default in (("master_weights", False), ("state_dtype", "float32"),
+                                           ("state_block_size", _int8_state.DEFAULT_BLOCK))
+                if g.get(k, default) != default} for g in self.param_groups]
         for gi, (saved, group, kept) in enumerate(zip(saved_groups, self.param_groups, own)):
             # Checked before anything is loaded.
             trial = dict(self.defaults, **{k: v for k, v in saved.items() if k != "params"})
@@ -402,7 +431,16 @@ class FusedOptimizer(Optimizer):
                         dtype = torch.float32
                     elif k == "master_remainder":
                         dtype = torch.int16
+                    elif torch.int8 in (v.dtype, dtype) or k.endswith("_scales"):
+                        dtype = v.dtype  # NOTE [8-bit state]: put in the group's form below
                     self.state[p][k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
+            group = group_of[pid]
+            for name in self._state_names(group):
+                v = self.state[p].get(name)
+                if name is not None and name not in self._scalar_states and isinstance(v, Tensor) and \
+                        torch.int8 in (v.dtype, _state_dtype(p, group=group)):
+                    _int8_state.put_in_form(self.state[p], name, p, _state_dtype(p, group=group),
+                                            group["state_block_size"], 0.0, _fits, _conform)
         self._lr_cache.clear()
         self._forget_lists()
 
@@ -528,8 +566,13 @@ class FusedOptimizer(Optimizer):
             if name in self._scalar_states:
                 if not _is_device_scalar(state[name], p.device):
                     return False
-            elif name is not None and not _fits(state[name], p, _state_dtype(p, group=group)):
-                return False
+            elif name is not None:
+                dtype = _state_dtype(p, group=group)
+                if dtype == torch.int8:
+                    if not _int8_state.ready(state, name, p, group["state_block_size"], _fits):
+                        return False
+                elif not _fits(state[name], p, dtype) or _int8_state.scales_key(name) in state:
+                    return False
         key = self._master_key(group, p)
         if key is not None:
             return _fits(state.get(key), p, torch.float32 if key == "master_param" else torch.int16)
@@ -560,6 +603,11 @@ class FusedOptimizer(Optimizer):
                                              device=p.device)
                 elif not _is_device_scalar(state[name], p.device):  # also a Python number (older checkpoints)
                     state[name] = torch.as_tensor(state[name], dtype=torch.float32).to(p.device).reshape(())
+            elif name is not None and torch.int8 in (_state_dtype(p, group=group), getattr(state.get(name), "dtype",
+                                                                                             None)):
+                # NOTE [8-bit state]: made, converted or laid out with its block scales.
+                _int8_state.put_in_form(state, name, p, _state_dtype(p, group=group), group["state_block_size"],
+                                        self._initial_state_value(name), _fits, _conform)
             elif name is not None and state.get(name) is None:
                 state[name] = torch.full_like(p, self._initial_state_value(name), dtype=_state_dtype(p, group=group),
                                               memory_format=torch.preserve_format)
@@ -640,23 +688,26 @@ class FusedOptimizer(Optimizer):
                         f"param_groups[{gi}]['lr'] = torch.tensor(value, device='{dev}') and change it in place "
                         "(lr.fill_(new_value))")
 
-    def _init_group(self, group, params, grads, steps, masters, emas, state1, state2, state3):
+    def _init_group(self, group, params, grads, steps, masters, emas, state1, state2, state3, scales):
         # Called with python values by torch.compile (dynamo runs it eagerly),
         # so lazy state creation never lands in a compiled graph.
         if self._sharding["any"]:
             with torch.no_grad():  # DTensor.to_local() is then the local tensor, not an autograd call
-                return self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3)
-        return self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3)
+                return self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3,
+                                           scales)
+        return self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3, scales)
 
     def _forget_lists(self) -> None:
         """Drop the step plan (NOTE [step plan] in csrc/python/step_plan.cpp):
         the next step collects its lists afresh."""
         self._kept.clear()
 
-    def _collect_group(self, group, params, grads, steps, masters, emas, state1, state2, state3):
+    def _collect_group(self, group, params, grads, steps, masters, emas, state1, state2, state3, scales):
         start = len(params)  # the lists hold the groups before this one too
         names = self._state_names(group)
         outs = (state1, state2, state3)
+        # NOTE [group records] in csrc/ops/fused_step.cpp: int8 states' block scales, slot by slot.
+        slot_scales: tuple = ([], [], [])
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         ema_list = self._ema_lists[gi] if self._ema_lists is not None else None
         # NOTE [sharded steps]: a DTensor's step runs on its local shard; nothing to unwrap otherwise.
@@ -709,9 +760,13 @@ class FusedOptimizer(Optimizer):
                     # NOTE [state layout]: an attached EMA follows its param's layout too.
                     e.data = _conform(e, p, e.dtype)
                 emas.append(loc(e))
-            for out, name in zip(outs, names):
+            for out, name, sc in zip(outs, names, slot_scales):
                 if name is not None:
                     out.append(loc(state[name]))
+                    if state[name].dtype == torch.int8:
+                        sc.append(state[_int8_state.scales_key(name)])
+        for sc in slot_scales:
+            scales.extend(sc)
         return len(params) > start
 
     def _sync_master(self, p: Tensor, local: Tensor, master: Tensor) -> None:
@@ -862,11 +917,12 @@ class FusedOptimizer(Optimizer):
         s1: List[Tensor] = []
         s2: List[Tensor] = []
         s3: List[Tensor] = []
+        scales: List[Tensor] = []
         sizes: List[int] = []
         groups: List[Any] = []  # per stepped group: (index, group, device, has_ema)
         for gi, group in enumerate(self.param_groups):
             start, ema_start = len(params), len(emas)
-            if not self._init_group(group, params, grads, steps, masters, emas, s1, s2, s3):
+            if not self._init_group(group, params, grads, steps, masters, emas, s1, s2, s3, scales):
                 continue
             sizes.append(len(params) - start)
             groups.append((gi, group, params[start].device, len(emas) > ema_start))
@@ -888,11 +944,11 @@ class FusedOptimizer(Optimizer):
         _ops.fused_step_(self._kind, params, grads, steps, s1, s2, s3, masters, emas, sizes, lrs, hyper,
                          inv_scale=inv_scale, found_inf=found_inf, ema_decay=self._ema_decay if emas else None,
                          grad_norm_out=res["grad_norm"], found_inf_out=res["found_inf"], grad_norm=grad_norm,
-                         group_values=values)
+                         group_values=values, state_scales=scales)
         self._last["grad_norm"] = res["grad_norm"]
         self._last["found_inf"] = res["found_inf"]
         if not torch.compiler.is_compiling() and self._keep_lists:
-            self._make_plan(groups, stepped, params, steps, s1, s2, s3, masters, emas, sizes)
+            self._make_plan(groups, stepped, params, steps, s1, s2, s3, masters, emas, sizes, scales)
 
     def _group_records(self, groups: Sequence[Any]):
         """Each stepped group's lr tensor, record (NOTE [group records] in
@@ -1044,7 +1100,8 @@ class FusedOptimizer(Optimizer):
 
     def _plan_key(self, group: Dict[str, Any]):
         """What a group's lists depend on beyond the params and their state objects."""
-        return tuple(self._state_names(group)), group["master_weights"], group.get("state_dtype")
+        return (tuple(self._state_names(group)), group["master_weights"], group.get("state_dtype"),
+                group.get("state_block_size"))
 
     def _plan_holds(self, kept: Dict[str, Any]) -> bool:
         # EMA attach/detach, added groups, loads and new state drop the plan (_forget_lists).
@@ -1053,7 +1110,7 @@ class FusedOptimizer(Optimizer):
                 return False
         return kept["plan"].collect(self.param_groups, self.state)
 
-    def _make_plan(self, groups, stepped, params, steps, s1, s2, s3, masters, emas, sizes) -> None:
+    def _make_plan(self, groups, stepped, params, steps, s1, s2, s3, masters, emas, sizes, scales) -> None:
         """Keep this step's lists as a plan for the next steps, when they can be
         kept: no complex param (its lists hold views) and no sparse gradient."""
         self._kept.clear()
@@ -1083,6 +1140,6 @@ class FusedOptimizer(Optimizer):
                    if p.dtype in _LOW and ("master_param" in sd or "master_remainder" in sd)] if masters else []
         plan = _C.StepPlan(self._kind, self.param_groups, self.state, dtensor, params, steps, s1, s2, s3, masters,
                            emas, sizes, stepped, sds, [i[0] for i in items], [i[1] for i in items],
-                           [i[2] for i in items], local, copies, watched)
+                           [i[2] for i in items], local, copies, watched, scales)
         self._kept["plan"] = {"plan": plan, "groups": groups, "emas": bool(emas),
                               "keys": [self._plan_key(g[1]) for g in groups]}

@@ -61,7 +61,8 @@ def render_markdown() -> str:
         "each group whose condition holds, none for the other groups. A *schedulable* field is read by the",
         "kernels from the group's values tensor (`group_values`, float64, the schedulable fields in order), so a",
         "schedule may change it under a compiled or captured step. A kind marked *lean* takes master_weights 2",
-        "and 3 and bfloat16 state tensors (docs/optimizers.md, lean state).",
+        "and 3, and bfloat16 or int8 state tensors; an int8 one has its float32 block scales in `state_scales`",
+        "(docs/optimizers.md, lean state).",
     ]
     for name in sorted(KINDS):
         kind = KINDS[name]

@@ -24,9 +24,12 @@ class Adam(FusedOptimizer):
         fp32 master (2 bytes instead of 4; state ``master_remainder``);
         ``"stochastic"``, bf16 params only: no master, the param is written
         with stochastic rounding (unbiased, reproducible); False: none.
-      state_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: the
-        moments in bf16, written with stochastic rounding (float32, bf16 and
-        fp16 params). docs/optimizers.md ("Lean state") has the bytes per
+      state_dtype: ``torch.float32`` (default), ``torch.bfloat16``: the
+        moments in bf16, written with stochastic rounding, or ``torch.int8``
+        (``"int8"``): one byte per element plus a float32 scale per block of
+        ``state_block_size`` elements (64, 128 or 256), for params of at
+        least 4096 elements (smaller ones keep float32 state); float32, bf16
+        and fp16 params. docs/optimizers.md ("Lean state") has the bytes per
         parameter of each choice.
       bias_correction: False drops Adam's ``1 - beta^t`` corrections of both
         moments (the BertAdam form: ``p -= lr * m / (sqrt(v) + eps)``).
@@ -46,7 +49,8 @@ class Adam(FusedOptimizer):
                  differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: Optional[bool] = None, max_grad_norm: Optional[float] = None,
                  master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32, bias_correction: bool = True):
+                 state_dtype: Union[torch.dtype, str] = torch.float32,
+                 state_block_size: int = 256, bias_correction: bool = True):
         _no_differentiable(self._opt_name, differentiable)
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled_default
@@ -59,7 +63,7 @@ class Adam(FusedOptimizer):
                         amsgrad=bool(amsgrad), maximize=bool(maximize), foreach=foreach, capturable=capturable,
                         differentiable=False, fused=fused, decoupled_weight_decay=bool(decoupled_weight_decay),
                         bias_correction=bias_correction)
-        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
+        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
 
     def _sparse_error(self) -> str:
         return "Adam does not support sparse gradients, please consider SparseAdam instead"  # torch's message
@@ -88,9 +92,10 @@ class AdamW(Adam):
                  maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None, max_grad_norm: Optional[float] = None,
                  master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32, bias_correction: bool = True):
+                 state_dtype: Union[torch.dtype, str] = torch.float32,
+                 state_block_size: int = 256, bias_correction: bool = True):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, max_grad_norm=max_grad_norm,
-                         master_weights=master_weights, state_dtype=state_dtype,
+                         master_weights=master_weights, state_dtype=state_dtype, state_block_size=state_block_size,
                          bias_correction=bias_correction)

@@ -22,13 +22,13 @@ class Lion(FusedOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize: bool = False,
                  max_grad_norm: Optional[float] = None, master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32):
+                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256):
         name = self._opt_name
         _check_range(name, "lr", lr, 0.0)
         _check_range(name, "weight_decay", weight_decay, 0.0)
         _check_betas(name, betas)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=bool(maximize))
-        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
+        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
 
     def _kind_values(self, group):
         beta1, beta2 = group["betas"]

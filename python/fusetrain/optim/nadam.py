@@ -25,12 +25,12 @@ class NAdam(FusedOptimizer):
                  decoupled_weight_decay: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False, max_grad_norm: Optional[float] = None,
                  master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32):
+                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256):
         _no_differentiable(self._opt_name, differentiable)
         defaults = _torch_checks(torch.optim.NAdam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  momentum_decay=momentum_decay, decoupled_weight_decay=decoupled_weight_decay,
                                  foreach=foreach, maximize=maximize, capturable=capturable)
-        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
+        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
 
     def _initial_state_value(self, name):
         return 1.0 if name == "mu_product" else 0.0

@@ -23,12 +23,12 @@ class RAdam(FusedOptimizer):
                  decoupled_weight_decay: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False, max_grad_norm: Optional[float] = None,
                  master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32):
+                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256):
         _no_differentiable(self._opt_name, differentiable)
         defaults = _torch_checks(torch.optim.RAdam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  decoupled_weight_decay=decoupled_weight_decay, foreach=foreach, maximize=maximize,
                                  capturable=capturable)
-        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
+        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
 
     def _kind_values(self, group):
         beta1, beta2 = group["betas"]

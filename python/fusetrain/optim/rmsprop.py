@@ -23,12 +23,12 @@ class RMSprop(FusedOptimizer):
                  capturable: bool = False, foreach: Optional[bool] = None, maximize: bool = False,
                  differentiable: bool = False, *, max_grad_norm: Optional[float] = None,
                  master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32):
+                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256):
         _no_differentiable(self._opt_name, differentiable)
         defaults = _torch_checks(torch.optim.RMSprop, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
                                  momentum=momentum, centered=centered, capturable=capturable, foreach=foreach,
                                  maximize=maximize)
-        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
+        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
 
     def _kind_values(self, group):
         return {"tf_style": False, "lr_in_momentum": False, "decoupled_weight_decay": False}
@@ -50,14 +50,14 @@ class RMSpropTF(RMSprop):
     def __init__(self, params, lr=1e-2, alpha=0.9, eps=1e-10, weight_decay=0.0, momentum=0.0, centered=False,
                  decoupled_decay: bool = False, lr_in_momentum: bool = True, *, maximize: bool = False,
                  max_grad_norm: Optional[float] = None, master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32):
+                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256):
         for name, value in (("lr", lr), ("alpha", alpha), ("eps", eps), ("weight_decay", weight_decay),
                             ("momentum", momentum)):
             _check_range(self._opt_name, name, value, 0.0)
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
                         centered=bool(centered), decoupled_decay=bool(decoupled_decay),
                         lr_in_momentum=bool(lr_in_momentum), maximize=bool(maximize))
-        super(RMSprop, self).__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
+        super(RMSprop, self).__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
 
     def _initial_state_value(self, name):
         return 1.0 if name == "square_avg" else 0.0
@@ -77,8 +77,8 @@ class Adadelta(FusedOptimizer):
     def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, foreach: Optional[bool] = None, *,
                  capturable: bool = False, maximize: bool = False, differentiable: bool = False,
                  max_grad_norm: Optional[float] = None, master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32):
+                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256):
         _no_differentiable(self._opt_name, differentiable)
         defaults = _torch_checks(torch.optim.Adadelta, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay,
                                  foreach=foreach, capturable=capturable, maximize=maximize)
-        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
+        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)

@@ -26,7 +26,7 @@ class SGD(FusedOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize: bool = False, foreach: Optional[bool] = None, differentiable: bool = False,
                  fused: Optional[bool] = None, max_grad_norm: Optional[float] = None, master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32):
+                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256):
         _no_differentiable(self._opt_name, differentiable)
         _torch_checks(torch.optim.SGD, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                       nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused)
@@ -35,7 +35,7 @@ class SGD(FusedOptimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=bool(nesterov), maximize=bool(maximize), foreach=foreach, differentiable=False,
                         fused=fused)
-        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype)
+        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
 
     def _new_step_value(self, state) -> float:
         # A momentum buffer loaded from torch.optim.SGD is past its first step.

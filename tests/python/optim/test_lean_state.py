@@ -12,39 +12,10 @@ from torch._dynamo.testing import CompileCounter
 import fusetrain.optim as fo
 from fusetrain import TrainStep
 from fusetrain.optim._base import _join_remainder, _split_remainder
+from _lean_helpers import LEAN, LEAN_IDS, M32, grads as _grads, rounding_bits as _rounding_bits, run as _run
 from _test_helpers import CUDA, DEVICES, kind_record
 
-M32 = 0xFFFFFFFF
-
-#: (class, keyword arguments) of every optimizer that takes lean state, with settings that use its states.
-LEAN = [
-    (fo.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-    (fo.Adam, dict(lr=1e-2, weight_decay=0.05, amsgrad=True)),
-    (fo.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)),
-    (fo.Lion, dict(lr=1e-3, weight_decay=0.1)),
-    (fo.RMSprop, dict(lr=1e-3, momentum=0.9, centered=True)),
-    (fo.Adadelta, dict(lr=1.0, weight_decay=0.01)),
-    (fo.RAdam, dict(lr=1e-2)),
-    (fo.NAdam, dict(lr=1e-2, weight_decay=0.01)),
-]
-LEAN_IDS = [c.__name__ for c, _ in LEAN]
 SHAPES = [(1,), (7,), (13, 17), (1031,), (3, 5, 7), (70001,)]
-
-
-# ---- the kernels' random stream, recomputed (csrc/common/lean_state.h) ----------------------------
-def _mix32(x):
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & M32
-    return x ^ (x >> 16)
-
-
-def _rounding_bits(step, tensor, stream, n):
-    key = _mix32(torch.tensor((int(step) * 0x9E3779B9 + stream) & M32)) ^ ((tensor * 0x85EBCA6B) & M32)
-    key = _mix32(key)
-    i = torch.arange(n, dtype=torch.int64)
-    return _mix32((_mix32(key ^ (i & M32)) + (i >> 32) * 0x27D4EB2F) & M32)
 
 
 def _stochastic_bf16(x32, step, tensor, stream):
@@ -59,22 +30,6 @@ def _stochastic_bf16(x32, step, tensor, stream):
 def _params(device, dtype=torch.bfloat16, seed=0, shapes=SHAPES):
     g = torch.Generator().manual_seed(seed)
     return [nn.Parameter(torch.randn(s, generator=g).to(device=device, dtype=dtype)) for s in shapes]
-
-
-def _grads(params, seed, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    # bfloat16 values, so that float32 and bfloat16 params step with the same gradients
-    return [(torch.randn(p.shape, generator=g) * scale).bfloat16().to(device=p.device, dtype=p.dtype)
-            for p in params]
-
-
-def _run(cls, kw, params, steps, seed=1, **lean):
-    opt = cls(params, **kw, **lean)
-    for k in range(steps):
-        for p, g in zip(params, _grads(params, seed + k)):
-            p.grad = g
-        opt.step()
-    return opt
 
 
 # ---- remainder: the exact float32 master in 2 bytes ----------------------------------------------
@@ -283,17 +238,23 @@ def test_lean_state_bytes_per_param():
         assert held / n == expected, lean
 
 
-def test_compiled_lean_step_matches_eager():
+#: A model with a weight above the 8-bit state's small-tensor rule (4096 elements) and small ones.
+def _lean_model(device="cpu"):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 4)).to(device=device, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"])
+def test_compiled_lean_step_matches_eager(state_dtype):
     def run(mode, backend=None):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 4)).to(torch.bfloat16)
+        model = _lean_model()
         opt = fo.AdamW(model.parameters(), lr=torch.tensor(0.01), master_weights="remainder",
-                       state_dtype=torch.bfloat16, max_grad_norm=1.0)
+                       state_dtype=state_dtype, max_grad_norm=1.0)
         step = TrainStep(model, nn.MSELoss(), opt, mode=mode,
                          **({"compile_options": {"backend": backend}} if backend else {}))
         g = torch.Generator().manual_seed(5)
         for _ in range(4):
-            step(torch.randn(8, 12, generator=g).bfloat16(), torch.randn(8, 4, generator=g).bfloat16())
+            step(torch.randn(8, 64, generator=g).bfloat16(), torch.randn(8, 4, generator=g).bfloat16())
         return model, opt
 
     torch._dynamo.reset()
@@ -307,19 +268,21 @@ def test_compiled_lean_step_matches_eager():
     for a, b in zip(eager.parameters(), comp.parameters()):
         assert torch.equal(a, b)
     assert all(st["master_remainder"].dtype == torch.int16 for st in opt.state.values())
+    assert any(st["exp_avg"].dtype == (torch.int8 if state_dtype == "int8" else torch.bfloat16)
+               for st in opt.state.values())
 
 
 @CUDA
-def test_captured_lean_step_matches_eager():
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"])
+def test_captured_lean_step_matches_eager(state_dtype):
     def run(mode):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 4)).cuda().to(torch.bfloat16)
+        model = _lean_model("cuda")
         opt = fo.AdamW(model.parameters(), lr=torch.tensor(0.01, device="cuda"), master_weights="stochastic",
-                       state_dtype=torch.bfloat16, max_grad_norm=1.0)
+                       state_dtype=state_dtype, max_grad_norm=1.0)
         step = TrainStep(model, nn.MSELoss(), opt, mode=mode)
         g = torch.Generator().manual_seed(5)
         for _ in range(5):
-            x, y = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
+            x, y = torch.randn(8, 64, generator=g), torch.randn(8, 4, generator=g)
             step(x.cuda().bfloat16(), y.cuda().bfloat16())
         return model
 
@@ -334,7 +297,7 @@ def test_bad_lean_settings_are_refused_before_anything_changes():
     pb = nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="master_weights must be False, True, 'remainder' or 'stochastic'"):
         fo.AdamW([pb], master_weights="fp32")
-    with pytest.raises(ValueError, match="state_dtype must be torch.float32 or torch.bfloat16"):
+    with pytest.raises(ValueError, match="state_dtype must be torch.float32, torch.bfloat16 or torch.int8"):
         fo.AdamW([pb], state_dtype=torch.float16)
     with pytest.raises(ValueError, match="param 0 has dtype torch.float64; state_dtype=bfloat16"):
         fo.AdamW([p64], state_dtype=torch.bfloat16)
@@ -363,7 +326,7 @@ def test_the_op_refuses_lean_lists_that_do_not_fit():
         torch.ops.fusetrain.fused_step_(*args(p16, 2, [torch.zeros(6, dtype=torch.int16)], s))
     with pytest.raises(ValueError, match="master_weights must be 0 \\(none\\), 1"):
         torch.ops.fusetrain.fused_step_(*args(pb, 4, [], s))
-    with pytest.raises(RuntimeError, match="must be float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="must be float32, bfloat16 or int8"):
         torch.ops.fusetrain.fused_step_(*args(pb, 0, [], [torch.zeros(6, dtype=torch.float16)] * 2))
     with pytest.raises(RuntimeError, match="must be float32 \\(params"):
         torch.ops.fusetrain.fused_step_(*args(p16, 1, [torch.zeros(6, dtype=torch.int16)], s))

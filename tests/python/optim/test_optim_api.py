@@ -107,10 +107,11 @@ def test_defaults_match_torch(name):
     assert not missing, f"torch.optim.{name} defaults not in ours: {missing}"
     for k, v in ref.items():
         assert ours[k] == v, f"default {k}: ours {ours[k]!r}, torch {v!r}"
-    extra = {"max_grad_norm", "master_weights", "state_dtype"} | ({"bias_correction"} if name in ("Adam", "AdamW")
-                                                                  else set())
+    extra = {"max_grad_norm", "master_weights", "state_dtype", "state_block_size"} | (
+        {"bias_correction"} if name in ("Adam", "AdamW") else set())
     assert set(ours) - set(ref) == extra
     assert ours["max_grad_norm"] is None and ours["master_weights"] is False and ours["state_dtype"] == "float32"
+    assert ours["state_block_size"] == 256
     assert ours.get("bias_correction", True) is True
 
 

@@ -64,3 +64,25 @@ def test_an_ema_with_bfloat16_weights_is_warned_about(tmp_path):
     with pytest.warns(UserWarning, match="ema with weights_dtype bfloat16 keeps the EMA in bfloat16"):
         result, _, _ = _train(tmp_path, "lean_ema", max_epochs=1, ema=True, **LEAN)
     assert math.isfinite(result["final"]["train_loss"])
+
+
+def test_int8_moments_from_optimizer_params_resume_exactly(tmp_path):
+    # A model with a weight above the small-tensor rule (4096 elements): its moments are int8 codes with
+    # block scales in the checkpoint; the small ones keep float32 moments.
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 3))
+
+    lean = dict(LEAN, optimizer_params={"master_weights": "stochastic", "state_dtype": "int8",
+                                        "state_block_size": 128})
+    train, valid = _data()
+    base = dict(progress_bar=False, device="cpu", initial_lr=1e-2, valid_metrics=["accuracy"], **lean)
+    Trainer("q8", ckpt_root_dir=str(tmp_path)).train(model(), dict(base, max_epochs=2), train, valid)
+    ck = torch.load(os.path.join(str(tmp_path), "q8", "ckpt_latest.pth"), weights_only=True)
+    kinds = [(st["exp_avg"].dtype, st.get("exp_avg_scales") is not None) for st in ck["optimizer"]["state"].values()]
+    assert kinds.count((torch.int8, True)) == 1 and kinds.count((torch.float32, False)) == 5
+    resumed, whole = model(), model()
+    Trainer("q8", ckpt_root_dir=str(tmp_path)).train(resumed, dict(base, max_epochs=3, resume=True), train, valid)
+    Trainer("q8_whole", ckpt_root_dir=str(tmp_path)).train(whole, dict(base, max_epochs=3), train, valid)
+    for a, b in zip(resumed.parameters(), whole.parameters()):
+        assert torch.equal(a, b)
