@@ -65,18 +65,17 @@ def encode(values: Tensor, block: int, rnd: Optional[Tensor] = None) -> Tuple[Te
     unsigned = ~negative[:, None]
     low = torch.where(unsigned, 97 << 23, 113 << 23)
     normal = mag >= low
+    # The linear codes below the normal ones: q in [0, 8).
+    q = x * torch.where(unsigned, 2.0 ** 33, 2.0 ** 17).float()
+    whole = q.trunc()
     if rnd is None:
         add = torch.full_like(mag, 0x80000)
-        q = x * torch.where(unsigned, 2.0 ** 33, 2.0 ** 17).float()
-        whole = q.trunc()
         up = (q - whole) >= 0.5
     else:
         r = torch.zeros(nb * block, dtype=torch.int64, device=y.device)
         r[:n] = rnd.reshape(-1).to(torch.int64) & 0xFFFFFFFF
         r = r.view(nb, block)
         add = r & 0xFFFFF
-        q = x * torch.where(unsigned, 2.0 ** 33, 2.0 ** 17).float()
-        whole = q.trunc()
         up = (q - whole) > (r >> 8).float() * 2.0 ** -24
     code_n = torch.minimum(((mag + add) >> 20) - torch.where(unsigned, 768, 896), torch.where(unsigned, 255, 127))
     code_s = torch.nan_to_num(whole).to(torch.int64) + up.to(torch.int64)
@@ -178,12 +177,14 @@ def full_precision_state_dict(state_dict: dict) -> dict:
     out = {"state": {}, "param_groups": [dict(g, state_dtype="float32") if "state_dtype" in g else dict(g)
                                          for g in state_dict["param_groups"]]}
     for pid, st in state_dict["state"].items():
+        coded = {k for k, v in st.items() if isinstance(v, Tensor) and v.dtype == torch.int8
+                 and isinstance(st.get(scales_key(k)), Tensor)}
+        scale_keys = {scales_key(k) for k in coded}
         new = {}
         for k, v in st.items():
-            if k.endswith("_scales") and isinstance(st.get(k[:-len("_scales")]), Tensor) \
-                    and st[k[:-len("_scales")]].dtype == torch.int8:
+            if k in scale_keys:
                 continue
-            if isinstance(v, Tensor) and v.dtype == torch.int8 and isinstance(st.get(scales_key(k)), Tensor):
+            if k in coded:
                 v = dequantize(v, st[scales_key(k)])
             elif isinstance(v, Tensor) and v.dtype == torch.bfloat16:
                 v = v.float()
