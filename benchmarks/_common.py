@@ -209,15 +209,28 @@ def print_target(device_kind: str, scope: Optional[str], name: str, value: str, 
     print(f"TARGET [{device_kind}]{where} {name}: {value} (target {op} {threshold}): {result}{note}")
 
 
-def write_report(report: Mapping[str, Any], path: str) -> None:
-    """Write ``report`` as JSON to ``path`` atomically (a temporary file, then a rename) and say so."""
+def write_report(report: Mapping[str, Any], path: str, quiet: bool = False) -> None:
+    """Write ``report`` as JSON to ``path`` atomically (a temporary file, then a rename) and say so
+    (unless ``quiet``: a partial report rewritten as a run goes on)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(report, f, indent=1)
         f.write("\n")
     os.replace(tmp, path)
-    print(f"wrote {path} ({report['elapsed_s']:.0f} s)")
+    if not quiet:
+        print(f"wrote {path} ({report['elapsed_s']:.0f} s)")
+
+
+def write_partial_report(meta: Dict[str, Any], path: str, png: str, targets: List[Dict[str, Any]], t0: float,
+                         final: bool, **fields: Any) -> None:
+    """The report of the rows run so far, rewritten after each row (``complete`` once ``final``), so that
+    a run cut off by a time limit keeps what it finished."""
+    meta["loadavg_end"] = loadavg()
+    report = dict(meta, **fields, targets=targets, png=os.path.basename(png),
+                  all_targets_met=all(t["met"] for t in targets if t["applies"]),
+                  elapsed_s=time.perf_counter() - t0, complete=final)
+    write_report(report, path, quiet=not final)
 
 
 # ---- the seed's MNIST loops (shared by seed_mnist_amp.py and trainer_overhead.py)

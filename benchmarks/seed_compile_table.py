@@ -51,8 +51,8 @@ from torch import nn
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-from _common import (choose, device_line, fill_defaults, loadavg, make_parser, out_path, parse,  # noqa: E402
-                     print_header_row, print_target, run_header, verdict, write_report)
+from _common import (choose, device_line, fill_defaults, make_parser, out_path, parse,  # noqa: E402
+                     print_header_row, print_target, run_header, verdict, write_partial_report)
 from _steps import (DeviceBatches, EpochClock, RowUnavailable, bar_chart, make_fusetrain_step,  # noqa: E402
                     median, png_path_for, sync)
 
@@ -271,6 +271,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="batch size (default cuda 8, cpu 4)")
     ap.add_argument("--images", type=int, default=None, help="images per epoch (default cuda 160, cpu 8)")
     ap.add_argument("--epochs", type=int, default=None, help="epochs per cell, the first a warm-up (default 3)")
+    ap.add_argument("--columns", default=",".join(COLUMNS),
+                    help="comma-separated subset of " + ",".join(COLUMNS) + " (baseline is always run)")
     ap.add_argument("--compile-backend", default=None,
                     help="torch.compile backend for every compiled column (default inductor; --quick: eager)")
     args, device = parse(ap, argv, BENCH, "tiny images and widths: a smoke run")
@@ -286,10 +288,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.epochs < 2 or args.batch < 1 or args.images < args.batch:
         ap.error("need --epochs >= 2 (the first is a warm-up), --batch >= 1 and --images >= --batch")
     models = choose(ap, "--models", args.models, MODELS, "model")
+    columns = set(choose(ap, "--columns", args.columns, COLUMNS, "column")) | {"baseline"}
 
     cfg = {"height": args.height, "width": args.width, "channels": args.channels, "batch": args.batch,
            "images": args.images, "epochs": args.epochs, "compile_backend": args.compile_backend,
            "steps_per_epoch": args.images // args.batch, "quick": bool(args.quick), "models": models,
+           "columns": [c for c in COLUMNS if c in columns],
            "amp_dtype": "fp16" if on_gpu else "bf16", "optimizer": f"SGD(lr={LR}, momentum={MOMENTUM}, "
            f"weight_decay={WEIGHT_DECAY})", "warmup_epochs": 1, "statistic": "median over the timed epochs",
            "timer": "CUDA events" if on_gpu else "time.perf_counter", "cudnn_benchmark": True,
@@ -299,29 +303,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                "setup": "8x RTX 3090, PyTorch 2.0, CUDA 11.8, AMP on, EMA and "
                                                         "SyncBN off, median of 5 epochs"}}
     t0 = time.perf_counter()
+    report_path = out_path(args, BENCH, device.type)
+    png = png_path_for(report_path)
     results: Dict[str, Dict[str, Dict[str, Any]]] = {}
+
+    def write(final: bool) -> None:
+        """The report of the cells run so far (rewritten after each, so that a run cut off keeps them)."""
+        pending = {c: {"unavailable": "not run yet"} for c in COLUMNS}
+        done = {m: dict(pending, **cols) for m, cols in results.items()}
+        table, targets = evaluate(done, on_gpu)
+        if final:
+            print_table(meta, done, table, targets)
+            vals = [table[m]["improvement_pct"][c] for m in done for c in COLUMNS[1:]]
+            bar_chart(png, list(COLUMNS[1:]), vals, f"{BENCH}: improvement over the eager AMP baseline "
+                      f"({meta['device_name']}, torch {meta['torch_version']})", "improvement, %",
+                      groups=list(done), notes=[f"{args.height}x{args.width}, width {args.channels}, batch "
+                                                f"{args.batch}; n/a: not run here"])
+        write_partial_report(meta, report_path, png, targets, t0, final, results=done, improvements=table)
+
     for name in models:
         base_model, loss_fn = build(name, args.channels)
         x, y = (make_det_data if name == "yolo_csp" else make_seg_data)(args.images, args.height, args.width)
         meta["config"].setdefault("num_params", {})[name] = sum(p.numel() for p in base_model.parameters())
         results[name] = {}
         for col in COLUMNS:
+            if col not in columns:
+                results[name][col] = {"unavailable": "not asked for (--columns)"}
+                continue
             data = DeviceBatches(x, y, args.batch, device, seed=SHUFFLE_SEED, uint8_images=True)
             print(f"[{BENCH}] {name}: {col}", file=sys.stderr, flush=True)
             results[name][col] = run_cell(name, col, base_model, loss_fn.to(device), data, cfg, device)
             torch._dynamo.reset()  # each compiled cell compiles afresh (no cache shared between cells)
-    table, targets = evaluate(results, on_gpu)
-    meta["loadavg_end"] = loadavg()
-    report_path = out_path(args, BENCH, device.type)
-    png = png_path_for(report_path)
-    report = dict(meta, results=results, improvements=table, targets=targets, png=os.path.basename(png),
-                  all_targets_met=all(t["met"] for t in targets if t["applies"]), elapsed_s=time.perf_counter() - t0)
-    print_table(meta, results, table, targets)
-    vals = [table[m]["improvement_pct"][c] for m in results for c in COLUMNS[1:]]
-    bar_chart(png, list(COLUMNS[1:]), vals, f"{BENCH}: improvement over the eager AMP baseline "
-              f"({meta['device_name']}, torch {meta['torch_version']})", "improvement, %", groups=list(results),
-              notes=[f"{args.height}x{args.width}, width {args.channels}, batch {args.batch}; n/a: not run here"])
-    write_report(report, report_path)
+            write(final=False)
+    write(final=True)
     return 0
 
 

@@ -7,7 +7,7 @@ autocast); both call ``loss.item()`` every step. It reports the time per
 epoch, ``torch.cuda.memory_reserved()`` and the loss: 31.7 s / 988 MB fp32,
 13.8 s / 622 MB AMP (median of epochs 2-10). This script reruns those two
 loops, statement for statement, and fusetrain's training step
-(``fusetrain.training.step.TrainStep``, the step the Trainer runs) in four
+(``fusetrain.training.step.TrainStep``, the step the Trainer runs) in five
 configurations, on the same data:
 
   seed_fp32               the seed's train(): torch.optim.Adam, loss.item() per step
@@ -16,6 +16,8 @@ configurations, on the same data:
   fusetrain_bf16          TrainStep(mode="off"), bf16 autocast (no loss scaler)
   fusetrain_bf16_compile_ema     bf16, TrainStep(mode="compile") (the whole step compiled), EMA
   fusetrain_bf16_cuda_graph_ema  bf16, TrainStep(mode="cuda_graph") (the whole step captured), EMA
+  fusetrain_bf16_cuda_graph_ema_channels_last  the same with the model and inputs channels-last (the
+                          Trainer's channels_last: tensor-core convolutions without layout transposes)
 
 Per row: median time per epoch (the first epoch, with compilation or capture,
 is a warm-up and not counted), memory (GPU: ``torch.cuda.memory_reserved()``
@@ -68,9 +70,9 @@ from torch import nn
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # loaded by file path rather than run as a script
     sys.path.insert(0, _HERE)
-from _common import (choose, device_line, fill_defaults, loadavg, make_parser, out_path, parse,  # noqa: E402
+from _common import (choose, device_line, fill_defaults, make_parser, out_path, parse,  # noqa: E402
                      print_header_row, print_target, run_header, seed_optimized_train, seed_train, verdict,
-                     write_report)
+                     write_partial_report)
 from _steps import (DeviceBatches, EpochClock, RowUnavailable, bar_chart, make_fusetrain_step,  # noqa: E402
                     median, memory_figures, memory_mb, png_path_for, reset_memory)
 
@@ -81,15 +83,17 @@ DATA_SEED, MODEL_SEED, SHUFFLE_SEED = 1234, 0, 7
 QUICK_WIDTH_DIVISOR = 8
 
 ROWS = ("seed_fp32", "seed_amp", "fusetrain_fp16", "fusetrain_bf16", "fusetrain_bf16_compile_ema",
-        "fusetrain_bf16_cuda_graph_ema")
+        "fusetrain_bf16_cuda_graph_ema", "fusetrain_bf16_cuda_graph_ema_channels_last")
 FUSETRAIN_ROWS = ROWS[2:]
-#: row -> (precision, TrainStep mode, EMA)
+#: row -> (precision, TrainStep mode, EMA, channels_last)
 FUSETRAIN_CFG = {
-    "fusetrain_fp16": ("fp16", "off", False),
-    "fusetrain_bf16": ("bf16", "off", False),
-    "fusetrain_bf16_compile_ema": ("bf16", "compile", True),
-    "fusetrain_bf16_cuda_graph_ema": ("bf16", "cuda_graph", True),
+    "fusetrain_fp16": ("fp16", "off", False, False),
+    "fusetrain_bf16": ("bf16", "off", False, False),
+    "fusetrain_bf16_compile_ema": ("bf16", "compile", True, False),
+    "fusetrain_bf16_cuda_graph_ema": ("bf16", "cuda_graph", True, False),
+    "fusetrain_bf16_cuda_graph_ema_channels_last": ("bf16", "cuda_graph", True, True),
 }
+CUDA_GRAPH_ROWS = tuple(r for r, c in FUSETRAIN_CFG.items() if c[1] == "cuda_graph")
 
 # The seed's printed epochs (its GPU, torch of its time): seconds per epoch,
 # reserved memory (MB), mean training loss of each of its 10 epochs.
@@ -195,7 +199,9 @@ def run_row(row: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
         from fusetrain import ModelEMA, resolve_precision
 
         torch.backends.cudnn.benchmark = True
-        prec_name, mode, use_ema = FUSETRAIN_CFG[row]
+        prec_name, mode, use_ema, channels_last = FUSETRAIN_CFG[row]
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
         precision = resolve_precision(prec_name, device)
         scaler = precision.make_scaler()
         # As the Trainer builds it: the lr is a device tensor (no host sync, no recompilation).
@@ -205,8 +211,8 @@ def run_row(row: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
             ema = ModelEMA(model, decay=cfg["ema_decay"], total_steps=cfg["epochs"] * len(data))
         opts = {"backend": cfg["compile_backend"]} if mode == "compile" else None
         step, impl = make_fusetrain_step(model, criterion, optimizer, scaler, precision, mode, device, ema=ema,
-                                         compile_options=opts)
-        out.update(impl=impl, mode=mode, precision=prec_name, ema=use_ema,
+                                         compile_options=opts, channels_last=channels_last)
+        out.update(impl=impl, mode=mode, precision=prec_name, ema=use_ema, channels_last=channels_last,
                    compile_backend=cfg["compile_backend"] if mode == "compile" else None)
         fusetrain_train(data, step, cfg["epochs"], device, clock, record)
     out["epochs"] = epochs
@@ -377,28 +383,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "seed_reference": seed_numbers(),
     }
     t0 = time.perf_counter()
+    report_path = out_path(args, BENCH, device.type)
+    png = png_path_for(report_path)
     raw: Dict[str, Dict[str, Any]] = {}
+
+    def write(final: bool) -> None:
+        """The report of the rows run so far (rewritten after each, so that a run cut off keeps them)."""
+        results = {r: summarize(raw.get(r, {"row": r, "unavailable": "not run yet"})) for r in rows}
+        ratios, targets = evaluate(results, on_gpu)
+        if final:
+            print_table(meta, results, ratios, targets)
+            write_chart(png, meta, results)
+        write_partial_report(meta, report_path, png, targets, t0, final, results=results, ratios=ratios)
+
     for row in rows:
         if row == "fusetrain_fp16" and not on_gpu and not args.cpu_fp16:
             raw[row] = {"row": row, "unavailable": "skipped on CPU: fp16 autocast has no fast CPU kernels "
                                                    "(--cpu-fp16 runs it)"}
             continue
-        if row == "fusetrain_bf16_cuda_graph_ema" and not on_gpu:
+        if row in CUDA_GRAPH_ROWS and not on_gpu:
             raw[row] = {"row": row, "unavailable": "n/a (needs a GPU)"}
             continue
         print(f"[{BENCH}] running {row}", file=sys.stderr, flush=True)
         raw[row] = run_row_isolated(row, cfg)
-    results = {r: summarize(raw[r]) for r in rows}
-    ratios, targets = evaluate(results, on_gpu)
-    meta["loadavg_end"] = loadavg()
-    report_path = out_path(args, BENCH, device.type)
-    png = png_path_for(report_path)
-    report = dict(meta, results=results, ratios=ratios, targets=targets, png=os.path.basename(png),
-                  all_targets_met=all(t["met"] for t in targets if t["applies"]),
-                  elapsed_s=time.perf_counter() - t0)
-    print_table(meta, results, ratios, targets)
-    write_chart(png, meta, results)
-    write_report(report, report_path)
+        write(final=False)
+    write(final=True)
     return 0
 
 

@@ -12,7 +12,8 @@
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/minimum.h>
 #include <ATen/ops/pow.h>
-#include <ATen/ops/stack.h>
+#include <ATen/ops/_foreach_copy.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/where.h>
 #include <torch/library.h>
 
@@ -70,7 +71,8 @@ void ema_decay_impl(const at::Tensor& decay_out, const at::Tensor& step, const s
   decay_out.copy_(d);
 }
 
-using Key = std::tuple<std::string, int, std::vector<int64_t>>;
+// A group of copies: (destination | source device, destination dtype, source dtype).
+using Key = std::tuple<std::string, int, int>;
 
 void ema_step_impl(at::TensorList ema, at::TensorList src, at::TensorList copy_dst, at::TensorList copy_src,
                    const at::Tensor& decay, const at::Tensor& step, const std::optional<at::Tensor>& found_inf) {
@@ -102,34 +104,46 @@ void ema_step_impl(at::TensorList ema, at::TensorList src, at::TensorList copy_d
     ema_update_(lists.first, lists.second, decay.device() == dev ? decay : decay.to(dev), flag_on(dev));
   }
 
-  // Copied: with a flag, one select per group of same-shaped tensors (e.g. the
-  // num_batches_tracked counter of every BatchNorm) instead of one per tensor.
+  // NOTE [gated copy]: the copied tensors, one multi-tensor copy per group of
+  // tensors with the same devices and dtypes; with a flag, the group's sources and
+  // destinations are each gathered into one flat tensor, one select keeps the
+  // destination's values on a skipped step (exact for every dtype and value,
+  // non-finite ones included), and the result is copied back in one pass:
+  // a handful of launches however many shapes the group holds (every
+  // BatchNorm's running stats and counter).
   std::map<Key, std::vector<size_t>> groups;
   for (size_t i = 0; i < copy_dst.size(); ++i) {
     const auto& d = copy_dst[i];
-    TORCH_CHECK_VALUE(d.sizes() == copy_src[i].sizes(), op, ": copy_dst[", i, "] has shape ", d.sizes(),
-                      " but copy_src[", i, "] has shape ", copy_src[i].sizes());
-    groups[{d.device().str(), static_cast<int>(d.scalar_type()), d.sizes().vec()}].push_back(i);
+    const auto& s = copy_src[i];
+    TORCH_CHECK_VALUE(d.sizes() == s.sizes(), op, ": copy_dst[", i, "] has shape ", d.sizes(), " but copy_src[", i,
+                      "] has shape ", s.sizes());
+    groups[{d.device().str() + "|" + s.device().str(), static_cast<int>(d.scalar_type()),
+            static_cast<int>(s.scalar_type())}]
+        .push_back(i);
   }
   for (const auto& [key, idx] : groups) {
-    const auto dev = copy_dst[idx.front()].device();
-    auto f = flag_on(dev);
-    if (!f) {
-      for (size_t i : idx) copy_dst[i].copy_(copy_src[i]);
-      continue;
-    }
-    const at::Tensor keep = *f != 0;
-    if (idx.size() == 1) {
-      copy_dst[idx[0]].copy_(at::where(keep, copy_dst[idx[0]], copy_src[idx[0]]));
-      continue;
-    }
     std::vector<at::Tensor> ds, ss;
     for (size_t i : idx) {
       ds.push_back(copy_dst[i]);
       ss.push_back(copy_src[i]);
     }
-    const at::Tensor chosen = at::where(keep, at::stack(ds), at::stack(ss));
-    for (size_t j = 0; j < idx.size(); ++j) copy_dst[idx[j]].copy_(chosen[static_cast<int64_t>(j)]);
+    const auto dev = ds.front().device();
+    auto f = flag_on(dev);
+    if (!f) {
+      at::_foreach_copy_(ds, ss);
+      continue;
+    }
+    std::vector<at::Tensor> flat_d, flat_s;
+    std::vector<int64_t> numels;
+    for (size_t j = 0; j < ds.size(); ++j) {
+      flat_d.push_back(ds[j].reshape({-1}));
+      flat_s.push_back(ss[j].reshape({-1}));
+      numels.push_back(ds[j].numel());
+    }
+    const at::Tensor kept = at::where(*f != 0, at::cat(flat_d), at::cat(flat_s).to(dev, ds.front().scalar_type()));
+    std::vector<at::Tensor> parts = kept.split_with_sizes(numels);
+    for (size_t j = 0; j < ds.size(); ++j) parts[j] = parts[j].view(ds[j].sizes());
+    at::_foreach_copy_(ds, parts);
   }
 
   // The counter of updates done (skipped steps excluded).

@@ -1026,7 +1026,10 @@ class FusedOptimizer(Optimizer):
             except ValueError as e:
                 raise ValueError(f"{self._opt_name}: param group {gi}: {e}") from None
         if cached is None or cached[1].device != device:
-            t = torch.tensor([fields[i] for i in positions], dtype=torch.float64).to(device)
+            # Filled value by value: a copy from host memory would wait for the device.
+            t = torch.empty(len(positions), dtype=torch.float64, device=device)
+            for k, i in enumerate(positions):
+                t[k].fill_(fields[i])
             self._values_cache[gi] = [fields, t]
             return t
         t = cached[1]

@@ -161,7 +161,12 @@ def put_in_form(state: dict, name: str, p: Tensor, dtype: torch.dtype, block: in
                        if values is None else conform(values, p, dtype) if values.shape == p.shape else values)
         return
     if values is None:
-        values = torch.full_like(p, initial, dtype=torch.float32, memory_format=torch.preserve_format)
+        # Every block of a new state holds `initial`: one block's code and scale
+        # repeated (no float32 state-sized temporary).
+        code, scale = encode(torch.full((block,), float(initial), dtype=torch.float32, device=p.device), block)
+        state[name] = torch.empty_like(p, dtype=torch.int8, memory_format=torch.preserve_format).fill_(code[0])
+        state[key] = scale.expand(-(-p.numel() // block)).contiguous()
+        return
     if values.shape != p.shape:
         raise ValueError(f"optimizer state '{name}' has shape {tuple(values.shape)} but its param has shape "
                          f"{tuple(p.shape)}")

@@ -245,6 +245,37 @@ def test_ema_step_averages_copies_and_counts(device, flag):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flag", [None, 0.0, 1.0])
+def test_ema_step_copies_mixed_buffers_exactly(device, flag):
+    # BatchNorm-like buffers of many shapes and dtypes, non-finite values on both
+    # sides, a non-contiguous destination and a source of another dtype: a
+    # skipped step keeps every destination bit for bit, else each gets its source.
+    g = torch.Generator().manual_seed(0)
+    shapes = [(), (3,), (32,), (64,), (1024,), (5, 7), (2, 3, 4)]
+    dst, src = [], []
+    for dt in (torch.float32, torch.int64, torch.bfloat16):
+        for shape in shapes:
+            d = (torch.randn(shape, generator=g) * 100).to(dt)
+            dst.append(d.to(device))
+            src.append((torch.randn(shape, generator=g) * 100).to(dt).to(device))
+    dst[4].view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    src[3].view(-1)[:2] = torch.tensor([float("-inf"), float("nan")])
+    dst.append(torch.randn(6, 4, generator=g).to(device).t())  # non-contiguous
+    src.append(torch.randn(4, 6, generator=g, dtype=torch.float64).to(device))
+    before = [d.clone() for d in dst]
+    step = torch.tensor(2.0, device=device)
+    found = None if flag is None else torch.tensor(flag, device=device)
+    _ops.ema_step_([], [], dst, src, torch.tensor(0.9, device=device), step, found)
+    expected = before if flag == 1.0 else [s.to(d.dtype) for s, d in zip(src, dst)]
+    def bits(t):
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    for i, (d, e) in enumerate(zip(dst, expected)):
+        assert d.dtype == e.dtype and d.shape == e.shape and torch.equal(bits(d), bits(e)), i
+    assert step.item() == (2.0 if flag == 1.0 else 3.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_ema_ops(device):
     step = torch.tensor(3.0, device=device)
     torch.library.opcheck(torch.ops.fusetrain.ema_decay_,

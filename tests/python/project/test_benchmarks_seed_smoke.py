@@ -5,12 +5,15 @@ ratios that answer each question are finite numbers computed from the
 reported times."""
 
 import math
+import subprocess
+import sys
 import os
 
 import pytest
 import torch
 
-from _bench_helpers import DEVICES, load_script, quick_run
+from _bench_helpers import DEVICES, load_script, quick_run, script_path
+from _test_helpers import REPO
 
 pytestmark = pytest.mark.bench  # runs benchmarks/ scripts: deselected in the inner loop (README, Tests)
 
@@ -43,11 +46,12 @@ def test_seed_mnist_amp_quick_run(tmp_path, device):
     assert "the seed's own numbers" in proc.stdout
     res = report["results"]
     assert list(res) == ["seed_fp32", "seed_amp", "fusetrain_fp16", "fusetrain_bf16", "fusetrain_bf16_compile_ema",
-                         "fusetrain_bf16_cuda_graph_ema"]
+                         "fusetrain_bf16_cuda_graph_ema", "fusetrain_bf16_cuda_graph_ema_channels_last"]
     ran = [r for r, s in res.items() if s["median_epoch_s"] is not None]
     if device == "cpu":
         assert ran == ["seed_fp32", "seed_amp", "fusetrain_bf16", "fusetrain_bf16_compile_ema"]
         assert res["fusetrain_bf16_cuda_graph_ema"]["unavailable"] == "n/a (needs a GPU)"
+        assert res["fusetrain_bf16_cuda_graph_ema_channels_last"]["unavailable"] == "n/a (needs a GPU)"
         assert "fp16" in res["fusetrain_fp16"]["unavailable"]
     else:
         assert ran == list(res)
@@ -125,6 +129,22 @@ def test_seed_compile_table_quick_run(tmp_path, device):
     for t in report["targets"]:
         assert math.isfinite(t["value"]) and math.isfinite(t["threshold"])
         assert t["met"] == (t["value"] >= t["threshold"])
+
+
+def test_seed_compile_table_columns_subset_writes_a_complete_report(tmp_path):
+    # --columns leaves the others out (reported as not asked for); the report
+    # rewritten after each cell ends complete.
+    _, report = quick_run("seed_compile_table", tmp_path, "cpu", "--models", "ddrnet",
+                          "--columns", "torch_compile,fusetrain_eager")
+    cols = report["results"]["ddrnet"]
+    assert report["complete"] is True and report["config"]["columns"] == ["baseline", "torch_compile",
+                                                                         "fusetrain_eager"]
+    assert cols["fusetrain_compile"] == {"unavailable": "not asked for (--columns)"}
+    assert cols["baseline"]["median_epoch_s"] > 0 and cols["fusetrain_eager"]["median_epoch_s"] > 0
+    assert report["improvements"]["ddrnet"]["best_fusetrain"] == "fusetrain_eager"
+    proc = subprocess.run([sys.executable, script_path("seed_compile_table"), "--quick", "--columns", "fast"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "fast" in proc.stderr
 
 
 def test_seed_compile_table_improvement_formula():

@@ -88,7 +88,7 @@ def test_dry_run_with_an_empty_wheel_folder_counts_the_wheels(tmp_path):
 
 
 @pytest.mark.parametrize("args, env, message", [
-    (["bench", "bogus"], {}, "unknown stage 'bogus'; stages: seed tests sanitize bench"),
+    (["bench", "bogus"], {}, "'bogus' is neither a stage (seed tests sanitize bench) nor an item of --list"),
     (["--bogus"], {}, "unknown option '--bogus'"),
     (["--list"], {"GPU_CHECK_LIMITS": "optim_stepp=30"}, "GPU_CHECK_LIMITS entry 'optim_stepp=30' is not ITEM=SECONDS"),
     (["--list"], {"GPU_CHECK_LIMITS": "optim_step=3m"}, "GPU_CHECK_LIMITS entry 'optim_step=3m'"),
@@ -107,9 +107,18 @@ def test_list_names_every_stage_in_order_with_the_limits_given():
     stages = [row[0] for row in rows]
     assert stages == sorted(stages, key=["seed", "tests", "sanitize", "bench"].index)
     assert {row[1] for row in rows} >= {"seed_mnist_amp", "seed_compile_table_ddrnet", "trainer_overhead", "pytest_cuda",
-                                        "cpp_tests", "memcheck_ops", "racecheck_captured_steps", "optim_step",
+                                        "cpp_tests", "memcheck_ops", "memcheck_captured_steps", "optim_step",
                                         "step_host_time", "amp_ema_step", "optim_family"}
     assert ["optim_step", "33s"] == [row for row in rows if row[1] == "optim_step"][0][1:3]
+
+
+def test_list_takes_stages_and_items_and_names_an_unknown_one():
+    r = run([GPU_CHECK, "--list", "seed_mnist_amp", "bench"])
+    assert r.returncode == 0, r.stderr
+    names = [line.split()[1] for line in r.stdout.splitlines()]
+    assert names[0] == "seed_mnist_amp" and "optim_step" in names and "pytest_cuda" not in names
+    r = run([GPU_CHECK, "--list", "seed_mnist"])
+    assert r.returncode == 2 and "'seed_mnist' is neither a stage" in r.stderr
 
 
 @pytest.mark.slow

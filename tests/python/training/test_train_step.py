@@ -522,7 +522,7 @@ def test_replay_has_no_host_sync():
 
 @CUDA
 def test_captured_step_shape_change_warns_and_runs_eagerly():
-    eager, graphed = Run(cnn("cuda")), Run(cnn("cuda"))
+    eager, graphed = Run(cnn("cuda"), device="cuda"), Run(cnn("cuda"), device="cuda")
     step = graphed.step("cuda_graph", warmup_steps=1)
     ref = eager.step("off")
     data = batches([8, 8, 8], device="cuda") + [batches([8], image=12, device="cuda")[0]]
