@@ -104,7 +104,7 @@ Usage:
     python benchmarks/trainer_overhead.py [--device cpu|cuda] [--images N] [--batch B]
         [--epochs E] [--rounds R] [--num-workers W] [--interleave step|epoch|run] [--slice-steps K]
         [--variants handwritten_fp32,trainer_fp32,handwritten_amp,trainer_amp]
-        [--handwritten-cudnn-benchmark] [--keep-ckpt-dir] [--quick] [--out PATH]
+        [--handwritten-cudnn-benchmark] [--async-checkpoints] [--keep-ckpt-dir] [--quick] [--out PATH]
 The table goes to stdout (the loops' own epoch lines to stderr); the JSON to
 benchmarks/results/trainer_overhead_<cpu|cuda>.json (or --out).
 """
@@ -273,6 +273,16 @@ _SAVES: Dict[str, List[Dict[str, Any]]] = {}
 _SAVES_LOCK = threading.Lock()
 
 
+def _run_of_thread(name: str) -> str:
+    """The run (its thread's name) a checkpoint write belongs to: the run's own thread, or the background
+    writer of its experiment with ``async_checkpoints`` (``WRITER_THREAD`` + experiment + ``_<n>``)."""
+    prefix = checkpoint_mod.WRITER_THREAD
+    if name.startswith(prefix):
+        experiment = name[len(prefix):].rsplit("_", 1)[0]
+        return "#".join(experiment.rsplit("_", 1))  # the experiment is the run's thread name with "_" for "#"
+    return name
+
+
 @contextlib.contextmanager
 def timed_checkpoint_writes():
     """Wrap the checkpoint manager's ``atomic_save`` to time each checkpoint write."""
@@ -284,7 +294,7 @@ def timed_checkpoint_writes():
         t1 = time.perf_counter()
         rec = {"start": t0, "end": t1, "path": path, "bytes": os.path.getsize(path)}
         with _SAVES_LOCK:
-            _SAVES.setdefault(threading.current_thread().name, []).append(rec)
+            _SAVES.setdefault(_run_of_thread(threading.current_thread().name), []).append(rec)
 
     checkpoint_mod.atomic_save = timed_atomic_save
     try:
@@ -428,6 +438,8 @@ def trainer_params(cfg: Dict[str, Any], amp: bool) -> Dict[str, Any]:
     p = {"max_epochs": cfg["epochs"], "optimizer": "Adam", "initial_lr": LR,
          "mixed_precision": cfg["amp_name"] if amp else False, "progress_bar": False,
          "device": str(cfg["device"])}
+    if cfg["async_checkpoints"]:
+        p["async_checkpoints"] = True
     if cfg["log_interval"]:  # per-step scalars to JSONL and CSV files, as a logged run does
         p.update(log_interval=cfg["log_interval"], loggers=["jsonl", "csv"])
     return p
@@ -589,6 +601,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--handwritten-cudnn-benchmark", action="store_true",
                     help="run the hand-written loops with torch.backends.cudnn.benchmark = True, like the Trainer")
     ap.add_argument("--keep-ckpt-dir", action="store_true", help="keep the Trainer's temporary experiment folders")
+    ap.add_argument("--async-checkpoints", action="store_true",
+                    help="the Trainer's async_checkpoints: checkpoint files written in a background thread")
     ap.add_argument("--log-interval", type=int, default=4,
                     help="the Trainer's per-step logging: log_interval with loggers [jsonl, csv] (default 4; "
                          "0 turns it off)")
@@ -620,7 +634,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
            "amp_name": amp_name, "amp_dtype": torch.float16 if on_gpu else torch.bfloat16,
            "handwritten_cudnn_benchmark": bool(args.handwritten_cudnn_benchmark),
            "slice_steps": args.slice_steps if args.interleave == "step" else None,
-           "log_interval": max(0, args.log_interval)}
+           "log_interval": max(0, args.log_interval), "async_checkpoints": bool(args.async_checkpoints)}
     per_variant_memory = on_gpu and args.interleave == "run"
 
     gen = torch.Generator().manual_seed(DATA_SEED)
@@ -644,6 +658,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "handwritten_amp_scaler": f'torch.amp.GradScaler("{kind}")',
             "trainer_amp_scaler": "LossScaler" if on_gpu else "none (bf16)",
             "handwritten_cudnn_benchmark": bool(args.handwritten_cudnn_benchmark),
+            "async_checkpoints": cfg["async_checkpoints"],
             "validation": None,
             "slice_steps": cfg["slice_steps"],
             "trainer_step_logging": (f"log_interval {cfg['log_interval']}, loggers jsonl + csv"

@@ -19,14 +19,28 @@ NOTE [checkpoint schema]: a checkpoint file is a dict of data (NOTE
 mid-epoch checkpoint adds ``position`` (NOTE [mid-epoch resume]); with
 ``average_best_models``, ``averaging`` lists the epochs and values of the
 models averaged so far.
+
+NOTE [asynchronous checkpoints]: with ``async_checkpoints`` a checkpoint's
+state is copied to host memory on the training thread (the snapshot: later
+steps cannot change it), and its files are written, linked and pruned by one
+background thread, each file still atomically. The next checkpoint, the end
+of the run (also a failed or interrupted one: ``close``) wait for the write
+in flight; its ``on_checkpoint_saved`` callbacks then run on the training
+thread with the progress of the step it saved, and a failed write raises
+there. At most one write is in flight, so host memory holds at most one
+extra copy of a checkpoint. A sharded run (``multi_gpu: fsdp``) writes in
+the foreground: each checkpoint file prunes the shard folders it does not
+name, which must not overlap the next save's shards.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -44,6 +58,33 @@ __all__ = ["CheckpointManager", "LATEST", "BEST", "AVERAGE", "AVERAGE_SNAPSHOTS"
 LATEST, BEST = "ckpt_latest.pth", "ckpt_best.pth"
 AVERAGE, AVERAGE_SNAPSHOTS = "average_model.pth", "average_model_snapshots.pth"
 _STEP_FILE = re.compile(r"ckpt_step_(\d+)\.pth")
+#: The background writer's thread name: this, the experiment's folder name, "_0" (async_checkpoints).
+WRITER_THREAD = "fusetrain-checkpoint:"
+
+
+def _on_host(obj: Any) -> Any:
+    """``obj`` with every tensor copied to host memory (a snapshot that later steps cannot change)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = obj.copy()  # keeps OrderedDict and the like
+        for k, v in obj.items():
+            out[k] = _on_host(v)
+        return out
+    if isinstance(obj, list):
+        return [_on_host(v) for v in obj]
+    if isinstance(obj, tuple):
+        items = [_on_host(v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    return obj
+
+
+def _progress_of(state: TrainerState) -> TrainerState:
+    """A copy of ``state`` whose progress (step, epoch, best, metrics) stays as it is now."""
+    out = copy.copy(state)
+    out.best = copy.copy(state.best)
+    out.metrics = copy.copy(state.metrics)
+    return out
 
 
 class CheckpointManager:
@@ -58,6 +99,8 @@ class CheckpointManager:
         self.skipped_before = 0.0  # steps the loss scaler skipped in earlier sessions of a resumed run
         self.skipped_seen = 0.0  # the skipped-step count at the end of the previous epoch (host value)
         self.position: Optional[Dict[str, Any]] = None  # this rank's part of a resumed mid-epoch position
+        self._writer: Optional[ThreadPoolExecutor] = None  # NOTE [asynchronous checkpoints]
+        self._pending: Optional[Tuple[Future, TrainerState]] = None  # the write in flight, the state it saved
         self.epoch_start: Dict[str, Any] = {}  # the epoch's random states before its iterator, its first step
         self.best_models = (BestModels(p.number_of_models_to_average, p.greater_metric_to_watch_is_better)
                             if p.average_best_models and ctx.is_main else None)
@@ -206,23 +249,60 @@ class CheckpointManager:
     def _write(self, state: Dict[str, Any], latest: bool, best: bool, epoch_file: Optional[int] = None) -> None:
         """Write ``state`` (atomically) as ``ckpt_latest.pth`` and/or ``ckpt_best.pth``, the epoch's file of
         ``save_ckpt_epoch_list`` and, with ``keep_last_ckpts``, ``ckpt_step_<N>.pth`` (the files after the first
-        are links to it, or copies where the file system has no links)."""
+        are links to it, or copies where the file system has no links). With ``async_checkpoints`` the files are
+        written in the background (NOTE [asynchronous checkpoints])."""
         keep = self.p.keep_last_ckpts
         names = ([LATEST] if latest else []) + ([BEST] if best else [])
         names += [f"ckpt_epoch_{epoch_file}.pth"] if epoch_file is not None else []
         names += [f"ckpt_step_{self.state.global_step}.pth"] if latest and keep else []
         paths = [os.path.join(self.dir, n) for n in names]
+        prune = bool(latest and keep)
+        if not self.p.async_checkpoints or self.ctx.fsdp:  # sharded: written with the shards, in the foreground
+            self._write_files(state, paths, prune, lambda path: self.callbacks("on_checkpoint_saved", self.state,
+                                                                                path))
+            return
+        self.wait()
+        snapshot = _on_host(state)
+        if self._writer is None:
+            name = WRITER_THREAD + os.path.basename(self.dir)
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._pending = (self._writer.submit(self._write_files, snapshot, paths, prune, None), _progress_of(self.state))
+
+    def _write_files(self, state: Dict[str, Any], paths: List[str], prune: bool,
+                     saved: Optional[Callable[[str], None]]) -> List[str]:
+        """The files of one checkpoint, in order; ``saved(path)`` after each. Returns the paths written."""
         for k, path in enumerate(paths):
             if k == 0:
                 atomic_save(state, path)
             else:
                 atomic_copy(paths[0], path)
-            self.callbacks("on_checkpoint_saved", self.state, path)
-        if latest and keep:
+            if saved is not None:
+                saved(path)
+        if prune:
             found = sorted((int(m.group(1)), n) for n in os.listdir(self.dir) if (m := _STEP_FILE.fullmatch(n)))
-            for _, name in found[:-keep]:
+            for _, name in found[:-self.p.keep_last_ckpts]:
                 os.remove(os.path.join(self.dir, name))
         sharded_checkpoints.collect_garbage(self.dir)  # also after a sharded run resumed unsharded
+        return paths
+
+    def wait(self) -> None:
+        """Wait for the checkpoint written in the background (``async_checkpoints``), then run its
+        ``on_checkpoint_saved`` callbacks here; a failed write raises its error."""
+        if self._pending is None:
+            return
+        future, state = self._pending
+        self._pending = None
+        for path in future.result():
+            self.callbacks("on_checkpoint_saved", state, path)
+
+    def close(self) -> None:
+        """The end of the run: wait for a checkpoint in flight and stop the writer thread."""
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
 
     # ---- the average of the best models ----------------------------------------------------------------------
 

@@ -156,6 +156,11 @@ class Run:
                 last = self.epochs(last)
             completed = True
         finally:
+            write_error: Optional[BaseException] = None
+            try:
+                self.checkpoints.close()  # NOTE [asynchronous checkpoints]
+            except Exception as e:
+                write_error = e
             if self.ema is not None:
                 self.ema.detach()
             if self.logger.rows:
@@ -166,6 +171,11 @@ class Run:
             self.logger.close()
             self.step_log.close()
             cbs("on_train_end", state)
+            if write_error is not None:
+                if completed:
+                    raise write_error
+                warnings.warn(f"a checkpoint written in the background failed as well: {write_error!r}",
+                              stacklevel=2)
         if completed and self.test_loaders:
             test = self.run_tests()
         result = {"final": last, "best": state.best, "test": test, "experiment_dir": self.experiment_dir}

@@ -96,3 +96,15 @@ def test_trainer_overhead_quick_run_writes_report(tmp_path, device):
         assert t["threshold"] == (1.0 if device == "cuda" else 1.03)
         assert t["met"] == (t["value"] < t["threshold"] if t["op"] == "<" else t["value"] <= t["threshold"])
     assert report["all_targets_met"] == all(t["met"] for t in report["targets"])
+
+
+def test_trainer_overhead_async_checkpoints_attributes_the_background_writes(tmp_path):
+    # The writes of the background writer thread count for the run whose experiment it serves.
+    _, report = quick_run("trainer_overhead", tmp_path, "cpu", "--variants", "handwritten_fp32,trainer_fp32",
+                          "--async-checkpoints")
+    cfg = report["config"]
+    assert cfg["async_checkpoints"] is True
+    assert cfg["trainer_training_params"]["resolved_fp32"]["async_checkpoints"] is True
+    for run in report["results"]["trainer_fp32"]["runs"]:
+        for e in run["epochs"]:
+            assert e["ckpt_files"] == 1 and e["ckpt_write_s"] > 0

@@ -1,0 +1,96 @@
+"""async_checkpoints (NOTE [asynchronous checkpoints]): the files a run
+writes in the background are the files it writes in the foreground, their
+callbacks run on the training thread with the progress they saved, a failed
+write raises, and a resumed run continues from them."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from fusetrain import Callback
+from fusetrain.training import checkpoint_manager
+from fusetrain.training.checkpoints import load_checkpoint
+
+from _train_helpers import one_thread  # noqa: F401  (fixture)
+from test_trainer import assert_tree_equal
+from test_trainer_reliability import train
+
+FAST = dict(max_epochs=3, max_train_batches=6, max_valid_batches=2, ckpt_every_n_steps=4, keep_last_ckpts=2,
+            save_ckpt_epoch_list=[2])
+SAVED = ("model", "optimizer", "scaler", "ema", "global_step", "epoch", "best", "schedule", "position")
+
+
+class Saved(Callback):
+    def __init__(self):
+        self.calls = []
+
+    def on_checkpoint_saved(self, state, path):
+        self.calls.append((state.global_step, os.path.basename(path), threading.current_thread().name,
+                           os.path.exists(path)))
+
+
+def files(d):
+    return sorted(n for n in os.listdir(d) if n.endswith(".pth"))
+
+
+def test_background_writes_are_the_foreground_files(tmp_path, monkeypatch):
+    real, writers = checkpoint_manager.atomic_save, []
+
+    def recorded(obj, path):
+        writers.append(threading.current_thread().name)
+        real(obj, path)
+
+    monkeypatch.setattr(checkpoint_manager, "atomic_save", recorded)
+    runs = {}
+    for mode in (False, True):
+        saved = Saved()
+        result, _ = train(tmp_path / str(mode), "exp", callbacks=[saved], async_checkpoints=mode, **FAST)
+        runs[mode] = (result["experiment_dir"], saved.calls)
+    (d_sync, calls_sync), (d_async, calls_async) = runs[False], runs[True]
+    half = len(writers) // 2  # the foreground run's writes, then the background run's
+    assert half > 3 and writers[:half] == [threading.main_thread().name] * half
+    assert set(writers[half:]) == {checkpoint_manager.WRITER_THREAD + "exp_0"} and len(calls_async) > half
+    assert files(d_sync) == files(d_async) and "ckpt_epoch_2.pth" in files(d_async)
+    for name in files(d_sync):
+        a, b = load_checkpoint(os.path.join(d_sync, name)), load_checkpoint(os.path.join(d_async, name))
+        for key in SAVED:
+            assert_tree_equal(a.get(key), b.get(key))
+    # The same callbacks, in order, with the step each file saved, on the training thread, the file there.
+    assert [c[:2] for c in calls_async] == [c[:2] for c in calls_sync]
+    assert all(c[2] == threading.main_thread().name and c[3] for c in calls_async)
+
+
+def test_a_failed_background_write_raises_and_keeps_the_last_file(tmp_path, monkeypatch):
+    real, writes = checkpoint_manager.atomic_save, []
+
+    def flaky(obj, path):
+        writes.append(path)
+        if len(writes) == 2:
+            raise OSError("disk full")
+        real(obj, path)
+
+    monkeypatch.setattr(checkpoint_manager, "atomic_save", flaky)
+    with pytest.raises(OSError, match="disk full"):
+        train(tmp_path, "exp", async_checkpoints=True, **dict(FAST, keep_last_ckpts=0))
+    ck = load_checkpoint(os.path.join(tmp_path, "exp", "ckpt_latest.pth"))
+    assert ck["global_step"] == 4  # the first write, whole
+
+
+def test_resume_continues_from_background_checkpoints(tmp_path):
+    straight, _ = train(tmp_path / "a", "exp", async_checkpoints=True, **FAST)
+    train(tmp_path / "b", "exp", async_checkpoints=True, **dict(FAST, max_epochs=2))
+    resumed, _ = train(tmp_path / "b", "exp", async_checkpoints=True, resume=True, **FAST)
+    for key in ("model", "optimizer"):
+        assert_tree_equal(load_checkpoint(os.path.join(straight["experiment_dir"], "ckpt_latest.pth"))[key],
+                          load_checkpoint(os.path.join(resumed["experiment_dir"], "ckpt_latest.pth"))[key])
+
+
+def test_the_snapshot_is_a_host_copy():
+    t = torch.ones(3)
+    state = {"a": [t, (t, 2)], "b": {"c": t}}
+    snap = checkpoint_manager._on_host(state)
+    t.add_(1)
+    assert torch.equal(snap["a"][0], torch.ones(3)) and snap["a"][1][1] == 2
+    assert torch.equal(snap["b"]["c"], torch.ones(3)) and snap["a"][0].data_ptr() != t.data_ptr()
