@@ -52,29 +52,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: name -> (what it is, training_params keys it sets). A key the recipe lacks is
 #: added with Hydra's ``+``, one it has is changed in place.
+def _bf16(master: str, what: str, state: str) -> Any:
+    """A configuration with bf16 weights and autocast, master weights ``master`` (described as ``what``)
+    and moments in ``state``."""
+    label = {"bfloat16": "bf16", "int8": "int8"}[state]
+    return (f"bf16 weights, bf16 autocast, {what}, {label} state",
+            {"weights_dtype": "bfloat16", "mixed_precision": "bf16", "optimizer_params.master_weights": master,
+             "optimizer_params.state_dtype": state})
+
+
 CONFIGS: Dict[str, Any] = {
     "fp32": ("the recipe as shipped: float32 weights and state, no autocast", {}),
     "bf16_master": ("bf16 weights, bf16 autocast, fp32 master weights, fp32 state",
                     {"weights_dtype": "bfloat16", "mixed_precision": "bf16",
                      "optimizer_params.master_weights": "true"}),
-    "bf16_remainder_bf16state": ("bf16 weights, bf16 autocast, int16 remainder, bf16 state",
-                                 {"weights_dtype": "bfloat16", "mixed_precision": "bf16",
-                                  "optimizer_params.master_weights": "remainder",
-                                  "optimizer_params.state_dtype": "bfloat16"}),
-    "bf16_stochastic_bf16state": ("bf16 weights, bf16 autocast, stochastic rounding, bf16 state",
-                                  {"weights_dtype": "bfloat16", "mixed_precision": "bf16",
-                                   "optimizer_params.master_weights": "stochastic",
-                                   "optimizer_params.state_dtype": "bfloat16"}),
+    "bf16_remainder_bf16state": _bf16("remainder", "int16 remainder", "bfloat16"),
+    "bf16_stochastic_bf16state": _bf16("stochastic", "stochastic rounding", "bfloat16"),
     "fp32w_bf16state": ("float32 weights, no autocast, bf16 state",
                         {"optimizer_params.state_dtype": "bfloat16"}),
-    "bf16_remainder_int8state": ("bf16 weights, bf16 autocast, int16 remainder, int8 state",
-                                 {"weights_dtype": "bfloat16", "mixed_precision": "bf16",
-                                  "optimizer_params.master_weights": "remainder",
-                                  "optimizer_params.state_dtype": "int8"}),
-    "bf16_stochastic_int8state": ("bf16 weights, bf16 autocast, stochastic rounding, int8 state",
-                                  {"weights_dtype": "bfloat16", "mixed_precision": "bf16",
-                                   "optimizer_params.master_weights": "stochastic",
-                                   "optimizer_params.state_dtype": "int8"}),
+    "bf16_remainder_int8state": _bf16("remainder", "int16 remainder", "int8"),
+    "bf16_stochastic_int8state": _bf16("stochastic", "stochastic rounding", "int8"),
 }
 
 BASELINE = "fp32"

@@ -268,19 +268,9 @@ class Gate:
         return total
 
 
-# Checkpoint writes of the Trainer, timed per thread (one thread per run).
+# Checkpoint writes of the Trainer, timed per experiment folder (one per run).
 _SAVES: Dict[str, List[Dict[str, Any]]] = {}
 _SAVES_LOCK = threading.Lock()
-
-
-def _run_of_thread(name: str) -> str:
-    """The run (its thread's name) a checkpoint write belongs to: the run's own thread, or the background
-    writer of its experiment with ``async_checkpoints`` (``WRITER_THREAD`` + experiment + ``_<n>``)."""
-    prefix = checkpoint_mod.WRITER_THREAD
-    if name.startswith(prefix):
-        experiment = name[len(prefix):].rsplit("_", 1)[0]
-        return "#".join(experiment.rsplit("_", 1))  # the experiment is the run's thread name with "_" for "#"
-    return name
 
 
 @contextlib.contextmanager
@@ -294,7 +284,9 @@ def timed_checkpoint_writes():
         t1 = time.perf_counter()
         rec = {"start": t0, "end": t1, "path": path, "bytes": os.path.getsize(path)}
         with _SAVES_LOCK:
-            _SAVES.setdefault(_run_of_thread(threading.current_thread().name), []).append(rec)
+            # Keyed by the experiment folder: the run's own thread writes, or its background writer
+            # with async_checkpoints.
+            _SAVES.setdefault(os.path.realpath(os.path.dirname(path)), []).append(rec)
 
     checkpoint_mod.atomic_save = timed_atomic_save
     try:
@@ -388,7 +380,7 @@ class Run:
         n = self.cfg["epochs"]
         epoch_idx = [j for j, e in enumerate(ev) if e[0] == "epoch"]
         assert len(epoch_idx) == n and ev[-1][0] == "done", [e[0] for e in ev]
-        saves = _SAVES.pop(self.thread_name, [])
+        saves = _SAVES.pop(os.path.realpath(self.trainer_dir), []) if self.is_trainer else []
         rows: List[Dict[str, Any]] = []
         if self.is_trainer:
             with open(os.path.join(self.trainer_dir, "metrics.jsonl")) as f:
