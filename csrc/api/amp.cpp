@@ -117,6 +117,19 @@ ModelEMA::ModelEMA(std::shared_ptr<torch::nn::Module> model, ModelEMAOptions o)
   torch::NoGradGuard no_grad;
   for (auto& p : ema_->parameters()) p.set_requires_grad(false);
   lazy_init();
+  if (options_.remainder()) {
+    // NOTE [ema remainder]: zero, the bfloat16 value is the EMA to start with.
+    auto add = [&](const torch::OrderedDict<std::string, at::Tensor>& named) {
+      for (const auto& kv : named) {
+        if (kv.value().scalar_type() != at::kBFloat16) continue;
+        at::Tensor r = at::zeros_like(kv.value(), kv.value().options().dtype(at::kShort));
+        rem_by_ema_[kv.value().unsafeGetTensorImpl()] = r;
+        rem_by_name_.emplace_back(kv.key(), r);
+      }
+    };
+    add(ema_->named_parameters());
+    if (options_.include_buffers()) add(ema_->named_buffers());
+  }
 }
 
 ModelEMA::~ModelEMA() { detach(); }
@@ -157,6 +170,8 @@ ModelEMA::Pairs ModelEMA::pairs(bool params) const {
       const bool avg = average && dst[i].is_floating_point();
       (avg ? out.avg_dst : out.copy_dst).push_back(dst[i]);
       (avg ? out.avg_src : out.copy_src).push_back(src[i].detach());
+      const at::Tensor r = avg ? remainder_for(dst[i]) : at::Tensor();
+      if (r.defined()) out.avg_rem.push_back(r);
     }
   };
   auto src_p = model_->parameters();
@@ -185,7 +200,12 @@ void ModelEMA::update(const std::optional<at::Tensor>& found_inf) {
   torch::NoGradGuard no_grad;
   prepare_decay();
   const auto p = pairs(true);
-  ema_step_(p.avg_dst, p.avg_src, p.copy_dst, p.copy_src, decay_, step_, found_inf);
+  ema_step_(p.avg_dst, p.avg_src, p.copy_dst, p.copy_src, decay_, step_, found_inf, p.avg_rem);
+}
+
+at::Tensor ModelEMA::remainder_for(const at::Tensor& ema_tensor) const {
+  auto it = rem_by_ema_.find(ema_tensor.unsafeGetTensorImpl());
+  return it == rem_by_ema_.end() ? at::Tensor() : it->second;
 }
 
 void ModelEMA::attach(FusedOptimizer& optimizer) {
@@ -194,14 +214,17 @@ void ModelEMA::attach(FusedOptimizer& optimizer) {
   detach();
   optimizer.attach_ema(this);
   optimizer_ = &optimizer;
+  rides_ = rem_by_ema_.empty() || optimizer.carries_ema_remainders();
 }
 
 void ModelEMA::detach() {
   if (optimizer_ != nullptr && optimizer_->attached_ema() == this) optimizer_->attach_ema(nullptr);
   optimizer_ = nullptr;
+  rides_ = false;
 }
 
 at::Tensor ModelEMA::ema_for(const at::Tensor& param) const {
+  if (!rides_) return at::Tensor();
   // One map per EMA (module parameters keep their tensors for the model's life;
   // load/copy_ write into them), so the per-step lookup is O(1).
   if (ema_by_param_.empty()) {
@@ -217,8 +240,8 @@ void ModelEMA::finish_step(const at::Tensor& found_inf) {
   // The optimizer's pass updated the EMA of the params it stepped (a param
   // without a gradient keeps its EMA); buffers and non-float params follow here.
   torch::NoGradGuard no_grad;
-  const auto p = pairs(false);
-  ema_step_(p.avg_dst, p.avg_src, p.copy_dst, p.copy_src, decay_, step_, found_inf);
+  const auto p = pairs(!rides_);
+  ema_step_(p.avg_dst, p.avg_src, p.copy_dst, p.copy_src, decay_, step_, found_inf, p.avg_rem);
 }
 
 void ModelEMA::save(torch::serialize::OutputArchive& archive) const {
@@ -227,6 +250,9 @@ void ModelEMA::save(torch::serialize::OutputArchive& archive) const {
   archive.write("module", m);
   archive.write("step", step_.cpu());
   archive.write("total_steps", c10::IValue(options_.total_steps()));
+  torch::serialize::OutputArchive rems(archive.compilation_unit());
+  for (const auto& [name, r] : rem_by_name_) rems.write(name, r.cpu());
+  archive.write("remainders", rems);
 }
 
 void ModelEMA::load(torch::serialize::InputArchive& archive) {
@@ -239,6 +265,18 @@ void ModelEMA::load(torch::serialize::InputArchive& archive) {
   archive.read("total_steps", v);
   set_total_steps(v.toInt());
   step_.copy_(s);
+  // NOTE [ema remainder]: a remainder the archive lacks is 0 (the bfloat16 value is the EMA).
+  torch::serialize::InputArchive rems;
+  const bool has = archive.try_read("remainders", rems);
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, r] : rem_by_name_) {
+    at::Tensor saved;
+    if (has && rems.try_read(name, saved)) {
+      r.copy_(saved);
+    } else {
+      r.zero_();
+    }
+  }
 }
 
 // ---- fused tail ----------------------------------------------------------------

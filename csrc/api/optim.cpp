@@ -11,8 +11,11 @@
 #include <torch/serialize/archive.h>
 #include <torch/utils.h>
 
+#include <cmath>
 #include <cstring>
+#include <iterator>
 #include <map>
+#include <string>
 #include <tuple>
 
 #include "../ops/optim_kind.h"
@@ -34,6 +37,10 @@ void check_not_capturing(const at::Device& dev, const char* what) {
   if (detail::stream_is_capturing(dev)) fail_capturing(dev, what);
 }
 
+// FusedParamState's states, in the order of its members.
+constexpr const char* kStateNames[] = {"exp_avg",    "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
+                                       "square_avg", "grad_avg",   "acc_delta",      "mu_product"};
+
 }  // namespace
 
 using api_detail::keeps_master;
@@ -51,6 +58,8 @@ void FusedParamState::serialize(torch::serialize::OutputArchive& archive) const 
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(acc_delta);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(mu_product);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master);
+  for (const auto& [name, t] : scales_)
+    if (t.defined()) archive.write(name + "_scales", t);
 }
 void FusedParamState::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, step);
@@ -63,15 +72,19 @@ void FusedParamState::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, acc_delta);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, mu_product);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, master);
+  scales_.clear();
+  for (const char* name : kStateNames) {
+    torch::Tensor t;
+    if (archive.try_read(std::string(name) + "_scales", t)) scales_[name] = t;
+  }
 }
 
 torch::Tensor* FusedParamState::find(const char* name) {
-  const std::pair<const char*, torch::Tensor*> slots[] = {
-      {"exp_avg", &exp_avg_},       {"exp_avg_sq", &exp_avg_sq_},       {"max_exp_avg_sq", &max_exp_avg_sq_},
-      {"momentum_buffer", &momentum_buffer_}, {"square_avg", &square_avg_}, {"grad_avg", &grad_avg_},
-      {"acc_delta", &acc_delta_},   {"mu_product", &mu_product_}};
-  for (const auto& [n, t] : slots)
-    if (std::strcmp(n, name) == 0) return t;
+  torch::Tensor* const slots[] = {&exp_avg_,    &exp_avg_sq_, &max_exp_avg_sq_, &momentum_buffer_,
+                                  &square_avg_, &grad_avg_,   &acc_delta_,      &mu_product_};
+  static_assert(std::size(slots) == std::size(kStateNames), "FusedParamState: one name per state");
+  for (size_t i = 0; i < std::size(kStateNames); ++i)
+    if (std::strcmp(kStateNames[i], name) == 0) return slots[i];
   return nullptr;
 }
 
@@ -104,11 +117,15 @@ void FusedOptimizer::check_lean(const FusedCommonOptions& o) const {
   const auto form = static_cast<int64_t>(o.master_form_);
   TORCH_CHECK_VALUE(form >= 1 && form <= 3, "fusetrain: master_form must be MasterForm::Float32, Remainder or "
                     "Stochastic, got ", form);
-  TORCH_CHECK_VALUE(o.state_dtype_ == at::kFloat || o.state_dtype_ == at::kBFloat16, "fusetrain: state_dtype must be "
-                    "at::kFloat or at::kBFloat16, got ", o.state_dtype_);
+  TORCH_CHECK_VALUE(o.state_dtype_ == at::kFloat || o.state_dtype_ == at::kBFloat16 || o.state_dtype_ == at::kChar,
+                    "fusetrain: state_dtype must be at::kFloat, at::kBFloat16 or at::kChar (int8), got ",
+                    o.state_dtype_);
+  TORCH_CHECK_VALUE(o.state_block_size_ == 64 || o.state_block_size_ == 128 || o.state_block_size_ == 256,
+                    "fusetrain: state_block_size must be 64, 128 or 256 (NOTE [8-bit state]), got ",
+                    o.state_block_size_);
   TORCH_CHECK_VALUE(spec_->lean || (o.master_form_ == MasterForm::Float32 && o.state_dtype_ == at::kFloat),
                     "fusetrain: the '", kind(), "' optimizer keeps float32 state and masters; master_form Remainder "
-                    "or Stochastic and state_dtype at::kBFloat16 are for the element-wise optimizers");
+                    "or Stochastic and state_dtype at::kBFloat16 or at::kChar are for the element-wise optimizers");
 }
 
 std::vector<double> FusedOptimizer::kind_record(const torch::optim::OptimizerOptions& o) const {
@@ -125,7 +142,8 @@ std::vector<double> FusedOptimizer::kind_record(const torch::optim::OptimizerOpt
 }
 
 void FusedOptimizer::init_state(FusedParamState& s, const at::Tensor& p, const double* fields,
-                                bool lean_state) const {
+                                const FusedCommonOptions& options) const {
+  const at::ScalarType dtype = api_detail::state_dtype_of(p, options.state_dtype_);
   for (int k = 0; k < 3; ++k) {
     const detail::KindState* st = spec_->slot_state(fields, k);
     if (st == nullptr) continue;
@@ -134,8 +152,18 @@ void FusedOptimizer::init_state(FusedParamState& s, const at::Tensor& p, const d
     const double v = spec_->initial_value(*st, fields);
     if (st->scalar) {
       *t = at::full({}, v, p.options().dtype(at::kFloat));
+    } else if (dtype == at::kChar) {
+      // NOTE [8-bit state]: every block holds v, so one block's code and scale repeated.
+      const float x = static_cast<float>(v), mag = std::fabs(x);
+      const bool finite = std::isfinite(x), negative = x < 0.f;
+      const int64_t block = options.state_block_size_;
+      const auto code = static_cast<int8_t>(detail::q8_store(x, mag, !negative, finite, 0u));
+      *t = at::full_like(p, code, p.options().dtype(at::kChar), at::MemoryFormat::Preserve);
+      s.scales(st->name) = at::full({(p.numel() + block - 1) / block},
+                                    detail::q8_block_scale(finite ? mag : 0.f, negative, finite),
+                                    p.options().dtype(at::kFloat));
     } else {
-      *t = state_zeros_like(p, lean_state);
+      *t = state_zeros_like(p, dtype);
       if (v != 0.0) t->fill_(v);
     }
   }
@@ -178,6 +206,7 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
     const detail::KindState* slots[3];
     for (int k = 0; k < 3; ++k) slots[k] = spec_->slot_state(fields.data(), k);
     std::vector<at::Tensor>* lists[3] = {&l.state1, &l.state2, &l.state3};
+    std::vector<at::Tensor> group_scales[3];  // NOTE [group records]: group by group, slot by slot
     size_t with_ema = 0;
     for (const auto& p : params) {
       auto& st = ensure_state(p, opts, fields, capturing);
@@ -185,17 +214,24 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
       l.grads.push_back(p.grad());
       l.steps.push_back(st.step());
       if (keeps_master(common, p)) l.masters.push_back(st.master());
-      for (int k = 0; k < 3; ++k)
-        if (slots[k] != nullptr) lists[k]->push_back(*st.find(slots[k]->name));
+      for (int k = 0; k < 3; ++k) {
+        if (slots[k] == nullptr) continue;
+        const at::Tensor& t = *st.find(slots[k]->name);
+        lists[k]->push_back(t);
+        if (t.scalar_type() == at::kChar) group_scales[k].push_back(st.scales(slots[k]->name));
+      }
       if (ema_ == nullptr) continue;
       at::Tensor e = ema_->ema_for(p);
       if (!e.defined()) continue;
       l.emas.push_back(e);
+      const at::Tensor r = ema_->remainder_for(e);
+      if (r.defined()) l.ema_rems.push_back(r);
       ++with_ema;
     }
     TORCH_CHECK(with_ema == 0 || with_ema == params.size(), "fusetrain: the attached ModelEMA covers ", with_ema,
                 " of the ", params.size(), " params with a gradient in group ", gi,
                 "; the EMA model must hold every param of a group, or none");
+    for (const auto& sc : group_scales) l.scales.insert(l.scales.end(), sc.begin(), sc.end());
     sizes.push_back(static_cast<int64_t>(params.size()));
     const DeviceScalars& scalars = device_scalars(gi, params.front().device(), opts.get_lr(), fields);
     lrs.push_back(scalars.lr);
@@ -217,8 +253,34 @@ void FusedOptimizer::step_with(const std::optional<at::Tensor>& inv_scale,
   if (ema_ != nullptr) decay = ema_->prepare_decay();
   fused_step_(kind(), l.params, l.grads, l.steps, l.state1, l.state2, l.state3, l.masters, l.emas, sizes, lrs, hyper,
               inv_scale, found_inf, decay, last_grad_norm_, last_found_inf_, std::nullopt,
-              values.empty() ? std::nullopt : std::optional<at::TensorList>(values));
+              values.empty() ? std::nullopt : std::optional<at::TensorList>(values),
+              l.scales.empty() ? std::nullopt : std::optional<at::TensorList>(l.scales),
+              l.ema_rems.empty() ? std::nullopt : std::optional<at::TensorList>(l.ema_rems),
+              stalled_.defined() ? std::optional<at::Tensor>(stalled_) : std::nullopt);
   if (ema_ != nullptr) ema_->finish_step(last_found_inf_);
+}
+
+bool FusedOptimizer::carries_ema_remainders() const { return spec_->lean; }
+
+at::Tensor FusedOptimizer::track_stalled_updates(bool enabled) {
+  if (!enabled) {
+    stalled_ = at::Tensor();
+    return stalled_;
+  }
+  TORCH_CHECK_VALUE(spec_->lean, "fusetrain: the '", kind(), "' optimizer does not count stalled updates (the "
+                    "element-wise optimizers do)");
+  std::optional<at::Device> dev;
+  for (const auto& g : param_groups_)
+    for (const auto& p : g.params()) {
+      TORCH_CHECK_VALUE(!dev || *dev == p.device(), "fusetrain: track_stalled_updates needs the params on one "
+                        "device, got ", *dev, " and ", p.device());
+      dev = p.device();
+    }
+  if (dev && (!stalled_.defined() || stalled_.device() != *dev)) {
+    check_not_capturing(*dev, "the stalled-update counter would be created");
+    stalled_ = at::zeros({}, at::TensorOptions().dtype(at::kLong).device(*dev));
+  }
+  return stalled_;
 }
 
 void FusedOptimizer::ensure_results(const at::Device& dev, bool capturing) {
@@ -260,14 +322,13 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
   auto* s = found == state_.end() ? nullptr : static_cast<FusedParamState*>(found->second.get());
   const auto& common = dynamic_cast<const FusedCommonOptions&>(opts);
   const bool has_master = keeps_master(common, p);
-  const bool lean_state = common.state_dtype_ == at::kBFloat16;
   if (capturing) {
     // Nothing may be created or moved now: check that the state is complete.
     bool ready = s != nullptr && s->step().defined() && s->step().scalar_type() == at::kFloat &&
                  (!has_master || s->master().defined());
     if (ready) {
       FusedParamState probe = *s;
-      init_state(probe, p, fields.data(), lean_state);  // defines what is missing; nothing is missing when ready
+      init_state(probe, p, fields.data(), common);  // defines what is missing; nothing is missing when ready
       for (const auto* t : {&probe.step(), &probe.exp_avg(), &probe.exp_avg_sq(), &probe.max_exp_avg_sq(),
                             &probe.momentum_buffer(), &probe.square_avg(), &probe.grad_avg(), &probe.acc_delta(),
                             &probe.mu_product(), &probe.master()})
@@ -277,6 +338,8 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
               probe.momentum_buffer().is_same(s->momentum_buffer()) && probe.square_avg().is_same(s->square_avg()) &&
               probe.grad_avg().is_same(s->grad_avg()) && probe.acc_delta().is_same(s->acc_delta()) &&
               probe.mu_product().is_same(s->mu_product());
+      for (const auto& [name, sc] : probe.all_scales())
+        ready = ready && sc.is_same(s->scales(name)) && sc.device() == p.device();
     }
     if (!ready) fail_capturing(p.device(), "optimizer state would be created (a param's first step)");
     return *s;
@@ -299,7 +362,8 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
   s->acc_delta(to_dev(s->acc_delta()));
   if (s->mu_product().defined()) s->mu_product(to_dev(s->mu_product()).to(at::kFloat));
   s->master(to_dev(s->master()));
-  init_state(*s, p, fields.data(), lean_state);  // fills whatever is still missing
+  for (const auto& [name, sc] : s->all_scales()) s->scales(name) = to_dev(sc);
+  init_state(*s, p, fields.data(), common);  // fills whatever is still missing
   if (has_master && !s->master().defined()) {
     // NOTE [lean state]: a remainder starts at 0 (the param is the value).
     s->master(common.master_form_ == MasterForm::Remainder && p.scalar_type() == at::kBFloat16

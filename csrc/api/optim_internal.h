@@ -25,11 +25,19 @@ inline void check_betas(const char* opt, const std::tuple<double, double>& b) {
               std::get<1>(b), " (must be in [0, 1))");
 }
 
+// Params below this size keep float32 state in an int8 group (NOTE [8-bit
+// state]; python/fusetrain/optim/_int8_state.py's MIN_NUMEL).
+constexpr int64_t kInt8MinNumel = 4096;
+
 // NOTE [float64 params] in csrc/ops/fused_update.cpp: float64 state for float64
-// params, float32 for the others; fp32 masters for float16/bfloat16 params.
-// `lean`: the group keeps bfloat16 state (NOTE [lean state] in csrc/common/lean_state.h).
-inline at::Tensor state_zeros_like(const at::Tensor& p, bool lean = false) {
-  const auto dtype = p.scalar_type() == at::kDouble ? at::kDouble : lean ? at::kBFloat16 : at::kFloat;
+// params, float32 for the others unless the group keeps bfloat16 or int8
+// state (NOTE [lean state], NOTE [8-bit state] in csrc/common/lean_state.h).
+inline at::ScalarType state_dtype_of(const at::Tensor& p, at::ScalarType group_dtype) {
+  if (p.scalar_type() == at::kDouble) return at::kDouble;
+  if (group_dtype == at::kChar) return p.numel() >= kInt8MinNumel ? at::kChar : at::kFloat;
+  return group_dtype;
+}
+inline at::Tensor state_zeros_like(const at::Tensor& p, at::ScalarType dtype = at::kFloat) {
   return at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
 }
 inline bool needs_master(const at::Tensor& p) { return p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16; }

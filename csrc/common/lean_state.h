@@ -105,6 +105,27 @@ FT_HD void split_remainder(float x, uint16_t& param_bits, int16_t& rem) {
   rem = static_cast<int16_t>(static_cast<int32_t>(b - (hi << 16)));
 }
 
+// NOTE [ema remainder]: an EMA of bfloat16 weights kept in bfloat16 hardly
+// moves: its update, (1 - decay) times its distance to the weights, rounds
+// away below half an ulp (2^-9 of the EMA's magnitude), so with decay 0.999
+// an element moves only while the weights are about twice its magnitude
+// away from it. With an int16
+// remainder beside each bfloat16 EMA tensor the pair is the exact float32
+// EMA (split_remainder / join_remainder, as the master's remainder form):
+// the EMA module stays a bfloat16 module that evaluates as the weights do, at
+// 4 bytes per value, and its values are bit for bit a float32 EMA's of the
+// same sources. The update pass and ema_update_ join, average and split in
+// one read and write.
+
+// NOTE [stalled updates]: a float16 or bfloat16 param kept without a master
+// (master_weights False or "stochastic") loses an update that does not move
+// its stored value: a learning rate too small for the weights' precision
+// shows as many such elements. With a counter, the update pass adds the
+// number of elements whose stored 16-bit value is unchanged although the
+// value the update computed differs from it (a block reduction, one atomic
+// add per warp or work item; no host sync). Params with a master are not
+// counted: their master keeps every update.
+
 // NOTE [8-bit state]: state_dtype "int8" keeps each state slot of a param as
 // one byte per element (a code) and one float32 scale per block of B elements
 // (B = 64, 128 or 256; the blocks start at element 0 of the param's state and

@@ -96,6 +96,9 @@ struct UpdateLists {
   // absent slot) and the block size, one for the whole launch.
   std::vector<at::Tensor> scales[3];
   int64_t state_block = 0;
+  // NOTE [ema remainder] in csrc/common/lean_state.h: the int16 remainders of
+  // bfloat16 EMA tensors, one per ema entry, or empty.
+  std::vector<at::Tensor> ema_rem;
   // Argument names of state1..3, for error messages.
   const char* state_names[3] = {"state1", "state2", "state3"};
   const char* aux_name = "aux";
@@ -103,16 +106,20 @@ struct UpdateLists {
 
 // Device scalars (0-d float32 on the params' device); undefined when absent.
 // `values`: the group's float64 values tensor (NOTE [device values]).
+// `stalled`: a 0-d int64 counter the pass adds its stalled updates to (NOTE
+// [stalled updates] in csrc/common/lean_state.h).
 struct UpdateScalars {
-  at::Tensor lr, inv_scale, found_inf, grad_norm, ema_decay, values;
+  at::Tensor lr, inv_scale, found_inf, grad_norm, ema_decay, values, stalled;
 };
 
 // ---- kernels (csrc/cpu/*_kernel.cpp, csrc/cuda/*_kernel.cu) ----------------------
 using UpdateKernel = void (*)(const UpdateLists& lists, const OptimHyper& hyper, const UpdateScalars& scalars);
 using GradStatsKernel = void (*)(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
                                  const at::Tensor& norm_out, const at::Tensor& found_inf_out);
+// `rem`: per ema entry, its int16 remainder (NOTE [ema remainder]) or undefined.
 using EmaUpdateKernel = void (*)(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src,
-                                 const at::Tensor& decay, const at::Tensor& found_inf);
+                                 const std::vector<at::Tensor>& rem, const at::Tensor& decay,
+                                 const at::Tensor& found_inf);
 using UpdateScaleKernel = void (*)(const at::Tensor& scale, const at::Tensor& growth_tracker,
                                    const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                                    int64_t growth_interval);
@@ -120,15 +127,15 @@ using UpdateScaleKernel = void (*)(const at::Tensor& scale, const at::Tensor& gr
 void fused_update_cpu(const UpdateLists& lists, const OptimHyper& hyper, const UpdateScalars& scalars);
 void grad_stats_cpu(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
                     const at::Tensor& norm_out, const at::Tensor& found_inf_out);
-void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src, const at::Tensor& decay,
-                    const at::Tensor& found_inf);
+void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src,
+                    const std::vector<at::Tensor>& rem, const at::Tensor& decay, const at::Tensor& found_inf);
 void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
                       double growth_factor, double backoff_factor, int64_t growth_interval);
 void fused_update_cuda(const UpdateLists& lists, const OptimHyper& hyper, const UpdateScalars& scalars);
 void grad_stats_cuda(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
                      const at::Tensor& norm_out, const at::Tensor& found_inf_out);
-void ema_update_cuda(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src, const at::Tensor& decay,
-                     const at::Tensor& found_inf);
+void ema_update_cuda(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src,
+                     const std::vector<at::Tensor>& rem, const at::Tensor& decay, const at::Tensor& found_inf);
 void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
                        double growth_factor, double backoff_factor, int64_t growth_interval);
 
@@ -146,7 +153,7 @@ using OptT = std::optional<at::Tensor>;
 std::tuple<at::Tensor, at::Tensor> grad_stats_impl(GradStatsKernel kernel, at::TensorList grads,
                                                    const OptT& inv_scale);
 void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList src, const at::Tensor& decay,
-                     const OptT& found_inf);
+                     const OptT& found_inf, const std::optional<at::TensorList>& remainders);
 void update_scale_impl(UpdateScaleKernel kernel, const at::Tensor& scale, const at::Tensor& growth_tracker,
                        const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                        int64_t growth_interval, const OptT& last_skipped, const OptT& skipped_steps);

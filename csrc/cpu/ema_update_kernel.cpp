@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../common/lean_state.h"
 #include "../common/update_args.h"
 #include "work_items.h"
 
@@ -20,9 +21,10 @@ namespace {
 constexpr int64_t kChunk = 32768;
 constexpr int64_t kBlock = 512;
 
-// fp32 math (fp64 for float64 tensors) on L1-resident blocks.
+// fp32 math (fp64 for float64 tensors) on L1-resident blocks; `rem`: the
+// int16 remainders of a bfloat16 EMA (NOTE [ema remainder]) or null.
 template <typename T>
-void ema_block(T* ema, const T* src, int64_t n, float w_f) {
+void ema_block(T* ema, const T* src, int16_t* rem, int64_t n, float w_f) {
   using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
   using Vec = at::vec::Vectorized<C>;
   alignas(64) C eb[kBlock];
@@ -37,7 +39,15 @@ void ema_block(T* ema, const T* src, int64_t n, float w_f) {
       e = ema + off;
       s = src + off;
     } else {
-      at::vec::convert(ema + off, eb, m);
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (rem != nullptr) {
+          for (int64_t i = 0; i < m; ++i) eb[i] = join_remainder(ema[off + i].x, rem[off + i]);
+        } else {
+          at::vec::convert(ema + off, eb, m);
+        }
+      } else {
+        at::vec::convert(ema + off, eb, m);
+      }
       at::vec::convert(src + off, sb, m);
       e = eb;
       s = sb;
@@ -47,14 +57,20 @@ void ema_block(T* ema, const T* src, int64_t n, float w_f) {
       Vec r = lerp_small_weight(Vec::loadu(e + i, c), Vec::loadu(s + i, c), w);
       r.store(e + i, c);
     }
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (rem != nullptr) {
+        for (int64_t i = 0; i < m; ++i) split_remainder(eb[i], ema[off + i].x, rem[off + i]);
+        continue;
+      }
+    }
     if constexpr (!std::is_same_v<T, C>) at::vec::convert(eb, ema + off, m);
   }
 }
 
 }  // namespace
 
-void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src, const at::Tensor& decay,
-                    const at::Tensor& found_inf) {
+void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src,
+                    const std::vector<at::Tensor>& rem, const at::Tensor& decay, const at::Tensor& found_inf) {
   if (ema.empty()) return;
   if (found_inf.defined() && *found_inf.const_data_ptr<float>() != 0.f) return;
   const float w = 1.f - *decay.const_data_ptr<float>();
@@ -64,8 +80,9 @@ void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Te
       const WorkItem& it = items[i];
       const at::Tensor& et = ema[it.tensor];
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, et.scalar_type(), "ema_update_cpu", [&] {
+        const at::Tensor& rt = rem[it.tensor];
         ema_block(et.data_ptr<scalar_t>() + it.begin, src[it.tensor].const_data_ptr<scalar_t>() + it.begin,
-                  it.end - it.begin, w);
+                  rt.defined() ? rt.data_ptr<int16_t>() + it.begin : nullptr, it.end - it.begin, w);
       });
     }
   });

@@ -184,11 +184,21 @@ inline void store_q8(const float* src, int8_t* dst, float* scales, int64_t n, in
   }
 }
 
+// NOTE [stalled updates] (csrc/common/lean_state.h): the elements of a
+// 16-bit param whose stored bits did not change although the update's value
+// differs from the value they held.
+template <typename P>
+int64_t count_stalled(const P* after, const P* before, const float* value, int64_t n) {
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += after[i].x == before[i].x && value[i] != static_cast<float>(before[i]);
+  return c;
+}
+
 // S: the state's storage type (the update's precision C, bfloat16, or int8
-// codes with block scales).
+// codes with block scales). `stalled`: the counter of NOTE [stalled updates], or null.
 template <OptimKind K, typename P, typename G, typename S>
 void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, float lr, float gmul, float ema_w_f,
-                 bool has_ema) {
+                 bool has_ema, int64_t* stalled) {
   using C = Compute<P>;
   using Vec = at::vec::Vectorized<C>;
   // Whether the state is stored in bfloat16 (NOTE [lean state]).
@@ -217,7 +227,14 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
   const bool full = master != nullptr || rem != nullptr;
   constexpr bool kBf16Param = std::is_same_v<P, at::BFloat16>;
   const bool stochastic = kBf16Param && h.stochastic_params && !full;
+  constexpr bool kLowParam = kBf16Param || std::is_same_v<P, at::Half>;
+  const bool count = kLowParam && stalled != nullptr && !full;
+  int64_t n_stalled = 0;
+  alignas(64) P before[kLowParam ? kBlock : 1];
   P* ema = has_ema ? l.ema[t].data_ptr<P>() + it.begin : nullptr;
+  // NOTE [ema remainder]: a bfloat16 EMA's int16 remainder, or null.
+  int16_t* ema_rem =
+      has_ema && !l.ema_rem.empty() && l.ema_rem[t].defined() ? l.ema_rem[t].data_ptr<int16_t>() + it.begin : nullptr;
   const float step = *l.steps[t].const_data_ptr<float>();
   const float aux = l.aux.empty() ? 1.f : *l.aux[t].const_data_ptr<float>();
 
@@ -315,6 +332,9 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
       }
     }
     // Store the (rounded) param when the update did not run on its storage.
+    if constexpr (kLowParam) {
+      if (count) std::memcpy(before, param + off, m * sizeof(P));
+    }
     if constexpr (kBf16Param) {
       if (rem != nullptr) {
         for (int64_t i = 0; i < m; ++i) split_remainder(pw[i], param[off + i].x, rem[off + i]);
@@ -325,6 +345,9 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
       }
     } else if (master != nullptr || !kInPlace) {
       convert_block(pw, param + off, m);
+    }
+    if constexpr (kLowParam) {
+      if (count) n_stalled += count_stalled(param + off, before, pw, m);
     }
     if (ema != nullptr) {
       // NOTE [ema source]: the EMA follows the value the optimizer holds at
@@ -339,7 +362,15 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
           convert_block(param + off, pb, m);
           src = pb;
         }
-        convert_block(ema + off, eb, m);
+        if constexpr (kBf16Param) {
+          if (ema_rem != nullptr) {
+            for (int64_t i = 0; i < m; ++i) eb[i] = join_remainder(ema[off + i].x, ema_rem[off + i]);
+          } else {
+            convert_block(ema + off, eb, m);
+          }
+        } else {
+          convert_block(ema + off, eb, m);
+        }
         ew = eb;
       }
       for (int64_t i = 0; i < m; i += VS) {
@@ -347,35 +378,45 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
         Vec e = lerp_small_weight(Vec::loadu(ew + i, c), Vec::loadu(src + i, c), ema_w);
         e.store(ew + i, c);
       }
-      if constexpr (!kInPlace) convert_block(eb, ema + off, m);
+      if constexpr (kBf16Param) {
+        if (ema_rem != nullptr) {
+          for (int64_t i = 0; i < m; ++i) split_remainder(eb[i], ema[off + i].x, ema_rem[off + i]);
+        } else {
+          convert_block(eb, ema + off, m);
+        }
+      } else if constexpr (!kInPlace) {
+        convert_block(eb, ema + off, m);
+      }
     }
   }
+  if (n_stalled != 0) __atomic_fetch_add(stalled, n_stalled, __ATOMIC_RELAXED);
 }
 
 template <OptimKind K, typename P, typename G, typename S>
-void update_bucket(const UpdateLists& l, const OptimHyper& h, float lr, float gmul, float ema_w, bool has_ema) {
+void update_bucket(const UpdateLists& l, const OptimHyper& h, float lr, float gmul, float ema_w, bool has_ema,
+                   int64_t* stalled) {
   const std::vector<WorkItem> items = make_work_items(l.params, kChunk);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) update_item<K, P, G, S>(l, h, items[i], lr, gmul, ema_w, has_ema);
+    for (int64_t i = b; i < e; ++i) update_item<K, P, G, S>(l, h, items[i], lr, gmul, ema_w, has_ema, stalled);
   });
 }
 
 template <typename P, typename G>
 void update_dispatch_kind(const UpdateLists& l, const OptimHyper& h, float lr, float gmul, float ema_w,
-                          bool has_ema) {
+                          bool has_ema, int64_t* stalled) {
   const std::vector<at::Tensor>* states[3] = {&l.state1, &l.state2, &l.state3};
   at::ScalarType sd = at::kFloat;
   for (const auto* st : states) sd = st->empty() ? sd : st->front().scalar_type();
   dispatch_kind(h.kind, [&](auto kind) {
     constexpr OptimKind K = decltype(kind)::value;
     if constexpr (std::is_same_v<P, double>) {
-      update_bucket<K, P, G, double>(l, h, lr, gmul, ema_w, has_ema);
+      update_bucket<K, P, G, double>(l, h, lr, gmul, ema_w, has_ema, stalled);
     } else if (sd == at::kChar) {
-      update_bucket<K, P, G, int8_t>(l, h, lr, gmul, ema_w, has_ema);
+      update_bucket<K, P, G, int8_t>(l, h, lr, gmul, ema_w, has_ema, stalled);
     } else if (sd == at::kBFloat16) {
-      update_bucket<K, P, G, at::BFloat16>(l, h, lr, gmul, ema_w, has_ema);
+      update_bucket<K, P, G, at::BFloat16>(l, h, lr, gmul, ema_w, has_ema, stalled);
     } else {
-      update_bucket<K, P, G, float>(l, h, lr, gmul, ema_w, has_ema);
+      update_bucket<K, P, G, float>(l, h, lr, gmul, ema_w, has_ema, stalled);
     }
   });
 }
@@ -420,7 +461,8 @@ void fused_update_cpu(const UpdateLists& l, const OptimHyper& launch, const Upda
       if constexpr (std::is_same_v<P, double> != std::is_same_v<G, double>) {
         TORCH_INTERNAL_ASSERT(false, "fused optimizer: float64 params need float64 grads (checked by the op)");
       } else {
-        update_dispatch_kind<P, G>(l, h, lr, gmul, ema_w, has_ema);
+        update_dispatch_kind<P, G>(l, h, lr, gmul, ema_w, has_ema,
+                                   s.stalled.defined() ? s.stalled.data_ptr<int64_t>() : nullptr);
       }
     });
   });

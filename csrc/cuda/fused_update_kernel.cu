@@ -26,8 +26,8 @@ using cuda::kBlockThreads;
 using cuda::kChunkSize;
 using cuda::kILP;
 
-// Depth 7: param, grad, state1, state2, state3, master, ema.
-using UpdateMeta = cuda::TensorListMeta<7, 96, 1280>;
+// Depth 8: param, grad, state1, state2, state3, master, ema, ema remainder.
+using UpdateMeta = cuda::TensorListMeta<8, 96, 1280>;
 constexpr int kMaxStepPtrs = 1024;
 
 struct StepPtrs {
@@ -44,6 +44,7 @@ struct KernelArgs {
   const float* grad_norm;
   const float* ema_decay;
   bool remainder;  // the masters are int16 remainders of bfloat16 params (NOTE [lean state])
+  unsigned long long* stalled;  // NOTE [stalled updates]; null: not counted
 };
 
 static_assert(cuda::fits_kernel_params<UpdateMeta, KernelArgs>(), "fused_update_kernel arguments too large");
@@ -120,14 +121,99 @@ __device__ __forceinline__ T store_value(C x, bool stochastic, uint32_t key, int
   return static_cast<T>(x);
 }
 
-// kILP values stored as T (store_value), element `first` onwards.
+// kILP values stored as T (store_value), element `first` onwards; returns them.
 template <typename T, typename C>
-__device__ __forceinline__ void store_values(T* dst, const C* src, bool stochastic, uint32_t key, int64_t first) {
+__device__ __forceinline__ cuda::AlignedVec<T> store_values(T* dst, const C* src, bool stochastic, uint32_t key,
+                                                            int64_t first) {
   cuda::AlignedVec<T> v;
 #pragma unroll
   for (int k = 0; k < kILP; ++k) v.v[k] = store_value<T>(src[k], stochastic, key, first + k);
   *reinterpret_cast<cuda::AlignedVec<T>*>(dst) = v;
+  return v;
 }
+
+// NOTE [stalled updates]: whether a 16-bit param's stored value `stored`
+// kept the bits of `before` although the update computed `after`.
+template <typename P, typename C>
+__device__ __forceinline__ int stalled_update(P stored, C before, C after) {
+  if constexpr (std::is_same_v<P, at::BFloat16> || std::is_same_v<P, at::Half>) {
+    return stored.x == static_cast<P>(before).x && after != before;
+  }
+  return 0;
+}
+
+// Adds each thread's count to the counter, one atomic per warp; every thread
+// of the block calls it (the counter is the same for the whole block).
+__device__ __forceinline__ void add_stalled(unsigned long long* counter, int n) {
+  for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xFFFFFFFFu, n, o);
+  if (threadIdx.x % 32 == 0 && n != 0) atomicAdd(counter, static_cast<unsigned long long>(n));
+}
+
+// kILP values of the remainder form (NOTE [lean state]) from element i of a
+// bfloat16 tensor and its int16 remainders, with vector loads and stores
+// (i aligned as cuda::is_aligned says).
+template <typename C>
+__device__ __forceinline__ void load_joined(C* out, const at::BFloat16* hi, const int16_t* rem, int64_t i) {
+  const auto pv = *reinterpret_cast<const cuda::AlignedVec<at::BFloat16>*>(hi + i);
+  const auto rv = *reinterpret_cast<const cuda::AlignedVec<int16_t>*>(rem + i);
+#pragma unroll
+  for (int k = 0; k < kILP; ++k) out[k] = static_cast<C>(join_remainder(pv.v[k].x, rv.v[k]));
+}
+template <typename C>
+__device__ __forceinline__ void store_split(at::BFloat16* hi, int16_t* rem, int64_t i, const C* in) {
+  cuda::AlignedVec<at::BFloat16> pv;
+  cuda::AlignedVec<int16_t> rv;
+#pragma unroll
+  for (int k = 0; k < kILP; ++k) {
+    uint16_t bits;
+    split_remainder(static_cast<float>(in[k]), bits, rv.v[k]);
+    pv.v[k] = at::BFloat16(bits, at::BFloat16::from_bits());
+  }
+  *reinterpret_cast<cuda::AlignedVec<at::BFloat16>*>(hi + i) = pv;
+  *reinterpret_cast<cuda::AlignedVec<int16_t>*>(rem + i) = rv;
+}
+
+// A chunk's EMA tensor (NOTE [ema source]), in the param's dtype or, for a
+// bfloat16 EMA with an int16 remainder, the exact float32 EMA (NOTE [ema
+// remainder] in csrc/common/lean_state.h).
+template <typename P, typename C>
+struct EmaIO {
+  static constexpr bool kBf16 = std::is_same_v<P, at::BFloat16>;
+  P* ema;
+  int16_t* rem;
+  __device__ EmaIO(void* e, void* r, int64_t first)
+      : ema(e ? static_cast<P*>(e) + first : nullptr), rem(kBf16 && e && r ? static_cast<int16_t*>(r) + first : nullptr) {}
+  __device__ C load(int64_t i) const {
+    if constexpr (kBf16) {
+      if (rem) return static_cast<C>(join_remainder(ema[i].x, rem[i]));
+    }
+    return static_cast<C>(ema[i]);
+  }
+  __device__ void store(int64_t i, C e) const {
+    if constexpr (kBf16) {
+      if (rem) {
+        uint16_t bits;
+        split_remainder(static_cast<float>(e), bits, rem[i]);
+        ema[i] = P(bits, P::from_bits());
+        return;
+      }
+    }
+    ema[i] = static_cast<P>(e);
+  }
+  __device__ void load_vec(C* e, int64_t i) const {
+    if constexpr (kBf16) {
+      if (rem) return load_joined(e, ema, rem, i);
+    }
+    cuda::load_vec(e, ema + i);
+  }
+  __device__ void store_vec(int64_t i, const C* e) const {
+    if constexpr (kBf16) {
+      if (rem) return store_split(ema, rem, i, e);
+    }
+    cuda::store_vec(ema + i, e);
+  }
+  __device__ bool aligned() const { return !ema || (cuda::is_aligned(ema) && (!rem || cuda::is_aligned(rem))); }
+};
 
 // A chunk's params as the update reads and writes them (NOTE [lean state]):
 // through the fp32 master, the bfloat16 param joined with its int16
@@ -159,41 +245,27 @@ struct ParamIO {
     }
     return static_cast<C>(param[i]);
   }
-  __device__ void store(int64_t i, C p) const {
+  // Stores p; returns the param's stored value.
+  __device__ P store(int64_t i, C p) const {
     if (master) master[i] = static_cast<float>(p);
     if constexpr (kBf16) {
       if (rem) {
         uint16_t bits;
         split_remainder(static_cast<float>(p), bits, rem[i]);
         param[i] = P(bits, P::from_bits());
-        return;
+        return param[i];
       }
     }
-    param[i] = store_value<P>(p, stochastic, key, start + i);
+    const P v = store_value<P>(p, stochastic, key, start + i);
+    param[i] = v;
+    return v;
   }
-  // kILP values of the remainder form from element i, with vector loads and
-  // stores (i aligned as cuda::is_aligned says).
+  // kILP values of the remainder form from element i (load_joined, store_split).
   __device__ void load_joined(C* p, int64_t i) const {
-    if constexpr (kBf16) {
-      const auto pv = *reinterpret_cast<const cuda::AlignedVec<P>*>(param + i);
-      const auto rv = *reinterpret_cast<const cuda::AlignedVec<int16_t>*>(rem + i);
-#pragma unroll
-      for (int k = 0; k < kILP; ++k) p[k] = static_cast<C>(join_remainder(pv.v[k].x, rv.v[k]));
-    }
+    if constexpr (kBf16) fusetrain::detail::load_joined(p, param, rem, i);
   }
   __device__ void store_split(int64_t i, const C* p) const {
-    if constexpr (kBf16) {
-      cuda::AlignedVec<P> pv;
-      cuda::AlignedVec<int16_t> rv;
-#pragma unroll
-      for (int k = 0; k < kILP; ++k) {
-        uint16_t bits;
-        split_remainder(static_cast<float>(p[k]), bits, rv.v[k]);
-        pv.v[k] = P(bits, P::from_bits());
-      }
-      *reinterpret_cast<cuda::AlignedVec<P>*>(param + i) = pv;
-      *reinterpret_cast<cuda::AlignedVec<int16_t>*>(rem + i) = rv;
-    }
+    if constexpr (kBf16) fusetrain::detail::store_split(param, rem, i, p);
   }
   // The value the EMA follows (NOTE [ema source] in csrc/cpu/fused_update_kernel.cpp).
   __device__ C ema_source(int64_t i, C p) const { return full() ? p : static_cast<C>(param[i]); }
@@ -234,7 +306,8 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
   S* s1 = meta.addrs[2][t] ? static_cast<S*>(meta.addrs[2][t]) + start : nullptr;
   S* s2 = meta.addrs[3][t] ? static_cast<S*>(meta.addrs[3][t]) + start : nullptr;
   S* s3 = meta.addrs[4][t] ? static_cast<S*>(meta.addrs[4][t]) + start : nullptr;
-  P* ema = meta.addrs[6][t] ? static_cast<P*>(meta.addrs[6][t]) + start : nullptr;
+  const EmaIO<P, C> eio(meta.addrs[6][t], meta.addrs[7][t], start);
+  P* ema = eio.ema;
   const uint32_t key_s[3] = {rounding_key(step, tensor, 1), rounding_key(step, tensor, 2),
                              rounding_key(step, tensor, 3)};
 
@@ -244,13 +317,15 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
     return g;
   };
   auto load_param = [&](int64_t i) -> C { return io.load(i); };
-  auto store_param = [&](int64_t i, C p) { io.store(i, p); };
+  // NOTE [stalled updates]: counted for 16-bit params without a master.
+  const bool count = a.stalled != nullptr && !io.full();
+  int n_stalled = 0;
 
   // NOTE [optional states] (optim_kinds.h): H1..H3 say at compile time whether a state is present.
   auto update_vectors = [&](int64_t vec_end, auto has1, auto has2, auto has3) {
     constexpr bool H1 = decltype(has1)::value, H2 = decltype(has2)::value, H3 = decltype(has3)::value;
     for (int64_t i = static_cast<int64_t>(threadIdx.x) * kILP; i < vec_end; i += kBlockThreads * kILP) {
-      C p[kILP], g[kILP], r1[kILP], r2[kILP], r3[kILP], e[kILP];
+      C p[kILP], g[kILP], r1[kILP], r2[kILP], r3[kILP], e[kILP], before[kILP];
       if (master) {
         cuda::load_vec(p, master + i);
       } else if (rem) {
@@ -258,6 +333,8 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
       } else {
         cuda::load_vec(p, param + i);
       }
+#pragma unroll
+      for (int k = 0; k < kILP; ++k) before[k] = p[k];
       cuda::load_vec(g, grad + i);
       if (H1 && s1) cuda::load_vec(r1, s1 + i);
       if (H2 && s2) cuda::load_vec(r2, s2 + i);
@@ -274,15 +351,19 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
         io.store_split(i, p);
       } else {
         if (master) cuda::store_vec(master + i, p);
-        store_values(param + i, p, stochastic, key_p, start + i);
+        const auto stored = store_values(param + i, p, stochastic, key_p, start + i);
+        if (count) {
+#pragma unroll
+          for (int k = 0; k < kILP; ++k) n_stalled += stalled_update(stored.v[k], before[k], p[k]);
+        }
       }
       if (ema) {
-        cuda::load_vec(e, ema + i);
+        eio.load_vec(e, i);
 #pragma unroll
         for (int k = 0; k < kILP; ++k) {
           e[k] = lerp_small_weight(e[k], io.ema_source(i + k, p[k]), ema_w);
         }
-        cuda::store_vec(ema + i, e);
+        eio.store_vec(i, e);
       }
     }
   };
@@ -290,7 +371,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
   const bool aligned = cuda::is_aligned(param) && cuda::is_aligned(grad) && (!s1 || cuda::is_aligned(s1)) &&
                        (!s2 || cuda::is_aligned(s2)) && (!s3 || cuda::is_aligned(s3)) &&
                        (!master || cuda::is_aligned(master)) && (!rem || cuda::is_aligned(rem)) &&
-                       (!ema || cuda::is_aligned(ema));
+                       eio.aligned();
   int64_t vec_end = 0;
   if (aligned) {
     vec_end = len - len % kILP;
@@ -302,6 +383,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
   }
   for (int64_t i = vec_end + threadIdx.x; i < len; i += kBlockThreads) {
     C p = load_param(i);
+    const C before = p;
     const C g = finish(static_cast<C>(grad[i]));
     C r[3];
     if (s1) r[0] = static_cast<C>(s1[i]);
@@ -311,15 +393,15 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
     if (s1) s1[i] = store_value<S>(r[0], kLeanState, key_s[0], start + i);
     if (s2) s2[i] = store_value<S>(r[1], kLeanState, key_s[1], start + i);
     if (s3) s3[i] = store_value<S>(r[2], kLeanState, key_s[2], start + i);
-    store_param(i, p);
-    if (ema) {
-      ema[i] = static_cast<P>(lerp_small_weight(static_cast<C>(ema[i]), io.ema_source(i, p), ema_w));
-    }
+    const P stored = io.store(i, p);
+    if (count) n_stalled += stalled_update(stored, before, p);
+    if (ema) eio.store(i, lerp_small_weight(eio.load(i), io.ema_source(i, p), ema_w));
   }
+  if (count) add_stalled(a.stalled, n_stalled);
 }
 
-// Depth 10: UpdateMeta's lists, then the block scales of state1..3.
-using Q8Meta = cuda::TensorListMeta<10, 96, 1280>;
+// Depth 11: UpdateMeta's lists, then the block scales of state1..3.
+using Q8Meta = cuda::TensorListMeta<11, 96, 1280>;
 static_assert(cuda::fits_kernel_params<Q8Meta, KernelArgs, int>(), "fused_update_q8_kernel arguments too large");
 constexpr int kWarps = kBlockThreads / 32;
 constexpr int kMaxLaneValues = 8;  // a block of 256 over 32 lanes
@@ -344,14 +426,17 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
   const int64_t tensor = meta.index[t];
   const ParamIO<P, C> io(meta.addrs[0][t], meta.addrs[5][t], a.remainder, a.hyper, step, tensor, start);
   const G* grad = static_cast<const G*>(meta.addrs[1][t]) + start;
-  P* ema = meta.addrs[6][t] ? static_cast<P*>(meta.addrs[6][t]) + start : nullptr;
+  const EmaIO<P, C> eio(meta.addrs[6][t], meta.addrs[7][t], start);
+  const bool ema = eio.ema != nullptr;
+  const bool count = a.stalled != nullptr && !io.full();  // NOTE [stalled updates]
+  int n_stalled = 0;
   int8_t* codes[3];
   float* scales[3];
   uint32_t key[3];
 #pragma unroll
   for (int k = 0; k < 3; ++k) {
     codes[k] = meta.addrs[2 + k][t] ? static_cast<int8_t*>(meta.addrs[2 + k][t]) + start : nullptr;
-    scales[k] = meta.addrs[7 + k][t] ? static_cast<float*>(meta.addrs[7 + k][t]) + start / block : nullptr;
+    scales[k] = meta.addrs[8 + k][t] ? static_cast<float*>(meta.addrs[8 + k][t]) + start / block : nullptr;
     key[k] = rounding_key(step, tensor, k + 1);
   }
   const int lane = threadIdx.x % 32;
@@ -379,7 +464,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
         g[j] = static_cast<C>(grad[i]);
 #pragma unroll
         for (int k = 0; k < 3; ++k) c[k][j] = codes[k] ? static_cast<uint8_t>(codes[k][i]) : 0;
-        e[j] = ema ? static_cast<C>(ema[i]) : C(0);
+        e[j] = ema ? eio.load(i) : C(0);
       }
 #pragma unroll
       for (int j = 0; j < kMaxLaneValues; ++j) {
@@ -389,9 +474,11 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
         if (a.hyper.maximize) gj = -gj;
 #pragma unroll
         for (int k = 0; k < 3; ++k) r[k][j] = codes[k] ? q8_load(c[k][j], scale[k]) : 0.f;
+        const C before = p[j];
         apply_update<K>(p[j], gj, H1 ? &r[0][j] : nullptr, H2 ? &r[1][j] : nullptr, H3 ? &r[2][j] : nullptr, co);
-        io.store(i, p[j]);
-        if (ema) ema[i] = static_cast<P>(lerp_small_weight(e[j], io.ema_source(i, p[j]), ema_w));
+        const P stored = io.store(i, p[j]);
+        if (count) n_stalled += stalled_update(stored, before, p[j]);
+        if (ema) eio.store(i, lerp_small_weight(e[j], io.ema_source(i, p[j]), ema_w));
       }
 #pragma unroll
       for (int k = 0; k < 3; ++k) {
@@ -425,6 +512,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
       with_state<K, 3>(codes[2] != nullptr, [&](auto h3) { update_blocks(h1, h2, h3); });
     });
   });
+  if (count) add_stalled(a.stalled, n_stalled);
 }
 
 const float* scalar_ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
@@ -444,6 +532,7 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
   a.grad_norm = scalar_ptr(s.grad_norm);
   a.ema_decay = l.ema.empty() ? nullptr : scalar_ptr(s.ema_decay);
   a.remainder = !l.master.empty() && l.master.front().scalar_type() == at::kShort;
+  a.stalled = s.stalled.defined() ? reinterpret_cast<unsigned long long*>(s.stalled.data_ptr<int64_t>()) : nullptr;
   at::ScalarType sd = at::kFloat;
   for (const auto* st : {&l.state1, &l.state2, &l.state3}) sd = st->empty() ? sd : st->front().scalar_type();
   const bool lean = sd == at::kBFloat16;
@@ -465,8 +554,11 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
     });
   }
 
+  // A launch's EMA tensors all have remainders or none (the op layer buckets them).
+  const std::vector<at::Tensor> no_rem;
+  const std::vector<at::Tensor>& ema_rem = !l.ema_rem.empty() && l.ema_rem.front().defined() ? l.ema_rem : no_rem;
   const std::vector<const std::vector<at::Tensor>*> lists = {&l.params, &l.grads,  &l.state1, &l.state2,
-                                                             &l.state3, &l.master, &l.ema};
+                                                             &l.state3, &l.master, &l.ema,    &ema_rem};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, l.params[0].scalar_type(), "fused_update_cuda", [&] {
     using P = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, l.grads[0].scalar_type(), "fused_update_cuda_g", [&] {
@@ -493,7 +585,7 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
           } else if constexpr (kLeanKind && kLeanGrad) {
             if (q8) {
               const std::vector<const std::vector<at::Tensor>*> q8_lists = {
-                  &l.params, &l.grads, &l.state1, &l.state2, &l.state3, &l.master, &l.ema,
+                  &l.params, &l.grads, &l.state1, &l.state2, &l.state3, &l.master, &l.ema, &ema_rem,
                   &l.scales[0], &l.scales[1], &l.scales[2]};
               const int block = static_cast<int>(l.state_block);
               TORCH_INTERNAL_ASSERT(block == 64 || block == 128 || block == 256, "int8 state block ", block);

@@ -24,9 +24,9 @@ std::tuple<at::Tensor, at::Tensor> grad_stats(at::TensorList grads, const std::o
 }
 
 void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay,
-                 const std::optional<at::Tensor>& found_inf) {
+                 const std::optional<at::Tensor>& found_inf, const std::optional<at::TensorList>& remainders) {
   static auto op = op_handle<&detail::ema_update_impl>("fusetrain::ema_update_");
-  op.call(ema, src, decay, found_inf);
+  op.call(ema, src, decay, found_inf, remainders);
 }
 
 void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
@@ -46,12 +46,14 @@ void fused_step_(c10::string_view optimizer, at::TensorList params, at::TensorLi
                  const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out,
                  const std::optional<at::Tensor>& grad_norm,
                  const std::optional<at::TensorList>& group_values,
-                 const std::optional<at::TensorList>& state_scales) {
+                 const std::optional<at::TensorList>& state_scales,
+                 const std::optional<at::TensorList>& ema_remainders,
+                 const std::optional<at::Tensor>& stalled_out) {
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("fusetrain::fused_step_", "").typed<decltype(fused_step_)>();
   op.call(optimizer, params, grads, state_steps, state1, state2, state3, master_params, ema_params, group_sizes, lrs,
           hyper, inv_scale, found_inf, ema_decay, grad_norm_out, found_inf_out, grad_norm, group_values,
-          state_scales);
+          state_scales, ema_remainders, stalled_out);
 }
 
 void ema_decay_(const at::Tensor& decay_out, const at::Tensor& step, const std::optional<at::Tensor>& total_steps,
@@ -63,10 +65,11 @@ void ema_decay_(const at::Tensor& decay_out, const at::Tensor& step, const std::
 }
 
 void ema_step_(at::TensorList ema, at::TensorList src, at::TensorList copy_dst, at::TensorList copy_src,
-               const at::Tensor& decay, const at::Tensor& step, const std::optional<at::Tensor>& found_inf) {
+               const at::Tensor& decay, const at::Tensor& step, const std::optional<at::Tensor>& found_inf,
+               const std::optional<at::TensorList>& remainders) {
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("fusetrain::ema_step_", "").typed<decltype(ema_step_)>();
-  op.call(ema, src, copy_dst, copy_src, decay, step, found_inf);
+  op.call(ema, src, copy_dst, copy_src, decay, step, found_inf, remainders);
 }
 
 }  // namespace fusetrain

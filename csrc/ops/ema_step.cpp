@@ -75,7 +75,8 @@ void ema_decay_impl(const at::Tensor& decay_out, const at::Tensor& step, const s
 using Key = std::tuple<std::string, int, int>;
 
 void ema_step_impl(at::TensorList ema, at::TensorList src, at::TensorList copy_dst, at::TensorList copy_src,
-                   const at::Tensor& decay, const at::Tensor& step, const std::optional<at::Tensor>& found_inf) {
+                   const at::Tensor& decay, const at::Tensor& step, const std::optional<at::Tensor>& found_inf,
+                   const std::optional<at::TensorList>& remainders) {
   const char* op = "ema_step_";
   TORCH_CHECK_VALUE(ema.size() == src.size(), op, ": got ", ema.size(), " ema tensors but ", src.size(),
                     " src tensors");
@@ -89,19 +90,31 @@ void ema_step_impl(at::TensorList ema, at::TensorList src, at::TensorList copy_d
     return found_inf->device() == dev ? *found_inf : found_inf->to(dev);
   };
 
-  // Averaged: one ema_update_ pass per device.
-  std::map<std::string, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> by_device;
+  // Averaged: one ema_update_ pass per device (with the remainders of its
+  // bfloat16 tensors, NOTE [ema remainder]).
+  const at::TensorList rems = remainders.has_value() ? *remainders : at::TensorList();
+  size_t n_bf16 = 0;
+  for (const auto& e : ema) n_bf16 += e.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE(rems.empty() || rems.size() == n_bf16, op, ": remainders must be empty or hold one int16 "
+                    "tensor per bfloat16 ema tensor (", n_bf16, "), got ", rems.size());
+  struct DeviceLists {
+    std::vector<at::Tensor> ema, src, rem;
+  };
+  std::map<std::string, DeviceLists> by_device;
+  size_t next_rem = 0;
   for (size_t i = 0; i < ema.size(); ++i) {
     TORCH_CHECK_VALUE(ema[i].sizes() == src[i].sizes() && ema[i].scalar_type() == src[i].scalar_type(), op,
                       ": ema[", i, "] (", ema[i].scalar_type(), ema[i].sizes(), ") and src[", i, "] (",
                       src[i].scalar_type(), src[i].sizes(), ") differ in dtype or shape");
     auto& lists = by_device[ema[i].device().str()];
-    lists.first.push_back(ema[i]);
-    lists.second.push_back(src[i]);
+    lists.ema.push_back(ema[i]);
+    lists.src.push_back(src[i]);
+    if (!rems.empty() && ema[i].scalar_type() == at::kBFloat16) lists.rem.push_back(rems[next_rem++]);
   }
   for (auto& [key, lists] : by_device) {
-    const auto dev = lists.first.front().device();
-    ema_update_(lists.first, lists.second, decay.device() == dev ? decay : decay.to(dev), flag_on(dev));
+    const auto dev = lists.ema.front().device();
+    ema_update_(lists.ema, lists.src, decay.device() == dev ? decay : decay.to(dev), flag_on(dev),
+                lists.rem.empty() ? std::nullopt : std::optional<at::TensorList>(lists.rem));
   }
 
   // NOTE [gated copy]: the copied tensors, one multi-tensor copy per group of
@@ -166,7 +179,7 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
       "bool warmup, float warmup_gamma, float warmup_power) -> ()");
   m.def(
       "ema_step_(Tensor(a!)[] ema, Tensor[] src, Tensor(b!)[] copy_dst, Tensor[] copy_src, Tensor decay, "
-      "Tensor(c!) step, Tensor? found_inf=None) -> ()");
+      "Tensor(c!) step, Tensor? found_inf=None, Tensor(d!)[]? remainders=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fusetrain, CompositeExplicitAutograd, m) {

@@ -1,6 +1,9 @@
 // fusetrain::ema_update_ — ema += (1 - decay) * (src - ema) over lists of
 // tensors in one multi-tensor pass, decay read from a device tensor, skipped
-// on the device when found_inf is non-zero.
+// on the device when found_inf is non-zero. `remainders`, when not empty,
+// holds one int16 tensor per bfloat16 entry of ema, in order: with it, that
+// entry is the exact float32 EMA (NOTE [ema remainder] in
+// csrc/common/lean_state.h).
 #include <ATen/ops/empty_strided.h>
 #include <torch/library.h>
 
@@ -10,7 +13,7 @@ namespace fusetrain {
 namespace detail {
 
 void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList src, const at::Tensor& decay,
-                     const std::optional<at::Tensor>& found_inf) {
+                     const std::optional<at::Tensor>& found_inf, const std::optional<at::TensorList>& remainders) {
   const char* op = "ema_update_";
   TORCH_CHECK(ema.size() == src.size(), op, ": got ", ema.size(), " ema tensors but ", src.size(), " src tensors");
   const at::Device dev = decay.device();
@@ -23,7 +26,13 @@ void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList 
                 ": found_inf must be a float32 tensor with one element");
     TORCH_CHECK(fi.device() == dev, op, ": found_inf is on ", fi.device(), " but decay is on ", dev);
   }
-  std::vector<at::Tensor> es, ss;
+  const at::TensorList rems = remainders.has_value() ? *remainders : at::TensorList();
+  size_t n_bf16 = 0;
+  for (const auto& e : ema) n_bf16 += e.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(rems.empty() || rems.size() == n_bf16, op, ": remainders must be empty or hold one int16 tensor per "
+              "bfloat16 ema tensor (", n_bf16, "), got ", rems.size());
+  size_t next_rem = 0;
+  std::vector<at::Tensor> es, ss, rs;
   for (size_t i = 0; i < ema.size(); ++i) {
     const at::Tensor& e = ema[i];
     at::Tensor s = src[i];
@@ -39,12 +48,22 @@ void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList 
     TORCH_CHECK(e.layout() == at::kStrided && e.is_non_overlapping_and_dense(), op, ": ema[", i,
                 "] must be a dense tensor");
     if (s.strides() != e.strides()) s = at::empty_strided(e.sizes(), e.strides(), s.options()).copy_(s);
+    at::Tensor r;
+    if (!rems.empty() && t == at::kBFloat16) {
+      r = rems[next_rem++];
+      TORCH_CHECK(r.scalar_type() == at::kShort && r.device() == dev && r.sizes() == e.sizes() &&
+                      r.strides() == e.strides(),
+                  op, ": the remainder of ema[", i, "] must be an int16 tensor with its shape ", e.sizes(),
+                  ", strides ", e.strides(), " and device ", dev, ", got ", r.scalar_type(), " of shape ", r.sizes(),
+                  ", strides ", r.strides(), " on ", r.device());
+    }
     if (e.numel() == 0) continue;
     es.push_back(e);
     ss.push_back(s);
+    rs.push_back(r);
   }
   if (dev.is_cpu()) check_cpu_features(op);
-  kernel(es, ss, decay, fi);
+  kernel(es, ss, rs, decay, fi);
 }
 
 }  // namespace detail
@@ -52,5 +71,6 @@ void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList 
 
 TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
   m.set_python_module("fusetrain._ops");
-  m.def("ema_update_(Tensor(a!)[] ema, Tensor[] src, Tensor decay, Tensor? found_inf=None) -> ()");
+  m.def("ema_update_(Tensor(a!)[] ema, Tensor[] src, Tensor decay, Tensor? found_inf=None, "
+        "Tensor(b!)[]? remainders=None) -> ()");
 }

@@ -44,13 +44,18 @@ namespace {
 // decide which states a group keeps. `state_scales` holds the block scales of
 // int8 state tensors (NOTE [8-bit state] in csrc/common/lean_state.h): group
 // by group, slot by slot (state1, state2, state3), one per param whose state
-// tensor in that slot is int8.
+// tensor in that slot is int8. `ema_remainders`, when not empty, holds one
+// int16 tensor per bfloat16 entry of ema_params, in order (NOTE [ema
+// remainder]); the element-wise kinds take them. `stalled_out`, a 0-d
+// int64 tensor on the params' device, gets the step's stalled updates added
+// (NOTE [stalled updates] in csrc/common/lean_state.h; element-wise kinds).
 constexpr int kCommon = 4;
 
 // One group's slices of the flattened lists (views, no copies).
 struct Lists {
   at::TensorList params, grads, steps, s[3], masters, emas;
   std::vector<at::Tensor> scales[3];  // per param of an int8 state slot; undefined elsewhere
+  std::vector<at::Tensor> ema_rems;   // per ema entry with a remainder; undefined elsewhere
 };
 
 // Takes the next `n` entries of a flattened list.
@@ -112,7 +117,9 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                      const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out,
                      const std::optional<at::Tensor>& grad_norm,
                      const std::optional<at::TensorList>& group_values_arg,
-                     const std::optional<at::TensorList>& state_scales) {
+                     const std::optional<at::TensorList>& state_scales,
+                     const std::optional<at::TensorList>& ema_remainders,
+                     const std::optional<at::Tensor>& stalled_out) {
   // NOTE [below autograd]: the ops this step calls go straight to their CPU or
   // CUDA kernels. The dispatcher would otherwise send each through the boxed
   // autograd fallback (no fusetrain op has an autograd formula), which copies
@@ -141,6 +148,15 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                       "fused_step_: each of group_values must be a contiguous float64 vector of ", n_values,
                       " values (optimizer '", spec.name, "'), got ", v.defined() ? v.toString() : "undefined",
                       v.defined() ? " of shape " + c10::str(v.sizes()) : "");
+  TORCH_CHECK_VALUE(!stalled_out.has_value() || (stalled_out->defined() && stalled_out->numel() == 1 &&
+                                                 stalled_out->scalar_type() == at::kLong),
+                    "fused_step_: stalled_out must be an int64 tensor with one element");
+  TORCH_CHECK_VALUE(!stalled_out.has_value() || spec.lean, "fused_step_: optimizer '", spec.name, "' does not "
+                    "count stalled updates (the element-wise optimizers do; NOTE [stalled updates])");
+  for (const auto& p : params)
+    TORCH_CHECK_VALUE(!stalled_out.has_value() || p.device() == stalled_out->device(), "fused_step_: stalled_out "
+                      "is on ", stalled_out->device(), " but a param is on ", p.device(), "; count on the params' "
+                      "device");
   TORCH_CHECK_VALUE(!grad_norm.has_value() || (grad_norm->defined() && grad_norm->numel() == 1 &&
                                                grad_norm->scalar_type() == at::kFloat),
                     "fused_step_: grad_norm must be a float32 tensor with one element");
@@ -151,6 +167,8 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
   const at::TensorList states[3] = {state1, state2, state3};
   size_t state_pos[3] = {0, 0, 0};
   size_t n_scales = 0;  // state_scales the int8 states use (NOTE [group records])
+  const at::TensorList ema_rems = ema_remainders.has_value() ? *ema_remainders : at::TensorList();
+  size_t ema_pos = 0, n_ema_rems = 0;  // ema_remainders the bfloat16 EMA tensors use
   for (size_t g = 0; g < groups; ++g) {
     const double* f = hyper.data() + g * fields;
     const std::string where = "fused_step_ (" + std::string(spec.name) + ", group " + std::to_string(g) + ")";
@@ -171,9 +189,21 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
         n_scales += states[k][i].defined() && states[k][i].scalar_type() == at::kChar;
       state_pos[k] += size;
     }
+    if (f[2] != 0.0) {
+      size_t bf16 = 0;
+      for (size_t i = ema_pos; i < std::min(ema_pos + size, ema_params.size()); ++i)
+        bf16 += ema_params[i].scalar_type() == at::kBFloat16;
+      TORCH_CHECK_VALUE(ema_rems.empty() || bf16 == 0 || spec.lean, where, ": EMA remainders are for the "
+                        "element-wise optimizers (NOTE [ema remainder] in csrc/common/lean_state.h)");
+      n_ema_rems += bf16;
+      ema_pos += size;
+    }
     first += size;
     clips = clips || f[0] > 0.0;
   }
+  TORCH_CHECK_VALUE(ema_rems.empty() || ema_rems.size() == n_ema_rems, "fused_step_: ema_remainders has ",
+                    ema_rems.size(), " tensors but the bfloat16 EMA tensors need ", n_ema_rems, " (one each, or "
+                    "none; NOTE [group records] in csrc/ops/fused_step.cpp)");
   const size_t given_scales = state_scales.has_value() ? state_scales->size() : 0;
   TORCH_CHECK_VALUE(given_scales == n_scales, "fused_step_: state_scales has ", given_scales, " tensors but the "
                     "int8 state tensors need ", n_scales, " (one per int8 state; NOTE [group records] in "
@@ -211,6 +241,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
   Cursor sc[3] = {{state1, "state1"}, {state2, "state2"}, {state3, "state3"}};
   Cursor mc{master_params, "master_params"}, ec{ema_params, "ema_params"};
   Cursor qc{state_scales.has_value() ? *state_scales : at::TensorList(), "state_scales"};
+  Cursor rc{ema_rems, "ema_remainders"};
   for (size_t g = 0; g < groups; ++g) {
     const double* f = hyper.data() + g * fields;
     TORCH_CHECK_VALUE(group_sizes[g] >= 0, "fused_step_: group_sizes[", g, "] is negative");
@@ -230,6 +261,14 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
     }
     const bool has_ema = f[2] != 0.0;
     l.emas = ec.take(has_ema ? n : 0);
+    if (!ema_rems.empty()) {
+      size_t bf16 = 0;
+      for (const auto& e : l.emas) bf16 += e.scalar_type() == at::kBFloat16;
+      const at::TensorList taken = rc.take(bf16);
+      size_t next = 0;
+      for (const auto& e : l.emas)
+        l.ema_rems.push_back(e.scalar_type() == at::kBFloat16 ? taken[next++] : at::Tensor());
+    }
     const auto mode = static_cast<MasterMode>(static_cast<int>(f[1]));
     std::vector<size_t> low, full;
     for (size_t i = 0; i < n; ++i) {
@@ -255,6 +294,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
     call.inv_scale = on(inv_scale.has_value() ? *inv_scale : at::Tensor(), dev);
     call.found_inf = on(flag, dev);
     call.max_grad_norm = f[0] > 0.0 ? f[0] : 0.0;
+    if (stalled_out.has_value()) call.stalled = *stalled_out;
     if (f[0] > 0.0) call.grad_norm = on(norm, dev);
     if (has_ema) {
       TORCH_CHECK_VALUE(ema_decay.has_value(), "fused_step_: group ", g, " has EMA tensors but no ema_decay");
@@ -270,6 +310,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
       }
       call.masters = part.masters;
       call.emas = part.emas;
+      call.ema_rems = part.ema_rems;
       spec.run(call);
     };
     if (!masters || full.empty()) {
@@ -295,6 +336,8 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
           for (size_t i : *idx) part.scales[k].push_back(l.scales[k][i]);
       }
       part.emas = pick(l.emas, v[6]);
+      if (!l.ema_rems.empty())
+        for (size_t i : *idx) part.ema_rems.push_back(l.ema_rems[i]);
       if (idx == &low) part.masters = l.masters;
       run(part);
     }
@@ -304,6 +347,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
   mc.expect_done();
   ec.expect_done();
   qc.expect_done();
+  rc.expect_done();
 }
 
 }  // namespace
@@ -318,7 +362,7 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
       "Tensor(g!)[] ema_params, int[] group_sizes, Tensor[] lrs, float[] hyper, Tensor? inv_scale=None, "
       "Tensor? found_inf=None, Tensor? ema_decay=None, Tensor(h!)? grad_norm_out=None, "
       "Tensor(i!)? found_inf_out=None, Tensor? grad_norm=None, Tensor[]? group_values=None, "
-      "Tensor(j!)[]? state_scales=None) -> ()");
+      "Tensor(j!)[]? state_scales=None, Tensor(k!)[]? ema_remainders=None, Tensor(l!)? stalled_out=None) -> ()");
 }
 
 // Composite: the update and stats ops it calls dispatch per device.

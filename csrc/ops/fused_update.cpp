@@ -94,10 +94,10 @@ at::ScalarType state_type(const UpdateLists& l, size_t i) {
   return t == at::ScalarType::Undefined ? at::kFloat : t;
 }
 
-std::array<int, 5> family(const at::Tensor& p, const at::Tensor& g, at::ScalarType state, at::ScalarType master,
-                          int64_t block) {
+std::array<int, 6> family(const at::Tensor& p, const at::Tensor& g, at::ScalarType state, at::ScalarType master,
+                          int64_t block, bool ema_rem) {
   return {static_cast<int>(p.scalar_type()), static_cast<int>(g.scalar_type()), static_cast<int>(state),
-          static_cast<int>(master), static_cast<int>(block)};
+          static_cast<int>(master), static_cast<int>(block), ema_rem ? 1 : 0};
 }
 
 // NOTE [8-bit state]: the block size of params[i]'s int8 states, read from
@@ -151,6 +151,7 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
   check_list_size(op, "master_params", lists.master, n);
   check_list_size(op, lists.aux_name, lists.aux, n);
   check_list_size(op, "ema_params", lists.ema, n);
+  check_list_size(op, "ema remainders", lists.ema_rem, n);
   TORCH_CHECK(scalars.lr.defined(), op, ": lr is required");
   if (n == 0) return;
 
@@ -162,6 +163,13 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
   check_scalar(op, "grad_norm", scalars.grad_norm, dev);
   check_scalar(op, "ema_decay", scalars.ema_decay, dev);
   TORCH_CHECK(lists.ema.empty() || scalars.ema_decay.defined(), op, ": ema_params given without ema_decay");
+  if (scalars.stalled.defined()) {
+    TORCH_CHECK(scalars.stalled.numel() == 1 && scalars.stalled.scalar_type() == at::kLong &&
+                    scalars.stalled.device() == dev,
+                op, ": the stalled-update counter must be an int64 tensor with one element on ", dev, ", got ",
+                scalars.stalled.scalar_type(), " of shape ", scalars.stalled.sizes(), " on ",
+                scalars.stalled.device());
+  }
 
   // NOTE [strided params]: a param that is a strided view (a slice of a larger
   // tensor) is updated through a dense copy, written back after the kernels;
@@ -170,7 +178,7 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
   // The tensors the kernels take instead of params[i] / grads[i] (dense copies).
   std::map<size_t, std::pair<at::Tensor, at::Tensor>> replaced;
   // Each param's kernel family; whether every one is the first one's.
-  std::vector<std::array<int, 5>> keys;
+  std::vector<std::array<int, 6>> keys;
   bool one_family = true;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p0 = lists.params[i];
@@ -226,6 +234,19 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
       check_companion(op, "master_params", i, lists.master[i], pp, Dtype::Master);
     }
     if (!lists.ema.empty()) check_companion(op, "ema_params", i, lists.ema[i], pp, Dtype::SameAsParam);
+    // NOTE [ema remainder] in csrc/common/lean_state.h.
+    const bool ema_rem = !lists.ema_rem.empty() && lists.ema_rem[i].defined();
+    if (ema_rem) {
+      const at::Tensor& r = lists.ema_rem[i];
+      TORCH_CHECK(!lists.ema.empty() && pp.scalar_type() == at::kBFloat16, op, ": params[", i, "] is ",
+                  dtype_name(pp.scalar_type()), " and has an EMA remainder; remainders are for bfloat16 EMAs");
+      TORCH_CHECK(r.scalar_type() == at::kShort && r.device() == dev && r.sizes() == pp.sizes() &&
+                      r.strides() == lists.ema[i].strides(),
+                  op, ": the EMA remainder of params[", i, "] must be an int16 tensor with the EMA's shape ",
+                  pp.sizes(), ", strides ", lists.ema[i].strides(), " and device ", dev, ", got ",
+                  dtype_name(r.scalar_type()), " of shape ", r.sizes(), ", strides ", r.strides(), " on ",
+                  r.device());
+    }
     const at::ScalarType sd = state_type(lists, i);
     TORCH_CHECK(sd == at::kFloat || sd == at::kDouble || (hyper.kind != OptimKind::Direction &&
                                                            hyper.kind != OptimKind::Apply),
@@ -238,7 +259,7 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     }
     if (p.defined() || g.defined()) replaced[i] = {pp, g.defined() ? g : g0};
     keys.push_back(family(pp, g.defined() ? g : g0, sd,
-                          lists.master.empty() ? at::kFloat : lists.master[i].scalar_type(), block));
+                          lists.master.empty() ? at::kFloat : lists.master[i].scalar_type(), block, ema_rem));
     one_family = one_family && keys.back() == keys.front();
   }
   if (dev.is_cpu()) check_cpu_features(op);
@@ -255,7 +276,7 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
   }
 
   // Bucket by kernel family (param, grad, state and master dtypes).
-  std::map<std::array<int, 5>, UpdateLists> buckets;
+  std::map<std::array<int, 6>, UpdateLists> buckets;
   for (size_t i = 0; i < n; ++i) {
     const auto r = replaced.find(i);
     const at::Tensor& p = r == replaced.end() ? lists.params[i] : r->second.first;
@@ -270,6 +291,7 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     if (!lists.state3.empty()) b.state3.push_back(lists.state3[i]);
     if (!lists.master.empty()) b.master.push_back(lists.master[i]);
     if (!lists.ema.empty()) b.ema.push_back(lists.ema[i]);
+    if (keys[i][5] != 0) b.ema_rem.push_back(lists.ema_rem[i]);
     if (keys[i][4] != 0) {
       b.state_block = keys[i][4];
       for (int k = 0; k < 3; ++k)

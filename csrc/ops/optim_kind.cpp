@@ -138,13 +138,14 @@ void run_kind_update(const KindCall& c, OptimHyper h, at::TensorList s1, at::Ten
     if (s.scalar) l.aux_name = s.name;
   l.master = c.masters.vec();
   l.ema = c.emas.vec();
+  l.ema_rem = c.ema_rems;
   h.maximize = c.maximize;
   h.max_grad_norm = c.max_grad_norm;
   h.stochastic_params = c.master_mode == MasterMode::Stochastic;
   TORCH_INTERNAL_ASSERT(!c.values.defined() || h.values.count == static_cast<int>(c.spec->value_positions.size()),
                         "kind '", c.spec->name, "' runs without binding its schedulable fields (bind_values)");
   UpdateScalars sc{c.lr, opt_or_undef(c.inv_scale), opt_or_undef(c.found_inf), opt_or_undef(c.grad_norm),
-                   opt_or_undef(c.ema_decay), c.values};
+                   opt_or_undef(c.ema_decay), c.values, c.stalled};
   run_fused_update(c.op, l, h, sc, c.kernel);
 }
 

@@ -65,11 +65,13 @@ struct KindCall : KindRecord {
   UpdateKernel kernel = nullptr;
   at::TensorList params, grads, steps, state[3], masters, emas;
   at::TensorList scales[3];  // NOTE [8-bit state]: per param of state[k]; undefined for a non-int8 state
+  std::vector<at::Tensor> ema_rems;  // NOTE [ema remainder]: per ema entry, or empty; undefined: none
   at::Tensor lr;
   at::Tensor values;  // the group's schedulable fields (NOTE [device values]); undefined: the record's
   bool maximize = false;
   MasterMode master_mode = MasterMode::None;  // the group's master_weights (NOTE [lean state])
   OptT inv_scale, found_inf, grad_norm, ema_decay;
+  at::Tensor stalled;  // NOTE [stalled updates]; undefined: not counted
   double max_grad_norm = 0.0;
 };
 

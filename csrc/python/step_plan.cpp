@@ -109,11 +109,12 @@ class StepPlan {
            const py::list& masters, const py::list& emas, std::vector<int64_t> sizes, const py::list& stepped,
            const py::list& state_dicts, const py::list& item_dicts, const py::list& item_keys,
            const py::list& item_vals, const py::list& locals, const std::vector<int64_t>& copies,
-           const std::vector<int64_t>& watched, const py::list& scales)
+           const std::vector<int64_t>& watched, const py::list& scales, const py::list& ema_rems)
       : kind_(std::move(kind)), groups_(groups), state_(state), dtensor_(dtensor),
         steps_(tensors(steps, "steps")), s1_(tensors(s1, "state1")),
         s2_(tensors(s2, "state2")), s3_(tensors(s3, "state3")), masters_(tensors(masters, "masters")),
-        emas_(tensors(emas, "emas")), scales_(tensors(scales, "scales")), sizes_(std::move(sizes)) {
+        emas_(tensors(emas, "emas")), scales_(tensors(scales, "scales")), ema_rems_(tensors(ema_rems, "ema_rems")),
+        sizes_(std::move(sizes)) {
     const size_t n_params = params.size();
     size_t with_grad = 0;
     for (const auto& g : groups) {
@@ -223,7 +224,7 @@ class StepPlan {
            const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf,
            const std::optional<at::Tensor>& ema_decay, const std::optional<at::Tensor>& grad_norm_out,
            const std::optional<at::Tensor>& found_inf_out, const std::optional<at::Tensor>& grad_norm,
-           const std::vector<at::Tensor>& group_values) {
+           const std::vector<at::Tensor>& group_values, const std::optional<at::Tensor>& stalled_out) {
     TORCH_CHECK(!grads_.empty() && grads_.size() == params_.size(),
                 "StepPlan.run: call collect() first (it answered false or was not called)");
     // Neither the gradients nor the params are kept past the step:
@@ -237,7 +238,8 @@ class StepPlan {
     fused_step_(kind_, params, grads, steps_, s1_, s2_, s3_, masters_, emas_, sizes_, lrs, hyper, inv_scale,
                 found_inf, ema_decay, grad_norm_out, found_inf_out, grad_norm,
                 group_values.empty() ? std::nullopt : std::optional<at::TensorList>(group_values),
-                scales_.empty() ? std::nullopt : std::optional<at::TensorList>(scales_));
+                scales_.empty() ? std::nullopt : std::optional<at::TensorList>(scales_),
+                ema_rems_.empty() ? std::nullopt : std::optional<at::TensorList>(ema_rems_), stalled_out);
   }
 
  private:
@@ -296,6 +298,7 @@ class StepPlan {
   py::object groups_, state_, dtensor_;
   std::vector<at::Tensor> steps_, s1_, s2_, s3_, masters_, emas_;
   std::vector<at::Tensor> scales_;  // NOTE [8-bit state]: fused_step_'s state_scales
+  std::vector<at::Tensor> ema_rems_;  // NOTE [ema remainder]: fused_step_'s ema_remainders
   std::vector<int64_t> sizes_;
   std::vector<PlanGroup> groups_info_;
   std::vector<py::object> stepped_, state_dicts_, locals_, item_dicts_, item_keys_, item_vals_;
@@ -315,13 +318,13 @@ void bind_step_plan(py::module_& m) {
                     const py::list&, const py::list&, const py::list&, const py::list&, const py::list&,
                     const py::list&, std::vector<int64_t>, const py::list&, const py::list&, const py::list&,
                     const py::list&, const py::list&, const py::list&, const std::vector<int64_t>&,
-                    const std::vector<int64_t>&, const py::list&>(),
+                    const std::vector<int64_t>&, const py::list&, const py::list&>(),
            py::arg("kind"), py::arg("param_groups"), py::arg("state"), py::arg("dtensor"), py::arg("params"),
            py::arg("steps"), py::arg("state1"), py::arg("state2"), py::arg("state3"), py::arg("masters"),
            py::arg("emas"), py::arg("group_sizes"), py::arg("stepped"), py::arg("state_dicts"),
            py::arg("item_dicts"), py::arg("item_keys"), py::arg("item_vals"), py::arg("locals"),
            py::arg("copies") = std::vector<int64_t>(), py::arg("watched") = std::vector<int64_t>(),
-           py::arg("scales") = py::list())
+           py::arg("scales") = py::list(), py::arg("ema_remainders") = py::list())
       .def("collect", &StepPlan::collect, py::arg("param_groups"), py::arg("state"),
            "Whether the plan still holds; if so, reads the gradients for run().")
       .def("local_stats", &StepPlan::local_stats, py::arg("inv_scale") = py::none(),
@@ -330,6 +333,7 @@ void bind_step_plan(py::module_& m) {
            py::arg("found_inf") = py::none(), py::arg("ema_decay") = py::none(),
            py::arg("grad_norm_out") = py::none(), py::arg("found_inf_out") = py::none(),
            py::arg("grad_norm") = py::none(), py::arg("group_values") = std::vector<at::Tensor>(),
+           py::arg("stalled_out") = py::none(),
            "fusetrain::fused_step_ over the kept lists and collected gradients.");
 }
 

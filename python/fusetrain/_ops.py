@@ -75,7 +75,8 @@ def grad_stats(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None) -> t
 
 def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
                 group_sizes, lrs, hyper, *, inv_scale=None, found_inf=None, ema_decay=None, grad_norm_out=None,
-                found_inf_out=None, grad_norm=None, group_values=(), state_scales=()) -> None:
+                found_inf_out=None, grad_norm=None, group_values=(), state_scales=(), ema_remainders=(),
+                stalled_out=None) -> None:
     """The whole optimizer tail for every group of one optimizer (a kind of
     ``optim_kinds()``): the stats pass when a group clips or the gradients
     are loss-scaled without a flag, then one update pass per group. Lists are
@@ -87,10 +88,15 @@ def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, stat
     group on its params' device holding the kind's ``value_fields``, which the
     kernels then read there (NOTE [device values] in csrc/common/update_args.h).
     ``state_scales``: the block scales of int8 state tensors (NOTE [group
-    records]; NOTE [8-bit state] in csrc/common/lean_state.h)."""
+    records]; NOTE [8-bit state] in csrc/common/lean_state.h).
+    ``ema_remainders``: one int16 tensor per bfloat16 entry of ``ema_params``
+    (or none), which with it is the exact float32 EMA (NOTE [ema remainder]).
+    ``stalled_out``: a 0-d int64 tensor on the params' device that gets the
+    step's stalled updates added (NOTE [stalled updates])."""
     _ops.fused_step_(optimizer, params, grads, state_steps, state1, state2, state3, master_params, ema_params,
                      group_sizes, lrs, hyper, inv_scale, found_inf, ema_decay, grad_norm_out, found_inf_out,
-                     grad_norm, list(group_values) or None, list(state_scales) or None)
+                     grad_norm, list(group_values) or None, list(state_scales) or None, list(ema_remainders) or None,
+                     stalled_out)
 
 
 def ema_decay_(decay_out: Tensor, step: Tensor, total_steps: Optional[Tensor], decay_type: str, decay: float,
@@ -101,18 +107,24 @@ def ema_decay_(decay_out: Tensor, step: Tensor, total_steps: Optional[Tensor], d
 
 
 def ema_step_(ema: Sequence[Tensor], src: Sequence[Tensor], copy_dst: Sequence[Tensor], copy_src: Sequence[Tensor],
-              decay: Tensor, step: Tensor, found_inf: Optional[Tensor] = None) -> None:
+              decay: Tensor, step: Tensor, found_inf: Optional[Tensor] = None,
+              remainders: Sequence[Tensor] = ()) -> None:
     """One EMA update: ``ema += (1 - decay) * (src - ema)`` pairwise,
     ``copy_dst <- copy_src`` and ``step += 1``; nothing changes when
-    ``found_inf`` is non-zero (decided on the device)."""
-    _ops.ema_step_(list(ema), list(src), list(copy_dst), list(copy_src), decay, step, found_inf)
+    ``found_inf`` is non-zero (decided on the device). ``remainders``: one
+    int16 tensor per bfloat16 ``ema`` tensor, or none (NOTE [ema remainder])."""
+    _ops.ema_step_(list(ema), list(src), list(copy_dst), list(copy_src), decay, step, found_inf,
+                   list(remainders) or None)
 
 
-def ema_update_(ema: Sequence[Tensor], src: Sequence[Tensor], decay: Tensor, found_inf: Optional[Tensor] = None) -> None:
+def ema_update_(ema: Sequence[Tensor], src: Sequence[Tensor], decay: Tensor, found_inf: Optional[Tensor] = None,
+                remainders: Sequence[Tensor] = ()) -> None:
     """``ema += (1 - decay) * (src - ema)`` for every pair, in one multi-tensor
     pass; ``decay`` is a 0-d float32 device tensor; nothing changes when
-    ``found_inf`` is non-zero (checked on the device)."""
-    _ops.ema_update_(list(ema), list(src), decay, found_inf)
+    ``found_inf`` is non-zero (checked on the device). ``remainders``: one
+    int16 tensor per bfloat16 ``ema`` tensor, or none; each such pair is then
+    the exact float32 EMA (NOTE [ema remainder] in csrc/common/lean_state.h)."""
+    _ops.ema_update_(list(ema), list(src), decay, found_inf, list(remainders) or None)
 
 
 def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,

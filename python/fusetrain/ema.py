@@ -10,6 +10,7 @@ counter untouched without asking the host.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -52,6 +53,14 @@ class ModelEMA:
       warmup: also cap the decay at ``1 - (1 + t / warmup_gamma) ** -warmup_power``.
       include_buffers: average floating-point buffers (e.g. BatchNorm running
         stats) too; other buffers are always copied.
+      remainder: keep an int16 remainder beside each bfloat16 tensor of the
+        EMA copy; the pair is then the exact float32 EMA (2 more bytes per
+        value; NOTE [ema remainder] in csrc/common/lean_state.h), while
+        ``ema.module`` stays in bfloat16. Without it a bfloat16 EMA with a
+        decay close to 1 hardly moves: its updates round away. ``None`` (the
+        default): whenever the EMA copy has bfloat16 tensors. The remainders
+        belong to the values the EMA itself wrote: after writing
+        ``ema.module``'s tensors directly, call :meth:`reset_remainders`.
 
     Use :meth:`update` after each optimizer step, or :meth:`attach` once to a
     fusetrain optimizer: the parameter EMA then rides in the optimizer's update
@@ -60,7 +69,8 @@ class ModelEMA:
 
     def __init__(self, model: nn.Module, decay: float = 0.9999, decay_type: str = "exp", beta: float = 15.0,
                  total_steps: Optional[int] = None, warmup: bool = False, warmup_gamma: float = 1.0,
-                 warmup_power: float = 2.0 / 3.0, include_buffers: bool = True) -> None:
+                 warmup_power: float = 2.0 / 3.0, include_buffers: bool = True,
+                 remainder: Optional[bool] = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ModelEMA: model must be an nn.Module, got {type(model).__name__}")
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
@@ -73,6 +83,9 @@ class ModelEMA:
             raise ValueError(f"ModelEMA: warmup_gamma must be > 0, got {warmup_gamma!r}")
         if not isinstance(warmup_power, (int, float)) or warmup_power <= 0:
             raise ValueError(f"ModelEMA: warmup_power must be > 0, got {warmup_power!r}")
+        if remainder is not None and not isinstance(remainder, bool):
+            raise ValueError(f"ModelEMA: remainder must be True, False or None (when the EMA has bfloat16 "
+                             f"tensors), got {remainder!r}")
         base = unwrap_model(model)
         if not any(p.is_floating_point() for p in base.parameters()):
             raise ValueError("ModelEMA: the model has no floating-point parameters to average")
@@ -85,6 +98,8 @@ class ModelEMA:
         self.warmup_gamma = float(warmup_gamma)
         self.warmup_power = float(warmup_power)
         self.include_buffers = bool(include_buffers)
+        self._remainder_setting = remainder
+        self._remainders: Dict[str, Tensor] = {}  # NOTE [ema remainder]: per bfloat16 averaged tensor
 
         self.module = copy.deepcopy(base).eval()
         for p in self.module.parameters():
@@ -114,6 +129,49 @@ class ModelEMA:
         self._buf_avg_names = [n for n, b in ema_buffers.items() if b.is_floating_point() and self.include_buffers]
         self._buf_copy_names = [n for n, b in ema_buffers.items() if n not in self._buf_avg_names]
         self._ema_tensors = {**ema_params, **ema_buffers}
+        self._build_remainders()
+
+    @property
+    def remainder(self) -> bool:
+        """Whether bfloat16 tensors of the EMA copy keep int16 remainders."""
+        return bool(self._remainders)
+
+    def _build_remainders(self) -> None:
+        """An int16 remainder (zero: the bfloat16 value is the EMA) for each
+        averaged bfloat16 tensor, keeping those already there."""
+        names = [n for n in self._avg_names + self._buf_avg_names
+                 if self._ema_tensors[n].dtype == torch.bfloat16]
+        if self._remainder_setting is False or not names:
+            self._remainders = {}
+            return
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(self._ema_tensors[n], DTensor) for n in names):
+            if self._remainder_setting:
+                raise ValueError("ModelEMA: remainders for a sharded (FSDP2) EMA copy are not supported; pass "
+                                 "remainder=False (the EMA then stays in bfloat16) or keep float32 weights")
+            warnings.warn("ModelEMA: a sharded (FSDP2) EMA copy keeps its bfloat16 tensors without remainders, "
+                          "where updates smaller than half an ulp round away (NOTE [ema remainder])", stacklevel=3)
+            self._remainders = {}
+            return
+        old = self._remainders
+        self._remainders = {}
+        for n in names:
+            t = self._ema_tensors[n]
+            r = old.get(n)
+            if r is None or r.shape != t.shape or r.device != t.device:
+                r = torch.zeros_like(t, dtype=torch.int16)
+            self._remainders[n] = r
+
+    @torch.no_grad()
+    def reset_remainders(self) -> None:
+        """Take the bfloat16 values of the EMA copy as its EMA (zero the
+        remainders), e.g. after writing ``ema.module``'s tensors directly."""
+        for r in self._remainders.values():
+            r.zero_()
+
+    def _remainders_of(self, names: List[str]) -> List[Tensor]:
+        return [self._remainders[n] for n in names if n in self._remainders]
 
     def set_total_steps(self, total_steps: Optional[int]) -> None:
         """Set the run length used by the ``exp`` schedule."""
@@ -166,7 +224,7 @@ class ModelEMA:
         copy_names = self._copy_names + self._buf_copy_names
         _ops.ema_step_([self._ema_tensors[n] for n in avg_names], [src[n].detach() for n in avg_names],
                        [self._ema_tensors[n] for n in copy_names], [src[n].detach() for n in copy_names],
-                       decay, self._step, found_inf)
+                       decay, self._step, found_inf, self._remainders_of(avg_names))
 
     def _check_sources(self, src: Dict[str, Tensor], names: List[str]) -> None:
         missing = [n for n in names if n not in src]
@@ -181,33 +239,40 @@ class ModelEMA:
         writes the EMA of every param it updates; after the step buffers are
         averaged/copied and the counter advances, all gated on the step's
         non-finite flag. Only params updated by the step move their EMA (a
-        param without a gradient keeps its EMA)."""
+        param without a gradient keeps its EMA). An EMA with remainders rides
+        in the update pass of the element-wise optimizers; with the others
+        (Lamb, AdamP, Muon) its params are averaged after the step instead."""
         from .optim._base import FusedOptimizer
+        from .optim._kinds import KINDS
 
         if not isinstance(optimizer, FusedOptimizer):
             raise TypeError(f"ModelEMA.attach: needs a fusetrain optimizer, got {type(optimizer).__name__}; "
                             "call ema.update(model) after optimizer.step() instead")
         self.detach()
-        by_id = {}
+        by_id, rems = {}, {}
         model_params: Dict[int, Tensor] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 model_params[id(p)] = p
+        rides = not self._remainders or KINDS[optimizer._kind]["lean"]
         # Match the optimizer's params to EMA params by name in the live model.
         for name, p in self._sources(self._model).items():
-            if id(p) in model_params and name in self._ema_tensors:
+            if rides and id(p) in model_params and name in self._ema_tensors:
                 by_id[p] = self._ema_tensors[name]
-        optimizer.attach_ema(by_id, self._decay)
+                if name in self._remainders:
+                    rems[p] = self._remainders[name]
+        optimizer.attach_ema(by_id, self._decay, rems or None)
 
         def pre_hook(opt, args, kwargs):
             self._compute_decay()
 
         def post_hook(opt, args, kwargs):
-            # Params rode in the update pass; buffers and non-float params follow.
-            # _buf_avg_names is read per step: load_state_dict may change include_buffers.
+            # Params rode in the update pass (unless `rides` is false); buffers and non-float
+            # params follow. _buf_avg_names is read per step: load_state_dict may change include_buffers.
             if opt.last_found_inf is None:
                 return  # the step applied no gradient: no EMA update
-            self._step_tensors(self._sources(self._model), self._buf_avg_names, self._decay, opt.last_found_inf)
+            names = self._buf_avg_names if rides else self._avg_names + self._buf_avg_names
+            self._step_tensors(self._sources(self._model), names, self._decay, opt.last_found_inf)
 
         self._hooks = [optimizer.register_step_pre_hook(pre_hook), optimizer.register_step_post_hook(post_hook)]
         self._optimizer = optimizer
@@ -228,7 +293,8 @@ class ModelEMA:
         return {"module": self.module.state_dict(), "step": self._step.detach().clone(), "decay": self.decay,
                 "decay_type": self.decay_type, "beta": self.beta, "total_steps": self.total_steps,
                 "warmup": self.warmup, "warmup_gamma": self.warmup_gamma, "warmup_power": self.warmup_power,
-                "include_buffers": self.include_buffers}
+                "include_buffers": self.include_buffers,
+                "remainders": {n: r.detach().clone() for n, r in self._remainders.items()}}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         for k in ("module", "step", "decay", "decay_type"):
@@ -247,3 +313,12 @@ class ModelEMA:
         if include_buffers != self.include_buffers:
             self.include_buffers = include_buffers
             self._build_index(self.module)
+        # NOTE [ema remainder]: a state without a tensor's remainder (saved without
+        # remainders) makes its bfloat16 value the EMA.
+        saved = state_dict.get("remainders") or {}
+        with torch.no_grad():
+            for n, r in self._remainders.items():
+                if n in saved:
+                    r.copy_(saved[n])
+                else:
+                    r.zero_()

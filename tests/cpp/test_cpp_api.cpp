@@ -611,3 +611,122 @@ TEST(CppApiEma, FusedStepWithScalerAndAttachedEma) {
   auto b = model->parameters();
   EXPECT_FALSE(torch::equal(a[0], b[0]));
 }
+
+// NOTE [ema remainder]: a bfloat16 model's EMA keeps int16 remainders; joined
+// with them it is the float32 model's EMA bit for bit (the EMA follows the
+// masters, which are the float32 run's), and an archive keeps them.
+TEST(CppApiEma, Bfloat16RemaindersAreTheFloat32Ema) {
+  torch::manual_seed(13);
+  torch::nn::Linear m16(torch::nn::LinearOptions(8, 5));
+  m16->to(torch::kBFloat16);
+  torch::nn::Linear m32(torch::nn::LinearOptions(8, 5));
+  {
+    torch::NoGradGuard no_grad;
+    m32->weight.copy_(m16->weight.to(torch::kFloat));
+    m32->bias.copy_(m16->bias.to(torch::kFloat));
+  }
+  fusetrain::AdamW o16(m16->parameters(), fusetrain::AdamWOptions(1e-2).master_weights(true).master_form(
+                                              fusetrain::MasterForm::Remainder));
+  fusetrain::AdamW o32(m32->parameters(), fusetrain::AdamWOptions(1e-2));
+  const auto options = fusetrain::ModelEMAOptions().decay(0.999).decay_type("constant");
+  fusetrain::ModelEMA e16(m16, options), e32(m32, options);
+  e16.attach(o16);
+  e32.attach(o32);
+  auto joined = [&](fusetrain::ModelEMA& e) {
+    std::vector<torch::Tensor> out;
+    for (const auto& t : e.module()->parameters()) {
+      const auto r = e.remainder_for(t);
+      EXPECT_TRUE(r.defined());
+      out.push_back(t.view(torch::kShort).to(torch::kInt).bitwise_and(0xFFFF).__lshift__(16).add(r.to(torch::kInt)));
+    }
+    return out;
+  };
+  for (int s = 0; s < 4; ++s) {
+    const auto x = torch::randn({16, 8}).to(torch::kBFloat16);
+    o16.zero_grad();
+    m16->forward(x).to(torch::kFloat).square().mean().backward();
+    for (size_t i = 0; i < 2; ++i) m32->parameters()[i].mutable_grad() = m16->parameters()[i].grad().to(torch::kFloat);
+    fusetrain::fused_step(o16, nullptr, &e16);
+    fusetrain::fused_step(o32, nullptr, &e32);
+  }
+  auto a = joined(e16);
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_TRUE(torch::equal(a[i], e32.module()->parameters()[i].view(torch::kInt))) << "param " << i;
+  EXPECT_FALSE(e32.remainder_for(e32.module()->parameters()[0]).defined());
+  torch::serialize::OutputArchive out;
+  e16.save(out);
+  std::stringstream buf;
+  out.save_to(buf);
+  torch::nn::Linear m(torch::nn::LinearOptions(8, 5));
+  m->to(torch::kBFloat16);
+  fusetrain::ModelEMA loaded(m, options);
+  torch::serialize::InputArchive in;
+  in.load_from(buf);
+  loaded.load(in);
+  auto b = joined(loaded);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "param " << i;
+}
+
+// NOTE [8-bit state]: state_dtype(at::kChar) keeps int8 codes with block
+// scales for params of at least 4096 elements (float32 state below), follows
+// the float32-state run within the codes' precision, and an archive resumes it
+// bit for bit.
+TEST(CppApiOptim, Int8StateOptions) {
+  torch::manual_seed(21);
+  std::vector<torch::Tensor> init = {torch::randn({50, 100}), torch::randn({7})};
+  auto a = clone_params(init), b = clone_params(init);
+  const auto base = fusetrain::AdamWOptions(1e-2).weight_decay(0.05);
+  fusetrain::AdamW q8(a, fusetrain::AdamWOptions(base).state_dtype(torch::kChar).state_block_size(128));
+  fusetrain::AdamW f32(b, base);
+  for (int s = 0; s < 5; ++s) {
+    set_grads(a, b, s);
+    q8.step();
+    f32.step();
+  }
+  expect_close(a, b, 0.0, 1e-2);
+  auto& big = static_cast<fusetrain::FusedParamState&>(*q8.state().at(a[0].unsafeGetTensorImpl()));
+  auto& small = static_cast<fusetrain::FusedParamState&>(*q8.state().at(a[1].unsafeGetTensorImpl()));
+  EXPECT_EQ(big.exp_avg().scalar_type(), torch::kChar);
+  EXPECT_EQ(big.exp_avg_sq().scalar_type(), torch::kChar);
+  EXPECT_EQ(big.scales("exp_avg").numel(), 40);  // ceil(5000 / 128)
+  EXPECT_EQ(small.exp_avg().scalar_type(), torch::kFloat);
+  EXPECT_FALSE(small.scales("exp_avg").defined());
+  std::stringstream buf;
+  torch::save(q8, buf);
+  auto c = clone_params(a);
+  fusetrain::AdamW loaded(c, fusetrain::AdamWOptions(1.0));
+  torch::load(loaded, buf);
+  const auto& lo = static_cast<const fusetrain::AdamWOptions&>(loaded.param_groups()[0].options());
+  EXPECT_EQ(lo.state_dtype(), torch::kChar);
+  EXPECT_EQ(lo.state_block_size(), 128);
+  for (int s = 5; s < 8; ++s) {
+    set_grads(a, c, s);
+    q8.step();
+    loaded.step();
+  }
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], c[i])) << "param " << i;
+  auto d = clone_params(init);
+  EXPECT_THROW(fusetrain::AdamW(d, fusetrain::AdamWOptions(1e-3).state_dtype(torch::kChar).state_block_size(100)),
+               c10::ValueError);
+  EXPECT_THROW(fusetrain::Lamb(d, fusetrain::LambOptions(1e-3).state_dtype(torch::kChar)), c10::ValueError);
+}
+
+// NOTE [stalled updates]: bfloat16 params without a master and an lr far below
+// half an ulp: every element with a non-zero update is counted.
+TEST(CppApiOptim, StalledUpdatesAreCounted) {
+  std::vector<torch::Tensor> p = {torch::ones({300}, torch::kBFloat16).set_requires_grad(true)};
+  fusetrain::SGD opt(p, fusetrain::SGDOptions(1e-6));
+  auto counter = opt.track_stalled_updates();
+  ASSERT_EQ(counter.scalar_type(), torch::kLong);
+  auto g = torch::ones({300}, torch::kBFloat16);
+  g.slice(0, 0, 10).zero_();
+  p[0].mutable_grad() = g;
+  opt.step();
+  opt.step();
+  EXPECT_EQ(counter.item<int64_t>(), 2 * 290);
+  EXPECT_TRUE(torch::equal(p[0], torch::ones({300}, torch::kBFloat16)));
+  EXPECT_FALSE(opt.track_stalled_updates(false).defined());
+  std::vector<torch::Tensor> q = {torch::ones({3}).set_requires_grad(true)};
+  fusetrain::Lamb lamb(q, fusetrain::LambOptions(1e-3));
+  EXPECT_THROW(lamb.track_stalled_updates(), c10::ValueError);
+}

@@ -69,6 +69,10 @@ struct ModelEMAOptions {
   TORCH_ARG(double, warmup_gamma) = 1.0;
   TORCH_ARG(double, warmup_power) = 2.0 / 3.0;
   TORCH_ARG(bool, include_buffers) = true;
+  // An int16 remainder beside each averaged bfloat16 tensor: with it the
+  // tensor is the exact float32 EMA (NOTE [ema remainder] in
+  // csrc/common/lean_state.h); false keeps a bfloat16 EMA alone.
+  TORCH_ARG(bool, remainder) = true;
 };
 
 // Exponential moving average of a module's parameters (and float buffers).
@@ -95,7 +99,9 @@ class ModelEMA {
 
   // Ride the parameter EMA inside the optimizer's fused update pass. Params of
   // the model that the optimizer does not own, and buffers, are updated right
-  // after the optimizer's step, gated by its found_inf.
+  // after the optimizer's step, gated by its found_inf. An EMA with
+  // remainders attached to an optimizer whose pass cannot carry them (Lamb,
+  // AdamP, Muon) averages every param after the step instead.
   void attach(FusedOptimizer& optimizer);
   void detach();
   bool attached_to(const FusedOptimizer& optimizer) const { return optimizer_ == &optimizer; }
@@ -109,16 +115,20 @@ class ModelEMA {
   void save(torch::serialize::OutputArchive& archive) const;
   void load(torch::serialize::InputArchive& archive);
 
+  // The int16 remainder of an EMA tensor (undefined if it has none).
+  at::Tensor remainder_for(const at::Tensor& ema_tensor) const;
+
   // Used by FusedOptimizer: the decay of the next update (fusetrain::ema_decay_),
-  // the EMA tensor of a param of the source model (undefined if none), and the
-  // buffers' update after the step (fusetrain::ema_step_, gated by found_inf).
+  // the EMA tensor of a param of the source model that rides in its pass
+  // (undefined if none), and the buffers' update after the step
+  // (fusetrain::ema_step_, gated by found_inf).
   const at::Tensor& prepare_decay();
   at::Tensor ema_for(const at::Tensor& param) const;
   void finish_step(const at::Tensor& found_inf);
 
  private:
   struct Pairs {
-    std::vector<at::Tensor> avg_dst, avg_src, copy_dst, copy_src;
+    std::vector<at::Tensor> avg_dst, avg_src, copy_dst, copy_src, avg_rem;
   };
   void lazy_init();
   Pairs pairs(bool params) const;
@@ -126,8 +136,12 @@ class ModelEMA {
   ModelEMAOptions options_;
   at::Tensor step_, decay_, total_;
   FusedOptimizer* optimizer_ = nullptr;
+  bool rides_ = false;  // the params' EMA rides in the attached optimizer's pass
   // Source param (TensorImpl) -> EMA param, built once on first use.
   mutable std::unordered_map<const void*, at::Tensor> ema_by_param_;
+  // EMA tensor (TensorImpl) -> its remainder (NOTE [ema remainder]), by name for archives.
+  std::unordered_map<const void*, at::Tensor> rem_by_ema_;
+  std::vector<std::pair<std::string, at::Tensor>> rem_by_name_;
 };
 
 // The fused tail of a training step for C++ loops: unscale + non-finite check

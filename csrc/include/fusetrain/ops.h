@@ -32,8 +32,12 @@ std::tuple<at::Tensor, at::Tensor> grad_stats(at::TensorList grads,
 
 // ema += (1 - decay) * (src - ema) for every pair (same dtype and shape), in
 // one multi-tensor pass; nothing changes when found_inf is non-zero.
+// remainders, when not empty: one int16 tensor per bfloat16 ema tensor, in
+// order; each such pair is then the exact float32 EMA (NOTE [ema remainder]
+// in csrc/common/lean_state.h).
 void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay,
-                 const std::optional<at::Tensor>& found_inf = std::nullopt);
+                 const std::optional<at::Tensor>& found_inf = std::nullopt,
+                 const std::optional<at::TensorList>& remainders = std::nullopt);
 
 // Dynamic loss-scale update in device memory (torch.amp.GradScaler semantics).
 // scale: 0-d float32; growth_tracker: 0-d int32; found_inf: 0-d float32. The
@@ -60,8 +64,11 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, co
 // csrc/common/update_args.h): the kernels read those fields there, so a
 // compiled or captured step follows their changes. state_scales: the block
 // scales of int8 state tensors (NOTE [group records]; NOTE [8-bit state] in
-// csrc/common/lean_state.h). This is what fusetrain::FusedOptimizer and
-// fusetrain.optim.* call.
+// csrc/common/lean_state.h). ema_remainders, when not empty: one int16
+// tensor per bfloat16 entry of ema_params, in order (NOTE [ema remainder]).
+// stalled_out: a 0-d int64 tensor on the params' device that gets the number
+// of stalled updates added (NOTE [stalled updates]; the element-wise kinds).
+// This is what fusetrain::FusedOptimizer and fusetrain.optim.* call.
 void fused_step_(c10::string_view optimizer, at::TensorList params, at::TensorList grads, at::TensorList state_steps,
                  at::TensorList state1, at::TensorList state2, at::TensorList state3, at::TensorList master_params,
                  at::TensorList ema_params, at::IntArrayRef group_sizes, at::TensorList lrs,
@@ -70,7 +77,9 @@ void fused_step_(c10::string_view optimizer, at::TensorList params, at::TensorLi
                  const std::optional<at::Tensor>& grad_norm_out, const std::optional<at::Tensor>& found_inf_out,
                  const std::optional<at::Tensor>& grad_norm = std::nullopt,
                  const std::optional<at::TensorList>& group_values = std::nullopt,
-                 const std::optional<at::TensorList>& state_scales = std::nullopt);
+                 const std::optional<at::TensorList>& state_scales = std::nullopt,
+                 const std::optional<at::TensorList>& ema_remainders = std::nullopt,
+                 const std::optional<at::Tensor>& stalled_out = std::nullopt);
 
 // The EMA decay of the next update (1-based number step + 1) into decay_out:
 // decay_type "constant", "threshold" or "exp" (needs total_steps), optionally
@@ -81,8 +90,10 @@ void ema_decay_(const at::Tensor& decay_out, const at::Tensor& step, const std::
 
 // One EMA update: ema += (1 - decay) * (src - ema) pairwise, copy_dst <- copy_src,
 // step += 1; nothing changes when found_inf is non-zero (decided on the device).
+// remainders: as ema_update_'s.
 void ema_step_(at::TensorList ema, at::TensorList src, at::TensorList copy_dst, at::TensorList copy_src,
                const at::Tensor& decay, const at::Tensor& step,
-               const std::optional<at::Tensor>& found_inf = std::nullopt);
+               const std::optional<at::Tensor>& found_inf = std::nullopt,
+               const std::optional<at::TensorList>& remainders = std::nullopt);
 
 }  // namespace fusetrain

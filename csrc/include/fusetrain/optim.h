@@ -46,8 +46,15 @@ struct FusedParamState : public torch::optim::OptimizerCloneableParamState<Fused
  public:
   // The state tensor of this name (a state name of the kind table), or null.
   torch::Tensor* find(const char* name);
+  // The float32 block scales of the int8 state of this name (NOTE [8-bit
+  // state] in csrc/common/lean_state.h; undefined for another dtype).
+  torch::Tensor& scales(const std::string& name) { return scales_[name]; }
+  const std::map<std::string, torch::Tensor>& all_scales() const { return scales_; }
   void serialize(torch::serialize::InputArchive& archive) override;
   void serialize(torch::serialize::OutputArchive& archive) const override;
+
+ private:
+  std::map<std::string, torch::Tensor> scales_;
 };
 using AdamParamState = FusedParamState;
 using AdamWParamState = FusedParamState;
@@ -70,15 +77,19 @@ enum class MasterForm : int64_t { Float32 = 1, Remainder = 2, Stochastic = 3 };
 // The options every fusetrain optimizer has: lr, weight_decay, maximize,
 // max_grad_norm (global L2 norm clipping over all groups; 0 = off),
 // master_weights (keep the full value of fp16/bf16 params, in master_form)
-// and state_dtype (at::kFloat, or at::kBFloat16: the moments in bfloat16,
-// written with stochastic rounding). The lean forms (a master_form other
-// than Float32, bfloat16 state) are for the element-wise optimizers.
+// and state_dtype (at::kFloat; at::kBFloat16: the moments in bfloat16,
+// written with stochastic rounding; at::kChar: int8 codes with a float32
+// scale per block of state_block_size elements, 64, 128 or 256, for params of
+// at least 4096 elements, NOTE [8-bit state]). The lean forms (a master_form
+// other than Float32, bfloat16 or int8 state) are for the element-wise
+// optimizers.
 struct FusedCommonOptions {
   virtual ~FusedCommonOptions() = default;
   double lr_ = 1e-3, weight_decay_ = 0.0, max_grad_norm_ = 0.0;
   bool maximize_ = false, master_weights_ = false;
   MasterForm master_form_ = MasterForm::Float32;
   at::ScalarType state_dtype_ = at::kFloat;
+  int64_t state_block_size_ = 256;
 };
 
 namespace options_detail {
@@ -132,6 +143,7 @@ struct FusedOptions : torch::optim::OptimizerCloneableOptions<Derived>, FusedCom
   FUSETRAIN_COMMON_OPTION(bool, master_weights)
   FUSETRAIN_COMMON_OPTION(MasterForm, master_form)
   FUSETRAIN_COMMON_OPTION(at::ScalarType, state_dtype)
+  FUSETRAIN_COMMON_OPTION(int64_t, state_block_size)
 #undef FUSETRAIN_COMMON_OPTION
   double get_lr() const override { return lr_; }
   void set_lr(const double lr) override { lr_ = lr; }
@@ -152,6 +164,7 @@ struct FusedOptions : torch::optim::OptimizerCloneableOptions<Derived>, FusedCom
     options_detail::io(archive, "master_weights", self.master_weights_);
     options_detail::io(archive, "master_form", self.master_form_);
     options_detail::io(archive, "state_dtype", self.state_dtype_);
+    options_detail::io(archive, "state_block_size", self.state_block_size_);
     Derived::fields(archive, self);
   }
 };
@@ -385,6 +398,8 @@ struct MuonOptions : FusedOptions<MuonOptions> {
 // fusetrain::fused_step_ (NOTE [group records] in csrc/ops/fused_step.cpp).
 struct FusedLists {
   std::vector<at::Tensor> params, grads, steps, masters, emas, state1, state2, state3;
+  std::vector<at::Tensor> ema_rems;  // NOTE [ema remainder]: one per bfloat16 EMA tensor with a remainder
+  std::vector<at::Tensor> scales;    // NOTE [8-bit state]: fused_step_'s state_scales
 };
 
 // An optimizer's own fields of a group record, by name (NOTE [kind table] in
@@ -418,6 +433,16 @@ class FusedOptimizer : public torch::optim::Optimizer {
   const at::Tensor& last_grad_norm() const { return last_grad_norm_; }
   const at::Tensor& last_found_inf() const { return last_found_inf_; }
 
+  // NOTE [stalled updates] (csrc/common/lean_state.h): with `enabled`, every
+  // step adds to a 0-d int64 device tensor the updates that float16/bfloat16
+  // params kept without a master lose (their stored value unchanged although
+  // the step computed another); returns it (also stalled_updates()). Read it
+  // when you want the number, zero_() it to start over; no step waits for
+  // it. The element-wise optimizers count; the params must share a device.
+  // false stops counting (an undefined tensor).
+  at::Tensor track_stalled_updates(bool enabled = true);
+  const at::Tensor& stalled_updates() const { return stalled_; }
+
   // Refills each group's lr tensor and values tensor (its schedulable
   // settings: betas, momentum, weight decay, eps, ...; NOTE [device values]
   // in csrc/common/update_args.h) where the group's options changed since the
@@ -439,6 +464,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // Used by ModelEMA::attach / detach.
   void attach_ema(ModelEMA* ema) { ema_ = ema; }
   ModelEMA* attached_ema() const { return ema_; }
+  // Whether its update pass carries EMA remainders (NOTE [ema remainder]): the
+  // element-wise optimizers' does.
+  bool carries_ema_remainders() const;
 
  protected:
   // The optimizer's kind in the kind table ("adam", "sgd", ...) and a group's
@@ -454,7 +482,8 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // A group's own record fields in the kind table's order.
   std::vector<double> kind_record(const torch::optim::OptimizerOptions& o) const;
   // Creates the states that the kind keeps for a group with these fields.
-  void init_state(FusedParamState& s, const at::Tensor& p, const double* fields, bool lean_state) const;
+  void init_state(FusedParamState& s, const at::Tensor& p, const double* fields,
+                  const FusedCommonOptions& options) const;
   // Refuses lean options (NOTE [lean state]) this optimizer's kind cannot take.
   void check_lean(const FusedCommonOptions& options) const;
   // The lr (0-d float32) and schedulable fields (float64 vector, undefined
@@ -472,7 +501,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
   FusedParamState& ensure_state(const at::Tensor& p, const torch::optim::OptimizerOptions& opts,
                                 const std::vector<double>& fields, bool capturing);
   void ensure_results(const at::Device& dev, bool capturing);
-  at::Tensor last_grad_norm_, last_found_inf_;
+  at::Tensor last_grad_norm_, last_found_inf_, stalled_;
   ModelEMA* ema_ = nullptr;
   std::map<std::pair<size_t, std::string>, DeviceScalars> device_cache_;
   const detail::KindSpec* spec_ = nullptr;

@@ -261,6 +261,8 @@ class FusedOptimizer(Optimizer):
         self._snapshots: Dict[int, Dict[str, Any]] = {}  # _compiled_settings
         self._values_outside: Dict[str, bool] = {"compiled": False}
         self._ema_lists: Optional[List[Optional[List[Tensor]]]] = None
+        # NOTE [ema remainder]: per group with an EMA, each EMA tensor's int16 remainder (or None).
+        self._ema_rem_lists: Optional[List[Optional[List[Optional[Tensor]]]]] = None
         self._ema_decay: Optional[Tensor] = None
         # Written by step(): dicts rather than attributes because torch.compile
         # cannot trace attribute assignment on an optimizer (it can trace item
@@ -316,6 +318,7 @@ class FusedOptimizer(Optimizer):
             self._ensure_results(next(iter(devices)))
         if self._ema_lists is not None:
             self._ema_lists.append(None)
+            self._ema_rem_lists.append(None)
         self._forget_lists()
 
     def _check_lean_group(self, gi: int, group: Dict[str, Any]) -> None:
@@ -367,6 +370,7 @@ class FusedOptimizer(Optimizer):
         self.__dict__.setdefault("_snapshots", {})
         self.__dict__.setdefault("_values_outside", {"compiled": False})
         self.__dict__.setdefault("_ema_lists", None)
+        self.__dict__.setdefault("_ema_rem_lists", None)
         self.__dict__.setdefault("_ema_decay", None)
         self.__dict__.setdefault("_results", {"grad_norm": None, "found_inf": None})
         self.__dict__.setdefault("_last", {"grad_norm": None, "found_inf": None})
@@ -446,13 +450,17 @@ class FusedOptimizer(Optimizer):
 
     # ---- EMA riding in the update pass -----------------------------------------------
 
-    def attach_ema(self, ema_params: Mapping[Tensor, Tensor], decay: Tensor) -> None:
+    def attach_ema(self, ema_params: Mapping[Tensor, Tensor], decay: Tensor,
+                   remainders: Optional[Mapping[Tensor, Tensor]] = None) -> None:
         """Update EMA copies in the same pass as the params:
         ``ema += (1 - decay) * (param_new - ema)`` for every param updated by a
         step. ``ema_params`` maps params of this optimizer to tensors of the
         same shape, dtype and device; ``decay`` is a 0-d float32 device tensor
         (change it in place; it is read on the device). Every param of a group
-        needs an EMA tensor, or none of that group's params."""
+        needs an EMA tensor, or none of that group's params. ``remainders``
+        maps params with a bfloat16 EMA to an int16 tensor of its shape: the
+        EMA tensor and its remainder are then the exact float32 EMA (NOTE [ema
+        remainder] in csrc/common/lean_state.h; the element-wise optimizers)."""
         if not isinstance(decay, Tensor) or decay.numel() != 1 or decay.dtype != torch.float32:
             raise TypeError(f"{self._opt_name}.attach_ema: decay must be a one-element float32 tensor, got {decay!r}")
         by_id = {id(k): v for k, v in ema_params.items()}
@@ -461,33 +469,88 @@ class FusedOptimizer(Optimizer):
         if unknown:
             raise ValueError(f"{self._opt_name}.attach_ema: {len(unknown)} key(s) of ema_params are not params "
                              "of this optimizer")
+        rem_by_id = {id(k): v for k, v in (remainders or {}).items()}
+        if rem_by_id and not KINDS[self._kind]["lean"]:
+            raise ValueError(f"{self._opt_name}.attach_ema: EMA remainders are for the element-wise optimizers "
+                             "(NOTE [ema remainder]); keep this optimizer's EMA without them")
         lists: List[Optional[List[Tensor]]] = []
+        rem_lists: List[Optional[List[Optional[Tensor]]]] = []
         for gi, group in enumerate(self.param_groups):
             covered = [id(p) in by_id for p in group["params"]]
             if not any(covered):
                 lists.append(None)
+                rem_lists.append(None)
                 continue
             if not all(covered):
                 raise ValueError(f"{self._opt_name}.attach_ema: group {gi} has {covered.count(False)} param(s) "
                                  "without an EMA tensor; give every param of the group one, or none")
-            emas = []
+            emas, rems = [], []
             for i, p in enumerate(group["params"]):
                 e = by_id[id(p)]
                 if e.shape != p.shape or e.dtype != p.dtype or e.device != p.device:
                     raise ValueError(f"{self._opt_name}.attach_ema: EMA of param {i} of group {gi} has "
                                      f"shape {tuple(e.shape)}, dtype {e.dtype}, device {e.device}; the param has "
                                      f"shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device}")
+                r = rem_by_id.get(id(p))
+                if rem_by_id and (r is None) != (e.dtype != torch.bfloat16):
+                    raise ValueError(f"{self._opt_name}.attach_ema: param {i} of group {gi} ({e.dtype}) "
+                                     f"{'needs' if r is None else 'cannot have'} an EMA remainder: remainders "
+                                     "go with every bfloat16 EMA tensor and only with those")
+                if r is not None and (r.dtype != torch.int16 or r.shape != e.shape or r.device != e.device):
+                    raise ValueError(f"{self._opt_name}.attach_ema: the EMA remainder of param {i} of group {gi} "
+                                     f"must be an int16 tensor of shape {tuple(e.shape)} on {e.device}, got "
+                                     f"{r.dtype} of shape {tuple(r.shape)} on {r.device}")
                 emas.append(e)
+                rems.append(r)
             lists.append(emas)
+            rem_lists.append(rems if rem_by_id else None)
         self._ema_lists = lists
+        self._ema_rem_lists = rem_lists
         self._ema_decay = decay
         self._forget_lists()
 
     def detach_ema(self) -> None:
         """Stop updating EMA copies in the update pass."""
         self._ema_lists = None
+        self._ema_rem_lists = None
         self._ema_decay = None
         self._forget_lists()
+
+    # ---- stalled updates ---------------------------------------------------------------
+
+    def track_stalled_updates(self, enabled: bool = True) -> Optional[Tensor]:
+        """Count, on the device, the updates that float16/bfloat16 params
+        kept without a master (``master_weights`` False or ``"stochastic"``)
+        lose: elements whose stored value did not change although the step
+        computed a different one (NOTE [stalled updates] in
+        csrc/common/lean_state.h). Many of them say the learning rate is too
+        small for the weights' precision. Every step adds to the counter it
+        returns, a 0-d int64 tensor on the params' device (also
+        :attr:`stalled_updates`): read it (``.item()``, one sync) when you
+        want the number and ``zero_()`` it to start again; no step waits for
+        it. Enable it before compiling or capturing a step. ``False`` stops
+        counting."""
+        if not enabled:
+            self._results.pop("stalled", None)
+            self._forget_lists()
+            return None
+        if not KINDS[self._kind]["lean"]:
+            raise ValueError(f"{self._opt_name}.track_stalled_updates: the element-wise optimizers count stalled "
+                             "updates; this one does not")
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if len(devices) != 1:
+            raise ValueError(f"{self._opt_name}.track_stalled_updates: needs the params on one device, got "
+                             f"{sorted(str(d) for d in devices)}")
+        device = devices.pop()
+        if self._results.get("stalled") is None or self._results["stalled"].device != device:
+            self._results["stalled"] = torch.zeros((), dtype=torch.int64, device=device)
+        self._forget_lists()
+        return self._results["stalled"]
+
+    @property
+    def stalled_updates(self) -> Optional[Tensor]:
+        """The counter of :meth:`track_stalled_updates` (None when not counting)."""
+        return self._results.get("stalled")
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -688,21 +751,24 @@ class FusedOptimizer(Optimizer):
                         f"param_groups[{gi}]['lr'] = torch.tensor(value, device='{dev}') and change it in place "
                         "(lr.fill_(new_value))")
 
-    def _init_group(self, group, params, grads, steps, masters, emas, state1, state2, state3, scales):
+    def _init_group(self, group, params, grads, steps, masters, emas, state1, state2, state3, scales,
+                    ema_rems=None):
         # Called with python values by torch.compile (dynamo runs it eagerly),
         # so lazy state creation never lands in a compiled graph.
         if self._sharding["any"]:
             with torch.no_grad():  # DTensor.to_local() is then the local tensor, not an autograd call
                 return self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3,
-                                           scales)
-        return self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3, scales)
+                                           scales, ema_rems)
+        return self._collect_group(group, params, grads, steps, masters, emas, state1, state2, state3, scales,
+                                   ema_rems)
 
     def _forget_lists(self) -> None:
         """Drop the step plan (NOTE [step plan] in csrc/python/step_plan.cpp):
         the next step collects its lists afresh."""
         self._kept.clear()
 
-    def _collect_group(self, group, params, grads, steps, masters, emas, state1, state2, state3, scales):
+    def _collect_group(self, group, params, grads, steps, masters, emas, state1, state2, state3, scales,
+                       ema_rems=None):
         start = len(params)  # the lists hold the groups before this one too
         names = self._state_names(group)
         outs = (state1, state2, state3)
@@ -710,6 +776,7 @@ class FusedOptimizer(Optimizer):
         slot_scales: tuple = ([], [], [])
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         ema_list = self._ema_lists[gi] if self._ema_lists is not None else None
+        rem_list = self._ema_rem_lists[gi] if ema_list is not None and self._ema_rem_lists is not None else None
         # NOTE [sharded steps]: a DTensor's step runs on its local shard; nothing to unwrap otherwise.
         loc = _sharded.local_fn() if self._sharding["any"] else _same
         for i, p in enumerate(group["params"]):
@@ -756,10 +823,15 @@ class FusedOptimizer(Optimizer):
                 masters.append(loc(state[key]))
             if ema_list is not None:
                 e = ema_list[i]
+                r = rem_list[i] if rem_list is not None else None
                 if not self._sharding["any"] and e.device == p.device and not _fits(e, p, e.dtype):
                     # NOTE [state layout]: an attached EMA follows its param's layout too.
                     e.data = _conform(e, p, e.dtype)
+                    if r is not None:
+                        r.data = _conform(r, p, torch.int16)
                 emas.append(loc(e))
+                if r is not None and ema_rems is not None:
+                    ema_rems.append(loc(r))
             for out, name, sc in zip(outs, names, slot_scales):
                 if name is not None:
                     out.append(loc(state[name]))
@@ -905,7 +977,8 @@ class FusedOptimizer(Optimizer):
             res = self._results
             kept["plan"].run(lrs, hyper, inv_scale=inv_scale, found_inf=found_inf,
                              ema_decay=self._ema_decay if kept["emas"] else None, grad_norm_out=res["grad_norm"],
-                             found_inf_out=res["found_inf"], grad_norm=grad_norm, group_values=values)
+                             found_inf_out=res["found_inf"], grad_norm=grad_norm, group_values=values,
+                             stalled_out=res.get("stalled"))
             self._last["grad_norm"] = res["grad_norm"]
             self._last["found_inf"] = res["found_inf"]
             return
@@ -918,11 +991,12 @@ class FusedOptimizer(Optimizer):
         s2: List[Tensor] = []
         s3: List[Tensor] = []
         scales: List[Tensor] = []
+        ema_rems: List[Tensor] = []
         sizes: List[int] = []
         groups: List[Any] = []  # per stepped group: (index, group, device, has_ema)
         for gi, group in enumerate(self.param_groups):
             start, ema_start = len(params), len(emas)
-            if not self._init_group(group, params, grads, steps, masters, emas, s1, s2, s3, scales):
+            if not self._init_group(group, params, grads, steps, masters, emas, s1, s2, s3, scales, ema_rems):
                 continue
             sizes.append(len(params) - start)
             groups.append((gi, group, params[start].device, len(emas) > ema_start))
@@ -944,11 +1018,12 @@ class FusedOptimizer(Optimizer):
         _ops.fused_step_(self._kind, params, grads, steps, s1, s2, s3, masters, emas, sizes, lrs, hyper,
                          inv_scale=inv_scale, found_inf=found_inf, ema_decay=self._ema_decay if emas else None,
                          grad_norm_out=res["grad_norm"], found_inf_out=res["found_inf"], grad_norm=grad_norm,
-                         group_values=values, state_scales=scales)
+                         group_values=values, state_scales=scales, ema_remainders=ema_rems,
+                         stalled_out=res.get("stalled"))
         self._last["grad_norm"] = res["grad_norm"]
         self._last["found_inf"] = res["found_inf"]
         if not torch.compiler.is_compiling() and self._keep_lists:
-            self._make_plan(groups, stepped, params, steps, s1, s2, s3, masters, emas, sizes, scales)
+            self._make_plan(groups, stepped, params, steps, s1, s2, s3, masters, emas, sizes, scales, ema_rems)
 
     def _group_records(self, groups: Sequence[Any]):
         """Each stepped group's lr tensor, record (NOTE [group records] in
@@ -1113,7 +1188,8 @@ class FusedOptimizer(Optimizer):
                 return False
         return kept["plan"].collect(self.param_groups, self.state)
 
-    def _make_plan(self, groups, stepped, params, steps, s1, s2, s3, masters, emas, sizes, scales) -> None:
+    def _make_plan(self, groups, stepped, params, steps, s1, s2, s3, masters, emas, sizes, scales,
+                   ema_rems) -> None:
         """Keep this step's lists as a plan for the next steps, when they can be
         kept: no complex param (its lists hold views) and no sparse gradient."""
         self._kept.clear()
@@ -1143,6 +1219,6 @@ class FusedOptimizer(Optimizer):
                    if p.dtype in _LOW and ("master_param" in sd or "master_remainder" in sd)] if masters else []
         plan = _C.StepPlan(self._kind, self.param_groups, self.state, dtensor, params, steps, s1, s2, s3, masters,
                            emas, sizes, stepped, sds, [i[0] for i in items], [i[1] for i in items],
-                           [i[2] for i in items], local, copies, watched, scales)
+                           [i[2] for i in items], local, copies, watched, scales, ema_rems)
         self._kept["plan"] = {"plan": plan, "groups": groups, "emas": bool(emas),
                               "keys": [self._plan_key(g[1]) for g in groups]}

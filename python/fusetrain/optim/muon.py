@@ -95,13 +95,15 @@ class Muon(FusedOptimizer):
                                 "Muon orthogonalises real matrices only (float32, float16, bfloat16, float64). "
                                 "Give complex params a group with use_muon=False (AdamW)")
 
-    def _init_group(self, group, params, grads, steps, masters, emas, state1, state2, state3, scales):
+    def _init_group(self, group, params, grads, steps, masters, emas, state1, state2, state3, scales,
+                    ema_rems=None):
         # A group changed after construction (use_muon set, a param swapped): checked before anything is applied.
         if self._uses_muon(group):
             for p in group["params"]:
                 if p.grad is not None and p.is_complex():
                     raise RuntimeError("Muon does not support complex parameters")
-        return super()._init_group(group, params, grads, steps, masters, emas, state1, state2, state3, scales)
+        return super()._init_group(group, params, grads, steps, masters, emas, state1, state2, state3, scales,
+                                   ema_rems)
 
     @staticmethod
     def _uses_muon(group) -> bool:

@@ -112,6 +112,6 @@ def restore(ck: Dict[str, Any], path: str, model, opt, scaler, ema) -> None:
                   if k in ("growth_factor", "backoff_factor", "growth_interval")}
         scaler.load_state_dict({**ck["scaler"], **growth})
     if ema is not None and ck.get("ema") is not None:
-        settings = {k: v for k, v in ema.state_dict().items() if k not in ("module", "step")}
+        settings = {k: v for k, v in ema.state_dict().items() if k not in ("module", "step", "remainders")}
         module = {"module": ema.module.state_dict()} if ck.get("shards") is not None else {}  # loaded above
         ema.load_state_dict({**ck["ema"], **settings, **module})

@@ -332,6 +332,10 @@ class Run:
         row["epoch_time_s"] = elapsed
         row["warmup_time_s"] = warmup_time or 0.0
         row["samples_per_s"] = (samples - first_batch) / steady if steady > 0 else 0.0
+        stalled = self.opt.stalled_updates if self.fused else None
+        if stalled is not None:  # NOTE [stalled updates]: counted on the device, read once an epoch
+            row["stalled_updates"] = int(stalled.item())
+            stalled.zero_()
         if self.scaler.is_enabled() and self.scaler.skipped_steps is not None:
             row["skipped_steps"] = self.checkpoints.skipped_steps()
             row["loss_scale"] = self.scaler.get_scale()

@@ -32,6 +32,7 @@ from ..amp import resolve_precision
 from ..ema import ModelEMA
 from ..export import check_onnx_packages
 from ..optim._base import FusedOptimizer
+from ..optim._kinds import KINDS
 from . import distributed as _dist
 from . import elastic_resume, finetune, fsdp, launcher, preemption, preflight, step_log
 from .callbacks import CallbackList, TrainerState, build_callbacks
@@ -106,7 +107,13 @@ class Trainer:
         kwargs = dict(p.optimizer_params)
         if fused:
             kwargs["max_grad_norm"] = p.clip_grad_norm
-        return cls(groups, lr=groups[0]["lr"], **kwargs), fused
+        opt = cls(groups, lr=groups[0]["lr"], **kwargs)
+        # NOTE [stalled updates]: bfloat16 weights without a master lose the updates below half an ulp; the
+        # epoch row reports how many.
+        if fused and p.weights_dtype == "bfloat16" and KINDS[opt._kind]["lean"] and \
+                any(g["master_weights"] in (False, "stochastic") for g in opt.param_groups):
+            opt.track_stalled_updates()
+        return opt, fused
 
     @staticmethod
     def _assign_lrs(groups, base_lr: float, fused: bool, device: torch.device) -> None:
@@ -339,11 +346,11 @@ class Trainer:
             ddp_model = ctx.wrap(model, device, p.find_unused_parameters)
         ema = None
         if p.ema:
-            if p.weights_dtype == "bfloat16" and ctx.is_main:
-                warnings.warn("Trainer: ema with weights_dtype bfloat16 keeps the EMA in bfloat16, where an update "
-                              "smaller than half an ulp (1 - decay below about 0.002 of the weights) rounds away; "
-                              "use weights_dtype float32 for an EMA with a decay close to 1", stacklevel=3)
             ema_kwargs = dict(p.ema_params)
+            if p.weights_dtype == "bfloat16" and ema_kwargs.get("remainder") is False and ctx.is_main:
+                warnings.warn("Trainer: ema_params.remainder false with weights_dtype bfloat16 keeps the EMA in "
+                              "bfloat16 alone, where an update smaller than half an ulp rounds away (NOTE [ema "
+                              "remainder]); leave remainder unset for the exact EMA", stacklevel=3)
             ema_kwargs.setdefault("total_steps", run_steps(p, steps_per_epoch))
             ema = ModelEMA(model, **ema_kwargs)
         if ctx.fsdp:  # the EMA copy is sharded like the model, so the fused step updates it shard by shard

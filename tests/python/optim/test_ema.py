@@ -173,10 +173,10 @@ def test_skipped_updates_continue_from_right_t(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_model(device, dtype):
-    # The EMA keeps the model's dtype; each update is the float64 update of
-    # the current EMA rounded to the dtype (one ulp).
+    # The EMA keeps the model's dtype; without remainders (test_ema_remainder.py)
+    # each update is the float64 update of the current EMA rounded to the dtype (one ulp).
     model = mlp(device).to(dtype)
-    ema = ModelEMA(model, decay=0.7, decay_type="constant")
+    ema = ModelEMA(model, decay=0.7, decay_type="constant", remainder=False)
     for _ in range(5):
         perturb(model)
         prev, cur = f64_state(ema.module), f64_state(model)

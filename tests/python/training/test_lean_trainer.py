@@ -60,9 +60,29 @@ def test_bfloat16_weights_need_bf16_autocast(tmp_path, precision):
     assert not os.path.exists(os.path.join(str(tmp_path), "refused"))
 
 
-def test_an_ema_with_bfloat16_weights_is_warned_about(tmp_path):
-    with pytest.warns(UserWarning, match="ema with weights_dtype bfloat16 keeps the EMA in bfloat16"):
-        result, _, _ = _train(tmp_path, "lean_ema", max_epochs=1, ema=True, **LEAN)
+def test_an_ema_of_bfloat16_weights_keeps_remainders_and_resumes_exactly(tmp_path):
+    # NOTE [ema remainder]: the EMA of bfloat16 weights holds int16 remainders, saved with the checkpoint;
+    # a resumed run's EMA equals an uninterrupted one's.
+    ema = dict(ema=True, ema_params={"decay": 0.999, "decay_type": "constant"})
+    result, _, _ = _train(tmp_path, "lean_ema", **ema, **LEAN)
+    assert math.isfinite(result["final"]["train_loss"])
+    ck = torch.load(os.path.join(str(tmp_path), "lean_ema", "ckpt_latest.pth"), weights_only=True)
+    rems = ck["ema"]["remainders"]
+    assert rems and all(r.dtype == torch.int16 for r in rems.values()) and any(r.any() for r in rems.values())
+    _train(tmp_path, "lean_ema", max_epochs=3, resume=True, **ema, **LEAN)
+    _train(tmp_path, "lean_ema_whole", max_epochs=3, **ema, **LEAN)
+    a, b = [torch.load(os.path.join(str(tmp_path), name, "ckpt_latest.pth"), weights_only=True)["ema"]
+            for name in ("lean_ema", "lean_ema_whole")]
+    for k, v in b["module"].items():
+        assert torch.equal(a["module"][k], v), k
+    for k, v in b["remainders"].items():
+        assert torch.equal(a["remainders"][k], v), k
+
+
+def test_an_ema_without_remainders_of_bfloat16_weights_is_warned_about(tmp_path):
+    with pytest.warns(UserWarning, match="remainder false with weights_dtype bfloat16"):
+        result, _, _ = _train(tmp_path, "lean_ema", max_epochs=1, ema=True, ema_params={"remainder": False},
+                              **LEAN)
     assert math.isfinite(result["final"]["train_loss"])
 
 
@@ -86,3 +106,12 @@ def test_int8_moments_from_optimizer_params_resume_exactly(tmp_path):
     Trainer("q8_whole", ckpt_root_dir=str(tmp_path)).train(whole, dict(base, max_epochs=3), train, valid)
     for a, b in zip(resumed.parameters(), whole.parameters()):
         assert torch.equal(a, b)
+
+
+def test_bfloat16_weights_without_a_master_report_stalled_updates(tmp_path):
+    # NOTE [stalled updates]: an lr too small for bfloat16 weights shows in the epoch row.
+    lean = dict(LEAN, optimizer_params={"master_weights": "stochastic", "state_dtype": "bfloat16"}, initial_lr=1e-6)
+    result, _, _ = _train(tmp_path, "stalled", max_epochs=1, **lean)
+    assert result["final"]["stalled_updates"] > 0
+    result, _, _ = _train(tmp_path, "kept", max_epochs=1, **LEAN)  # a remainder loses nothing: not counted
+    assert "stalled_updates" not in result["final"]

@@ -385,7 +385,7 @@ def test_bad_top_level_input():
 def test_ema_params_keys_are_model_ema_kwargs():
     names = [n for n in inspect.signature(ModelEMA.__init__).parameters if n not in ("self", "model")]
     values = {"decay": 0.99, "decay_type": "threshold", "beta": 10.0, "total_steps": 100, "warmup": True,
-              "warmup_gamma": 2.0, "warmup_power": 0.75, "include_buffers": False}
+              "warmup_gamma": 2.0, "warmup_power": 0.75, "include_buffers": False, "remainder": False}
     assert sorted(values) == sorted(names)
     p = resolve_training_params({"ema": True, "ema_params": values})
     assert p.ema_params == values

@@ -469,7 +469,11 @@ _SPECS = [
         bfloat16}`, docs/optimizers.md "Lean state"), brings AdamW from 12 bytes per parameter to 8 (6 with
         `master_weights: stochastic`). Needs `mixed_precision: bf16` (or `true` resolving to it), whose autocast
         feeds the weights; not with `multi_gpu: fsdp`. Checkpoints hold the bfloat16 weights. An `ema` is kept in
-        bfloat16 too, where a decay close to 1 rounds its updates away (a warning says so)."""),
+        bfloat16 with an int16 remainder per value, which together are the exact float32 EMA
+        (`ema_params: {remainder: false}` drops them, and a decay close to 1 then rounds its updates away). Without
+        a master (`master_weights` false or `stochastic`) each epoch row reports `stalled_updates`: the weight
+        updates lost because they did not move a bfloat16 value (many of them: the lr is too small for bfloat16
+        weights)."""),
     _p("scaler_params", kwargs_of(LossScaler, ("device", "enabled"), SCALER_RESERVED, "a dict of "
                                    "fusetrain.LossScaler keyword arguments"), {}, """
         Keyword arguments of `fusetrain.LossScaler` for fp16 training (dynamic loss scaling: the initial scale, how

@@ -1,0 +1,231 @@
+"""EMA of bfloat16 weights with int16 remainders (NOTE [ema remainder] in
+csrc/common/lean_state.h): the bfloat16 EMA tensor joined with its remainder
+is bit for bit the float32 EMA of the same sources, in the update pass
+(fused_step_), in ema_update_/ema_step_ and through ModelEMA; a bfloat16 EMA
+without one stalls."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fusetrain import ModelEMA, _ops
+from fusetrain.optim import SGD, AdamW, Lamb, Lion
+from fusetrain.optim._base import _join_remainder, _split_remainder
+
+from _test_helpers import DEVICES
+
+
+def joined(ema: ModelEMA) -> dict:
+    """The EMA copy's values, bfloat16 tensors joined with their remainders."""
+    out = {}
+    for name, t in ema.module.state_dict().items():
+        r = ema._remainders.get(name)
+        out[name] = _join_remainder(t, r) if r is not None else t
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sizes", [[], [1], [5, 1031, 70001], [3] * 40])
+def test_ema_update_with_remainders_is_the_float32_ema(device, sizes):
+    # Mixed dtypes in one call: remainders go with the bfloat16 entries only.
+    emas32 = [torch.randn(n, device=device) * 3 for n in sizes]
+    srcs32 = [torch.randn(n, device=device).bfloat16().float() for n in sizes]
+    ema16, rems = map(list, zip(*[_split_remainder(e) for e in emas32])) if sizes else ([], [])
+    extra, extra_src = torch.randn(7, device=device), torch.randn(7, device=device)
+    extra_ref = extra.clone()
+    decay = torch.tensor(0.9993, device=device)
+    for _ in range(3):
+        _ops.ema_update_(emas32 + [extra_ref], srcs32 + [extra_src], decay)
+        _ops.ema_update_(ema16 + [extra], [s.bfloat16() for s in srcs32] + [extra_src], decay, remainders=rems)
+    for e16, r, e32 in zip(ema16, rems, emas32):
+        assert torch.equal(_join_remainder(e16, r), e32)
+    assert torch.equal(extra, extra_ref)
+
+
+def test_ema_update_remainder_errors():
+    e, s = torch.zeros(4, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16)
+    decay = torch.tensor(0.9)
+    with pytest.raises(RuntimeError, match="one int16 tensor per bfloat16 ema tensor"):
+        _ops.ema_update_([e, e.clone()], [s, s], decay, remainders=[torch.zeros(4, dtype=torch.int16)])
+    with pytest.raises(RuntimeError, match="must be an int16 tensor"):
+        _ops.ema_update_([e], [s], decay, remainders=[torch.zeros(4, dtype=torch.int32)])
+    with pytest.raises(RuntimeError, match="must be an int16 tensor"):
+        _ops.ema_update_([e], [s], decay, remainders=[torch.zeros(5, dtype=torch.int16)])
+    assert torch.equal(e, torch.zeros(4, dtype=torch.bfloat16))
+
+
+def _pair(device, numel=4100):
+    """A bfloat16 param list and its float32 twin (the same values)."""
+    torch.manual_seed(0)
+    shapes = [(numel,), (7, 3), (1,)]
+    p16 = [nn.Parameter(torch.randn(s, device=device).bfloat16()) for s in shapes]
+    p32 = [nn.Parameter(p.detach().float()) for p in p16]
+    return p16, p32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt_cls,kw", [(AdamW, dict(weight_decay=0.1)), (SGD, dict(momentum=0.9)), (Lion, {})])
+@pytest.mark.parametrize("master", [True, "remainder"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, "int8"])
+def test_update_pass_ema_with_remainders_is_the_float32_runs(device, opt_cls, kw, master, state_dtype):
+    # A bfloat16 run with masters is the float32 run (same masters), so its
+    # EMA (which follows the masters) joined with the remainders is the
+    # float32 run's EMA, bit for bit; the int8 state's stream is the same too.
+    if state_dtype == "int8":  # the 4100-element param takes int8 moments (the small-tensor rule)
+        kw = dict(kw, state_dtype="int8")
+    p16, p32 = _pair(device)
+    o16 = opt_cls(p16, lr=1e-2, master_weights=master, max_grad_norm=1.0, **kw)
+    o32 = opt_cls(p32, lr=1e-2, max_grad_norm=1.0, **kw)
+    e16 = [p.detach().clone() for p in p16]
+    r16 = [torch.zeros_like(p, dtype=torch.int16) for p in p16]
+    e32 = [p.detach().clone() for p in p32]
+    decay = torch.tensor(0.999, device=device)
+    o16.attach_ema(dict(zip(p16, e16)), decay, dict(zip(p16, r16)))
+    o32.attach_ema(dict(zip(p32, e32)), decay)
+    for _ in range(4):
+        grads = [torch.randn_like(p32[i]).bfloat16() for i in range(len(p32))]
+        for p, g in zip(p16, grads):
+            p.grad = g
+        for p, g in zip(p32, grads):
+            p.grad = g.float()
+        o16.step()
+        o32.step()
+    for a, r, b in zip(e16, r16, e32):
+        assert torch.equal(_join_remainder(a, r), b)
+    assert any(r.abs().sum() > 0 for r in r16)
+
+
+def test_update_pass_ema_stochastic_params_follows_the_stored_weights():
+    # Without a master the EMA follows the stored (stochastically rounded)
+    # param: the joined EMA is the float32 EMA of those values.
+    torch.manual_seed(1)
+    p = nn.Parameter(torch.randn(300).bfloat16())
+    opt = AdamW([p], lr=1e-3, master_weights="stochastic")
+    e, r = p.detach().clone(), torch.zeros(300, dtype=torch.int16)
+    ref = p.detach().float().clone()
+    decay = torch.tensor(0.99)
+    opt.attach_ema({p: e}, decay, {p: r})
+    w = torch.tensor(1.0) - decay
+    for _ in range(5):
+        p.grad = torch.randn(300).bfloat16()
+        opt.step()
+        ref = ref + w * (p.detach().float() - ref)
+    torch.testing.assert_close(_join_remainder(e, r), ref, rtol=2e-7, atol=1e-8)
+
+
+def test_attach_ema_remainder_errors():
+    p16, _ = _pair("cpu")
+    opt = AdamW(p16, lr=1e-2)
+    emas = {p: p.detach().clone() for p in p16}
+    decay = torch.tensor(0.9)
+    with pytest.raises(ValueError, match="needs an EMA remainder"):
+        opt.attach_ema(emas, decay, {p16[0]: torch.zeros_like(p16[0], dtype=torch.int16)})
+    with pytest.raises(ValueError, match="must be an int16 tensor"):
+        opt.attach_ema(emas, decay, {p: torch.zeros_like(p, dtype=torch.int32) for p in p16})
+    lamb = Lamb(p16, lr=1e-2)
+    with pytest.raises(ValueError, match="element-wise optimizers"):
+        lamb.attach_ema(emas, decay, {p: torch.zeros_like(p, dtype=torch.int16) for p in p16})
+
+
+def _bn_model(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.BatchNorm1d(16), nn.Linear(16, 4)).to(dtype)
+
+
+def test_model_ema_update_with_remainders_is_the_float32_ema():
+    m16 = _bn_model()
+    m32 = copy.deepcopy(m16).float()
+    a = ModelEMA(m16, decay=0.9995, decay_type="constant")
+    b = ModelEMA(m32, decay=0.9995, decay_type="constant")
+    assert a.remainder and not b.remainder
+    for _ in range(6):
+        with torch.no_grad():
+            for p in m16.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+            m16(torch.randn(32, 8).bfloat16())  # moves the bfloat16 running stats
+        m32.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in m16.state_dict().items()})
+        a.update(m16)
+        b.update(m32)
+    ja, sb = joined(a), b.module.state_dict()
+    for k, v in sb.items():
+        assert torch.equal(ja[k], v), k
+    # Without remainders the bfloat16 EMA hardly moves (updates round away);
+    # with them every element does.
+    m = _bn_model()
+    c = ModelEMA(m, decay=0.9995, decay_type="constant", remainder=False)
+    d = ModelEMA(m, decay=0.9995, decay_type="constant")
+    assert not c.remainder and d.remainder
+    start = copy.deepcopy(c.module.state_dict())
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05)
+    for _ in range(5):
+        c.update(m)
+        d.update(m)
+    moved_c = [(v != start[k]).float().mean() for k, v in c.module.state_dict().items() if "weight" in k]
+    moved_d = [(v != start[k].float()).float().mean() for k, v in joined(d).items() if "weight" in k]
+    assert max(moved_c) < 0.2 and min(moved_d) == 1.0
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "lamb"])
+def test_model_ema_attached_with_remainders(opt_name):
+    # AdamW carries the remainders in its update pass: the float32 run's EMA
+    # bit for bit. Lamb cannot: the EMA averages its params after the step,
+    # as ema.update(model) would.
+    m16 = _bn_model()
+    m32 = copy.deepcopy(m16).float()
+    if opt_name == "adamw":
+        o16 = AdamW(m16.parameters(), lr=1e-2, master_weights="remainder")
+        o32 = AdamW(m32.parameters(), lr=1e-2)
+        b = ModelEMA(m32, decay=0.999, decay_type="constant", include_buffers=False).attach(o32)
+    else:
+        o16 = Lamb(m16.parameters(), lr=1e-2, master_weights=True)
+        m_ref = copy.deepcopy(m16)
+        o_ref = Lamb(m_ref.parameters(), lr=1e-2, master_weights=True)
+        b = ModelEMA(m_ref, decay=0.999, decay_type="constant", include_buffers=False)
+    a = ModelEMA(m16, decay=0.999, decay_type="constant", include_buffers=False).attach(o16)
+    other = m32 if opt_name == "adamw" else m_ref
+    o_other = o32 if opt_name == "adamw" else o_ref
+    for _ in range(4):
+        x = torch.randn(16, 8)
+        for model, opt, dt in ((m16, o16, torch.bfloat16), (other, o_other, next(other.parameters()).dtype)):
+            opt.zero_grad()
+            model(x.to(dt)).float().square().mean().backward()
+        for p16, po in zip(m16.parameters(), other.parameters()):
+            po.grad = p16.grad.to(po.dtype)
+        o16.step()
+        o_other.step()
+        if opt_name == "lamb":
+            b.update(m_ref)
+    ja = joined(a)
+    for k, v in joined(b).items():
+        if v.is_floating_point() and "running" not in k:
+            assert torch.equal(ja[k], v), k
+
+
+def test_model_ema_state_dict_keeps_remainders():
+    m = _bn_model()
+    a = ModelEMA(m, decay=0.9, decay_type="constant")
+    for _ in range(3):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        a.update(m)
+    sd = a.state_dict()
+    assert sd["remainders"] and all(r.dtype == torch.int16 for r in sd["remainders"].values())
+    b = ModelEMA(_bn_model(), decay=0.5)
+    b.load_state_dict(sd)
+    for k, v in joined(a).items():
+        assert torch.equal(joined(b)[k], v)
+    # A state saved without remainders: the bfloat16 values are the EMA.
+    old = dict(sd)
+    del old["remainders"]
+    b.load_state_dict(old)
+    assert all(int(r.abs().sum()) == 0 for r in b._remainders.values())
+    b.update(m)
+    b.reset_remainders()
+    assert all(int(r.abs().sum()) == 0 for r in b._remainders.values())
+    with pytest.raises(ValueError, match="remainder must be True, False or None"):
+        ModelEMA(m, remainder="yes")
