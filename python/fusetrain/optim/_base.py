@@ -165,6 +165,14 @@ def _conform(t: Tensor, p: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.empty_strided(p.shape, _state_strides(p), dtype=dtype, device=p.device).copy_(t)
 
 
+def _put_in_form(state: Dict[str, Any], name: str, p: Tensor, dtype: torch.dtype, block: int,
+                 initial: float) -> None:
+    """NOTE [8-bit state]: ``state[name]`` made, converted or laid out for a
+    step of ``p`` (on its local shard for a DTensor: NOTE [sharded 8-bit state])."""
+    put = _int8_state.put_in_form_sharded if _sharded.is_sharded(p) else _int8_state.put_in_form
+    put(state, name, p, dtype, block, initial, _fits, _conform)
+
+
 def _is_device_scalar(v: Any, device: torch.device) -> bool:
     return isinstance(v, Tensor) and v.device == device and v.dtype == torch.float32 and v.dim() == 0
 
@@ -347,9 +355,6 @@ class FusedOptimizer(Optimizer):
             if lean_state != "float32" and p.dtype not in _LOW + (torch.float32,):
                 raise ValueError(f"{where}: param {i} has dtype {p.dtype}; state_dtype={lean_state} keeps the "
                                  "state of float32, bfloat16 and float16 params (use state_dtype=float32)")
-            if lean_state == "int8" and _sharded.is_sharded(p):
-                raise ValueError(f"{where}: param {i} is sharded (FSDP2); state_dtype=int8 keeps unsharded params' "
-                                 "state only (use state_dtype=bfloat16 with FSDP2)")
             if p.dtype == torch.float16 and not isinstance(group["master_weights"], bool):
                 raise ValueError(f"{where}: param {i} is float16; master_weights={group['master_weights']!r} "
                                  "keeps bfloat16 params (use master_weights=True for float16)")
@@ -388,6 +393,15 @@ class FusedOptimizer(Optimizer):
                 if st and "step" in st and not isinstance(st["step"], Tensor):
                     # A Python-number step (older torch checkpoints), as torch does.
                     st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32, device=p.device)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch.optim's state dict; sharded (FSDP2) params' int8 states are
+        in it decoded into float32 DTensors (NOTE [sharded 8-bit state] in
+        _int8_state.py), which distributed checkpoints reshard."""
+        sd = super().state_dict()
+        if self._sharding["any"]:
+            _int8_state.widen_sharded(sd["state"])
+        return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict saved by this optimizer or by the matching
@@ -443,8 +457,8 @@ class FusedOptimizer(Optimizer):
                 v = self.state[p].get(name)
                 if name is not None and name not in self._scalar_states and isinstance(v, Tensor) and \
                         torch.int8 in (v.dtype, _state_dtype(p, group=group)):
-                    _int8_state.put_in_form(self.state[p], name, p, _state_dtype(p, group=group),
-                                            group["state_block_size"], 0.0, _fits, _conform)
+                    _put_in_form(self.state[p], name, p, _state_dtype(p, group=group), group["state_block_size"],
+                                 0.0)
         self._lr_cache.clear()
         self._forget_lists()
 
@@ -669,8 +683,8 @@ class FusedOptimizer(Optimizer):
             elif name is not None and torch.int8 in (_state_dtype(p, group=group), getattr(state.get(name), "dtype",
                                                                                              None)):
                 # NOTE [8-bit state]: made, converted or laid out with its block scales.
-                _int8_state.put_in_form(state, name, p, _state_dtype(p, group=group), group["state_block_size"],
-                                        self._initial_state_value(name), _fits, _conform)
+                _put_in_form(state, name, p, _state_dtype(p, group=group), group["state_block_size"],
+                             self._initial_state_value(name))
             elif name is not None and state.get(name) is None:
                 state[name] = torch.full_like(p, self._initial_state_value(name), dtype=_state_dtype(p, group=group),
                                               memory_format=torch.preserve_format)

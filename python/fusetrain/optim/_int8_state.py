@@ -173,6 +173,50 @@ def put_in_form(state: dict, name: str, p: Tensor, dtype: torch.dtype, block: in
     state[name], state[key] = quantize_like(values, p, block)
 
 
+# NOTE [sharded 8-bit state]: a DTensor param's (FSDP2) int8 state is a
+# DTensor of codes sharded like it, and the block scales of this rank's shard
+# are a plain tensor: blocks start at the shard's first element and never
+# straddle two ranks. Its state dict holds the state decoded into a float32
+# DTensor (no scales), which torch.distributed.checkpoint saves, reshards and
+# loads as any sharded state; loading encodes it again (to nearest; on the
+# same shards the same codes and scales: a resume continues bit for bit).
+
+
+def put_in_form_sharded(state: dict, name: str, p: Tensor, dtype: torch.dtype, block: int, initial: float, fits,
+                        conform) -> None:
+    """put_in_form for a DTensor param, on its local shard (NOTE [sharded 8-bit state])."""
+    from torch.distributed.tensor import DTensor
+
+    key = scales_key(name)
+    local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in state.items() if k in (name, key)}
+    put_in_form(local, name, p.to_local(), dtype, block, initial, fits, conform)
+    state[name] = DTensor.from_local(local[name], p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                     stride=p.stride())
+    if key in local:
+        state[key] = local[key]
+    else:
+        state.pop(key, None)
+
+
+def widen_sharded(states: dict) -> None:
+    """The int8 DTensor states of a state dict's ``states`` decoded into float32
+    DTensors, their scales dropped (NOTE [sharded 8-bit state]); the entries
+    are replaced, not changed in place."""
+    from torch.distributed.tensor import DTensor
+
+    for pid, st in list(states.items()):
+        names = [k for k, v in st.items() if isinstance(v, DTensor) and v.dtype == torch.int8]
+        if not names:
+            continue
+        st = dict(st)
+        for k in names:
+            c = st[k]
+            values = dequantize(c.to_local(), st.pop(scales_key(k)))
+            st[k] = DTensor.from_local(values, c.device_mesh, c.placements, run_check=False, shape=c.shape,
+                                       stride=c.stride())
+        states[pid] = st
+
+
 def full_precision_state_dict(state_dict: dict) -> dict:
     """A copy of an optimizer state dict with its lean moments as float32: int8
     states decoded (their block scales dropped), bfloat16 states widened,

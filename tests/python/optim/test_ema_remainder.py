@@ -14,7 +14,7 @@ from fusetrain import ModelEMA, _ops
 from fusetrain.optim import SGD, AdamW, Lamb, Lion
 from fusetrain.optim._base import _join_remainder, _split_remainder
 
-from _test_helpers import DEVICES
+from _test_helpers import DEVICES, kind_record
 
 
 def joined(ema: ModelEMA) -> dict:
@@ -229,3 +229,47 @@ def test_model_ema_state_dict_keeps_remainders():
     assert all(int(r.abs().sum()) == 0 for r in b._remainders.values())
     with pytest.raises(ValueError, match="remainder must be True, False or None"):
         ModelEMA(m, remainder="yes")
+
+
+def _step_args(kind="adam", **fields):
+    """fused_step_ over one bfloat16 param with an EMA (a group record with has_ema)."""
+    p = torch.randn(37).bfloat16()
+    record = kind_record(kind, ema=True, **fields)
+    return (kind, [p], [torch.randn(37).bfloat16()], [torch.zeros(())], [torch.zeros(37)], [torch.zeros(37)], [], [],
+            [p.clone()], [1], [torch.tensor(0.1)], record), p
+
+
+ADAM = dict(betas=(0.9, 0.99), weight_decay=0.0, eps=1e-8)
+
+
+def test_fused_step_refuses_remainders_that_do_not_fit():
+    args, p = _step_args(**ADAM)
+    before = p.clone()
+    decay = torch.tensor(0.9)
+    with pytest.raises(ValueError, match="ema_remainders has 2 tensors but the bfloat16 EMA tensors need 1"):
+        torch.ops.fusetrain.fused_step_(*args, ema_decay=decay, ema_remainders=[torch.zeros(37, dtype=torch.int16)] * 2)
+    with pytest.raises(RuntimeError, match="must be an int16 tensor with the EMA's shape"):
+        torch.ops.fusetrain.fused_step_(*args, ema_decay=decay, ema_remainders=[torch.zeros(36, dtype=torch.int16)])
+    with pytest.raises(ValueError, match="stalled_out must be an int64 tensor"):
+        torch.ops.fusetrain.fused_step_(*args, ema_decay=decay, stalled_out=torch.zeros(()))
+    assert torch.equal(p, before)
+    lamb, _ = _step_args("lamb", betas=(0.9, 0.99), weight_decay=0.0, eps=1e-6)
+    with pytest.raises(ValueError, match="EMA remainders are for the element-wise optimizers"):
+        torch.ops.fusetrain.fused_step_(*lamb, ema_decay=decay, ema_remainders=[torch.zeros(37, dtype=torch.int16)])
+    with pytest.raises(ValueError, match="does not count stalled updates"):
+        torch.ops.fusetrain.fused_step_(*lamb, ema_decay=decay, stalled_out=torch.zeros((), dtype=torch.int64))
+
+
+def test_opcheck_ema_remainders_and_stalled_out():
+    args, _ = _step_args(**ADAM)
+    torch.library.opcheck(torch.ops.fusetrain.fused_step_.default, args,
+                          {"ema_decay": torch.tensor(0.9), "ema_remainders": [torch.zeros(37, dtype=torch.int16)],
+                           "stalled_out": torch.zeros((), dtype=torch.int64)})
+    ema = [torch.randn(5, 3).bfloat16(), torch.randn(4)]
+    src = [torch.randn(5, 3).bfloat16(), torch.randn(4)]
+    rems = [torch.zeros(5, 3, dtype=torch.int16)]
+    torch.library.opcheck(torch.ops.fusetrain.ema_update_.default, (ema, src, torch.tensor(0.9)),
+                          {"remainders": rems})
+    torch.library.opcheck(torch.ops.fusetrain.ema_step_.default,
+                          (ema, src, [torch.zeros(2)], [torch.ones(2)], torch.tensor(0.9), torch.zeros(())),
+                          {"remainders": rems})
