@@ -273,3 +273,23 @@ def test_opcheck_ema_remainders_and_stalled_out():
     torch.library.opcheck(torch.ops.fusetrain.ema_step_.default,
                           (ema, src, [torch.zeros(2)], [torch.ones(2)], torch.tensor(0.9), torch.zeros(())),
                           {"remainders": rems})
+
+
+def test_compiled_step_carries_the_remainders():
+    # The attached EMA with remainders in a full-graph compiled step: the eager step's bits.
+    runs = []
+    for compiled in (False, True):
+        p16, _ = _pair("cpu", 300)
+        opt = AdamW(p16, lr=1e-2, master_weights="remainder")
+        e, r = [p.detach().clone() for p in p16], [torch.zeros_like(p, dtype=torch.int16) for p in p16]
+        opt.attach_ema(dict(zip(p16, e)), torch.tensor(0.99), dict(zip(p16, r)))
+        step = torch.compile(opt.step, backend="aot_eager", fullgraph=True) if compiled else opt.step
+        torch.manual_seed(3)
+        for _ in range(3):
+            for p in p16:
+                p.grad = torch.randn_like(p)
+            step()
+        runs.append([_join_remainder(a, b) for a, b in zip(e, r)])
+    torch._dynamo.reset()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
