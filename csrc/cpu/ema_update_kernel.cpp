@@ -10,8 +10,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "../common/lean_state.h"
 #include "../common/update_args.h"
+#include "blocks.h"
 #include "work_items.h"
 
 namespace fusetrain {
@@ -39,16 +39,8 @@ void ema_block(T* ema, const T* src, int16_t* rem, int64_t n, float w_f) {
       e = ema + off;
       s = src + off;
     } else {
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (rem != nullptr) {
-          for (int64_t i = 0; i < m; ++i) eb[i] = join_remainder(ema[off + i].x, rem[off + i]);
-        } else {
-          at::vec::convert(ema + off, eb, m);
-        }
-      } else {
-        at::vec::convert(ema + off, eb, m);
-      }
-      at::vec::convert(src + off, sb, m);
+      load_block(ema + off, rem != nullptr ? rem + off : nullptr, eb, m);
+      convert_block(src + off, sb, m);
       e = eb;
       s = sb;
     }
@@ -57,13 +49,7 @@ void ema_block(T* ema, const T* src, int16_t* rem, int64_t n, float w_f) {
       Vec r = lerp_small_weight(Vec::loadu(e + i, c), Vec::loadu(s + i, c), w);
       r.store(e + i, c);
     }
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (rem != nullptr) {
-        for (int64_t i = 0; i < m; ++i) split_remainder(eb[i], ema[off + i].x, rem[off + i]);
-        continue;
-      }
-    }
-    if constexpr (!std::is_same_v<T, C>) at::vec::convert(eb, ema + off, m);
+    if constexpr (!std::is_same_v<T, C>) store_block(eb, ema + off, rem != nullptr ? rem + off : nullptr, m);
   }
 }
 

@@ -43,6 +43,7 @@ inline at::vec::Vectorized<C> vsign(at::vec::Vectorized<C> x) {
 
 #include "../common/lean_state.h"
 #include "../common/optim_kinds.h"
+#include "blocks.h"
 #include "work_items.h"
 
 namespace fusetrain {
@@ -51,15 +52,6 @@ namespace {
 
 constexpr int64_t kChunk = 32768;  // elements per parallel work item
 constexpr int64_t kBlock = 512;    // elements per L1-resident block
-
-template <typename S, typename D>
-inline void convert_block(const S* src, D* dst, int64_t n) {
-  if constexpr (std::is_same_v<S, D>) {
-    std::memcpy(dst, src, n * sizeof(S));
-  } else {
-    at::vec::convert(src, dst, n);
-  }
-}
 
 
 const float* scalar_ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
@@ -263,15 +255,7 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
       if constexpr (kInPlace) {
         pw = reinterpret_cast<C*>(param) + off;
       } else {
-        if constexpr (kBf16Param) {
-          if (rem != nullptr) {
-            for (int64_t i = 0; i < m; ++i) pb[i] = join_remainder(param[off + i].x, rem[off + i]);
-          } else {
-            convert_block(param + off, pb, m);
-          }
-        } else {
-          convert_block(param + off, pb, m);
-        }
+        load_block(param + off, rem != nullptr ? rem + off : nullptr, pb, m);
         pw = pb;
       }
     }
@@ -336,12 +320,10 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
       if (count) std::memcpy(before, param + off, m * sizeof(P));
     }
     if constexpr (kBf16Param) {
-      if (rem != nullptr) {
-        for (int64_t i = 0; i < m; ++i) split_remainder(pw[i], param[off + i].x, rem[off + i]);
-      } else if (stochastic) {
+      if (stochastic) {
         store_stochastic(pw, param + off, m, rounding_key(step, t, 0), it.begin + off);
       } else {
-        convert_block(pw, param + off, m);
+        store_block(pw, param + off, rem != nullptr ? rem + off : nullptr, m);
       }
     } else if (master != nullptr || !kInPlace) {
       convert_block(pw, param + off, m);
@@ -362,15 +344,7 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
           convert_block(param + off, pb, m);
           src = pb;
         }
-        if constexpr (kBf16Param) {
-          if (ema_rem != nullptr) {
-            for (int64_t i = 0; i < m; ++i) eb[i] = join_remainder(ema[off + i].x, ema_rem[off + i]);
-          } else {
-            convert_block(ema + off, eb, m);
-          }
-        } else {
-          convert_block(ema + off, eb, m);
-        }
+        load_block(ema + off, ema_rem != nullptr ? ema_rem + off : nullptr, eb, m);
         ew = eb;
       }
       for (int64_t i = 0; i < m; i += VS) {
@@ -378,15 +352,7 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
         Vec e = lerp_small_weight(Vec::loadu(ew + i, c), Vec::loadu(src + i, c), ema_w);
         e.store(ew + i, c);
       }
-      if constexpr (kBf16Param) {
-        if (ema_rem != nullptr) {
-          for (int64_t i = 0; i < m; ++i) split_remainder(eb[i], ema[off + i].x, ema_rem[off + i]);
-        } else {
-          convert_block(eb, ema + off, m);
-        }
-      } else if constexpr (!kInPlace) {
-        convert_block(eb, ema + off, m);
-      }
+      if constexpr (!kInPlace) store_block(eb, ema + off, ema_rem != nullptr ? ema_rem + off : nullptr, m);
     }
   }
   if (n_stalled != 0) __atomic_fetch_add(stalled, n_stalled, __ATOMIC_RELAXED);

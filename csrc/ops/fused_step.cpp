@@ -153,10 +153,10 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                     "fused_step_: stalled_out must be an int64 tensor with one element");
   TORCH_CHECK_VALUE(!stalled_out.has_value() || spec.lean, "fused_step_: optimizer '", spec.name, "' does not "
                     "count stalled updates (the element-wise optimizers do; NOTE [stalled updates])");
-  for (const auto& p : params)
-    TORCH_CHECK_VALUE(!stalled_out.has_value() || p.device() == stalled_out->device(), "fused_step_: stalled_out "
-                      "is on ", stalled_out->device(), " but a param is on ", p.device(), "; count on the params' "
-                      "device");
+  for (size_t i = 0; stalled_out.has_value() && i < params.size(); ++i)
+    TORCH_CHECK_VALUE(params[i].device() == stalled_out->device(), "fused_step_: stalled_out is on ",
+                      stalled_out->device(), " but params[", i, "] is on ", params[i].device(),
+                      "; count on the params' device");
   TORCH_CHECK_VALUE(!grad_norm.has_value() || (grad_norm->defined() && grad_norm->numel() == 1 &&
                                                grad_norm->scalar_type() == at::kFloat),
                     "fused_step_: grad_norm must be a float32 tensor with one element");
@@ -189,15 +189,15 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
         n_scales += states[k][i].defined() && states[k][i].scalar_type() == at::kChar;
       state_pos[k] += size;
     }
-    if (f[2] != 0.0) {
+    if (f[2] != 0.0 && !ema_rems.empty()) {
       size_t bf16 = 0;
       for (size_t i = ema_pos; i < std::min(ema_pos + size, ema_params.size()); ++i)
         bf16 += ema_params[i].scalar_type() == at::kBFloat16;
-      TORCH_CHECK_VALUE(ema_rems.empty() || bf16 == 0 || spec.lean, where, ": EMA remainders are for the "
-                        "element-wise optimizers (NOTE [ema remainder] in csrc/common/lean_state.h)");
+      TORCH_CHECK_VALUE(bf16 == 0 || spec.lean, where, ": EMA remainders are for the element-wise optimizers "
+                        "(NOTE [ema remainder] in csrc/common/lean_state.h)");
       n_ema_rems += bf16;
-      ema_pos += size;
     }
+    if (f[2] != 0.0) ema_pos += size;
     first += size;
     clips = clips || f[0] > 0.0;
   }
