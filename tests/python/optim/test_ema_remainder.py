@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from fusetrain import ModelEMA, _ops
+from fusetrain import ModelEMA, TrainStep, _ops
 from fusetrain.optim import SGD, AdamW, Lamb, Lion
 from fusetrain.optim._base import _join_remainder, _split_remainder
 
-from _test_helpers import DEVICES, kind_record
+from _test_helpers import CUDA, DEVICES, kind_record
 
 
 def joined(ema: ModelEMA) -> dict:
@@ -293,3 +293,37 @@ def test_compiled_step_carries_the_remainders():
     torch._dynamo.reset()
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["compile", pytest.param("cuda_graph", marks=CUDA)])
+def test_train_step_carries_ema_remainders_and_stall_counts(mode):
+    # A bfloat16 model with stochastic rounding, int8 moments, a ModelEMA (remainders) and the stall counter,
+    # compiled (aot_eager) or captured as one CUDA graph: the eager step's weights, EMA and count.
+    device = "cuda" if mode == "cuda_graph" else "cpu"
+
+    def run(m):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 4)).to(device, torch.bfloat16)
+        opt = AdamW(model.parameters(), lr=torch.tensor(1e-3, device=device), master_weights="stochastic",
+                    state_dtype="int8")
+        counter = opt.track_stalled_updates()
+        ema = ModelEMA(model, decay=0.99, decay_type="constant")
+        options = {"compile_options": {"backend": "aot_eager"}} if m == "compile" else {}
+        step = TrainStep(model, nn.MSELoss(), opt, mode=m, ema=ema, **options)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(4):
+            x, y = torch.randn(8, 64, generator=g), torch.randn(8, 4, generator=g)
+            step(x.to(device, torch.bfloat16), y.to(device, torch.bfloat16))
+        return [p.detach().cpu() for p in model.parameters()], {k: v.cpu() for k, v in joined(ema).items()}, \
+            int(counter)
+
+    torch._dynamo.reset()
+    try:
+        eager, other = run("off"), run(mode)
+    finally:
+        torch._dynamo.reset()
+    for a, b in zip(eager[0], other[0]):
+        assert torch.equal(a, b)
+    for k, v in eager[1].items():
+        assert torch.equal(v, other[1][k]), k
+    assert eager[2] == other[2] > 0
