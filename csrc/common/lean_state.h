@@ -69,10 +69,11 @@ FT_HD uint32_t rounding_key(float step, int64_t tensor, int stream) {
   return mix32(mix32(s * 0x9E3779B9u + static_cast<uint32_t>(stream)) ^ static_cast<uint32_t>(tensor) * 0x85EBCA6Bu);
 }
 
-// 32 random bits of element `i` of the stream `key`.
+// 32 random bits of element `i` of the stream `key`: one mix of the index
+// under the key (the key itself is mixed twice, once per tensor and step).
 FT_HD uint32_t rounding_bits(uint32_t key, int64_t i) {
   const uint32_t lo = static_cast<uint32_t>(i), hi = static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32);
-  return mix32(mix32(key ^ lo) + hi * 0x27D4EB2Fu);
+  return mix32((key ^ lo) + hi * 0x27D4EB2Fu);
 }
 
 // The bfloat16 bits of x rounded stochastically with the random bits `rnd`

@@ -37,7 +37,7 @@ def rounding_bits(step, tensor, stream, n):
     key = mix32(torch.tensor((int(step) * 0x9E3779B9 + stream) & M32)) ^ ((tensor * 0x85EBCA6B) & M32)
     key = mix32(key)
     i = torch.arange(n, dtype=torch.int64)
-    return mix32((mix32(key ^ (i & M32)) + (i >> 32) * 0x27D4EB2F) & M32)
+    return mix32(((key ^ (i & M32)) + (i >> 32) * 0x27D4EB2F) & M32)
 
 
 def grads(params, seed, scale=1.0):
