@@ -29,6 +29,27 @@ FT_HD double vsqrt(double x) { return ::sqrt(x); }
 FT_HD double vmax(double a, double b) { return (a > b || a != a) ? a : b; }
 FT_HD double vsign(double x) { return static_cast<double>((x > 0.0) - (x < 0.0)); }
 
+// NOTE [rounded decay]: the decoupled weight decay's product p * (1 - lr * wd)
+// is rounded on its own, as torch's `param.mul_(1 - lr * wd)`. Left to nvcc,
+// the product may fuse with the update's add into one FMA (or not, as the
+// surrounding code changes); the difference of one rounding a step walks a few
+// elements past float32 agreement with torch over hundreds of steps. The CPU
+// kernels' Vectorized products are rounded on their own anyway.
+FT_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FT_HD double mul_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 // Per-tensor coefficients, computed once per tensor (per chunk on CUDA) from
 // the device scalars (lr, step) and the host hyperparameters, in the
 // precision T of the update (float, or double for float64 params).
@@ -85,7 +106,7 @@ template <typename V, typename Co>
 FT_HD void adam_weight_decay(V& p, V& g, const Co& c) {
   if (c.weight_decay == decltype(c.weight_decay)(0)) return;
   if (c.decoupled) {
-    p = p * V(c.decay_mul);
+    p = mul_rn(p, V(c.decay_mul));
   } else {
     g = g + V(c.weight_decay) * p;
   }
@@ -158,7 +179,7 @@ FT_HD void nadam_update(V& p, V g, V& m, V& v, const NAdamCoeffs<T>& c) {
 template <typename V, typename T>
 FT_HD void lion_update(V& p, V g, V& m, const LionCoeffs<T>& c) {
   V u = m * V(c.beta1) + g * V(c.one_minus_beta1);
-  if (c.has_decay) p = p * V(c.decay_mul);
+  if (c.has_decay) p = mul_rn(p, V(c.decay_mul));
   p = p + V(c.neg_lr) * vsign(u);
   m = m * V(c.beta2) + V(c.one_minus_beta2) * g;
 }

