@@ -200,9 +200,12 @@ class ModelEMA:
                         self.warmup_gamma, self.warmup_power)
         return self._decay
 
-    def _sources(self, model: nn.Module) -> Dict[str, Tensor]:
+    def _sources(self, model: nn.Module, params: bool = True, buffers: bool = True) -> Dict[str, Tensor]:
+        """The model's current params and/or buffers by name (looked up at each
+        update: a module may replace a buffer tensor)."""
         base = unwrap_model(model)
-        return {**dict(base.named_parameters()), **dict(base.named_buffers())}
+        return {**(dict(base.named_parameters()) if params else {}),
+                **(dict(base.named_buffers()) if buffers else {})}
 
     # ---- updates -------------------------------------------------------------------
 
@@ -271,8 +274,11 @@ class ModelEMA:
             # params follow. _buf_avg_names is read per step: load_state_dict may change include_buffers.
             if opt.last_found_inf is None:
                 return  # the step applied no gradient: no EMA update
+            # The model is walked for what the step reads only: a walk is ~0.1 ms of host time a step.
             names = self._buf_avg_names if rides else self._avg_names + self._buf_avg_names
-            self._step_tensors(self._sources(self._model), names, self._decay, opt.last_found_inf)
+            src = self._sources(self._model, params=not rides or bool(self._copy_names),
+                                buffers=bool(self._buf_avg_names or self._buf_copy_names))
+            self._step_tensors(src, names, self._decay, opt.last_found_inf)
 
         self._hooks = [optimizer.register_step_pre_hook(pre_hook), optimizer.register_step_post_hook(post_hook)]
         self._optimizer = optimizer

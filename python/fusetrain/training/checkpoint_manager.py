@@ -21,8 +21,8 @@ mid-epoch checkpoint adds ``position`` (NOTE [mid-epoch resume]); with
 models averaged so far.
 
 NOTE [asynchronous checkpoints]: with ``async_checkpoints`` a checkpoint's
-state is copied to host memory on the training thread (the snapshot: later
-steps cannot change it), and its files are written, linked and pruned by one
+state is copied to host memory (the snapshot, queued by the training thread:
+later steps cannot change it; NOTE [pinned snapshot]), and its files are written, linked and pruned by one
 background thread, each file still atomically. The next checkpoint, the end
 of the run (also a failed or interrupted one: ``close``) wait for the write
 in flight; its ``on_checkpoint_saved`` callbacks then run on the training
@@ -62,21 +62,62 @@ _STEP_FILE = re.compile(r"ckpt_step_(\d+)\.pth")
 WRITER_THREAD = "fusetrain-checkpoint:"
 
 
-def _on_host(obj: Any) -> Any:
-    """``obj`` with every tensor copied to host memory (a snapshot that later steps cannot change)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        out = obj.copy()  # keeps OrderedDict and the like
-        for k, v in obj.items():
-            out[k] = _on_host(v)
+class HostSnapshot:
+    """NOTE [pinned snapshot]: the host copy of an asynchronous checkpoint. A
+    dense CUDA tensor goes to a page-locked buffer kept for the same place of
+    the next checkpoint, by a copy queued on its device's current stream: the
+    training thread does not wait for it (a copy to pageable memory waits for
+    the GPU and runs at a fraction of the bus's speed), and the next steps'
+    kernels, queued behind it, cannot change what it reads. ``ready()`` (on
+    the writer thread) waits for the copies before the state is written. The
+    buffers are reused only after the write that read them (one write in
+    flight, NOTE [asynchronous checkpoints]). Other tensors are copied
+    synchronously."""
+
+    def __init__(self) -> None:
+        self._buffers: Dict[Tuple[Any, ...], torch.Tensor] = {}
+        self._events: List[Any] = []
+
+    def take(self, obj: Any) -> Any:
+        """``obj`` with its tensors copied (or being copied) to host memory."""
+        buffers, self._buffers = self._buffers, {}
+        devices: Dict[torch.device, None] = {}
+        out = self._copy(obj, (), buffers, devices)
+        self._events = []
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._events.append(event)
         return out
-    if isinstance(obj, list):
-        return [_on_host(v) for v in obj]
-    if isinstance(obj, tuple):
-        items = [_on_host(v) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    return obj
+
+    def ready(self) -> None:
+        """Wait until the last ``take``'s copies have landed."""
+        for event in self._events:
+            event.synchronize()
+
+    def _copy(self, obj: Any, key: Tuple[Any, ...], buffers: Dict[Tuple[Any, ...], torch.Tensor],
+              devices: Dict[torch.device, None]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            if not (t.is_cuda and t.layout == torch.strided and type(t) in (torch.Tensor, nn.Parameter)):
+                return t.to("cpu", copy=True)
+            buf = buffers.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._buffers[key] = buf
+            devices[t.device] = None
+            return buf.copy_(t, non_blocking=True)
+        if isinstance(obj, dict):
+            out = obj.copy()  # keeps OrderedDict and the like
+            for k, v in obj.items():
+                out[k] = self._copy(v, key + (k,), buffers, devices)
+            return out
+        if isinstance(obj, (list, tuple)):
+            items = [self._copy(v, key + (i,), buffers, devices) for i, v in enumerate(obj)]
+            if isinstance(obj, list):
+                return items
+            return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+        return obj
 
 
 def _progress_of(state: TrainerState) -> TrainerState:
@@ -101,6 +142,7 @@ class CheckpointManager:
         self.position: Optional[Dict[str, Any]] = None  # this rank's part of a resumed mid-epoch position
         self._writer: Optional[ThreadPoolExecutor] = None  # NOTE [asynchronous checkpoints]
         self._pending: Optional[Tuple[Future, TrainerState]] = None  # the write in flight, the state it saved
+        self._host = HostSnapshot()  # NOTE [pinned snapshot]
         self.epoch_start: Dict[str, Any] = {}  # the epoch's random states before its iterator, its first step
         self.best_models = (BestModels(p.number_of_models_to_average, p.greater_metric_to_watch_is_better)
                             if p.average_best_models and ctx.is_main else None)
@@ -262,15 +304,18 @@ class CheckpointManager:
                                                                                 path))
             return
         self.wait()
-        snapshot = _on_host(state)
+        snapshot = self._host.take(state)
         if self._writer is None:
             name = WRITER_THREAD + os.path.basename(self.dir)
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._pending = (self._writer.submit(self._write_files, snapshot, paths, prune, None), _progress_of(self.state))
+        self._pending = (self._writer.submit(self._write_files, snapshot, paths, prune, None, self._host.ready),
+                         _progress_of(self.state))
 
     def _write_files(self, state: Dict[str, Any], paths: List[str], prune: bool,
-                     saved: Optional[Callable[[str], None]]) -> List[str]:
-        """The files of one checkpoint, in order; ``saved(path)`` after each. Returns the paths written."""
+                     saved: Optional[Callable[[str], None]], ready: Callable[[], None] = lambda: None) -> List[str]:
+        """The files of one checkpoint, in order, once ``ready()`` returns; ``saved(path)`` after each. Returns
+        the paths written."""
+        ready()
         for k, path in enumerate(paths):
             if k == 0:
                 atomic_save(state, path)

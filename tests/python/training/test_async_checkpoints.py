@@ -13,6 +13,7 @@ from fusetrain import Callback
 from fusetrain.training import checkpoint_manager
 from fusetrain.training.checkpoints import load_checkpoint
 
+from _test_helpers import CUDA
 from _train_helpers import one_thread  # noqa: F401  (fixture)
 from test_trainer import assert_tree_equal
 from test_trainer_reliability import train
@@ -90,7 +91,33 @@ def test_resume_continues_from_background_checkpoints(tmp_path):
 def test_the_snapshot_is_a_host_copy():
     t = torch.ones(3)
     state = {"a": [t, (t, 2)], "b": {"c": t}}
-    snap = checkpoint_manager._on_host(state)
+    host = checkpoint_manager.HostSnapshot()
+    snap = host.take(state)
+    host.ready()
     t.add_(1)
     assert torch.equal(snap["a"][0], torch.ones(3)) and snap["a"][1][1] == 2
     assert torch.equal(snap["b"]["c"], torch.ones(3)) and snap["a"][0].data_ptr() != t.data_ptr()
+
+
+@CUDA
+def test_a_cuda_snapshot_is_pinned_queued_and_reused():
+    """NOTE [pinned snapshot]: dense CUDA tensors land in page-locked buffers kept for the next snapshot; a
+    change queued after the snapshot does not reach it; a tensor whose shape changed gets a new buffer."""
+    w = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    odd = torch.ones(6, 4, device="cuda").t()  # not contiguous
+    state = {"model": {"w": w, "odd": odd}, "step": torch.tensor(3), "sizes": [w[:5]]}
+    host = checkpoint_manager.HostSnapshot()
+    snap = host.take(state)
+    w.mul_(-1)  # queued behind the copies
+    host.ready()
+    assert snap["model"]["w"].is_pinned() and snap["model"]["w"].device.type == "cpu"
+    assert torch.equal(snap["model"]["w"], torch.arange(1 << 20, dtype=torch.float32))
+    assert torch.equal(snap["model"]["odd"], torch.ones(4, 6)) and torch.equal(snap["step"], torch.tensor(3))
+    assert torch.equal(snap["sizes"][0], torch.arange(5, dtype=torch.float32))
+    first = snap["model"]["w"].data_ptr()
+    state["sizes"] = [w[:7]]
+    again = host.take(state)
+    host.ready()
+    assert again["model"]["w"].data_ptr() == first, "the buffer is reused"
+    assert torch.equal(again["model"]["w"], -torch.arange(1 << 20, dtype=torch.float32))
+    assert again["sizes"][0].shape == (7,)

@@ -625,8 +625,9 @@ _SPECS = [
         optimizer step at which each was written; epoch-end and mid-epoch checkpoints alike), deleting older ones
         (0: keep none). `ckpt_best.pth` and the `save_ckpt_epoch_list` files are kept in any case."""),
     _p("async_checkpoints", boolean(), False, """
-        Write checkpoint files in a background thread: at a checkpoint the training loop waits only while the
-        state is copied to host memory, then trains on while the files are written (each still atomically, so
+        Write checkpoint files in a background thread: at a checkpoint the training loop only queues the copy of
+        the state to host memory (page-locked buffers on a GPU, kept for the next checkpoint), then trains on
+        while the files are written (each still atomically, so
         `ckpt_latest.pth` is always a whole checkpoint). The next checkpoint and the end of the run (also a
         failed or interrupted one) wait for the write in flight; `on_checkpoint_saved` callbacks run on the
         training thread once their file is written, and a failed write raises there. Host memory holds one extra
