@@ -10,7 +10,7 @@
 //   * the optimizer's param_groups list, each group dict, its "params" list
 //     and every element are the objects the plan was made from;
 //   * every param has the same dtype, device and strides (its state follows
-//     its layout, NOTE [state layout] in python/fusetrain/optim/_base.py), and
+//     its layout, NOTE [state layout] in python/fusetrain/optim/_state_layout.py), and
 //     a gradient exactly when it had one (dense; a DTensor gradient gives its
 //     local shard);
 //   * a param with a master copy has the same version counter and data

@@ -26,6 +26,9 @@ from torch.optim import Optimizer
 from .. import _C, _ops
 from . import _int8_state, _sharded
 from ._kinds import KINDS
+from ._settings import (_MASTER_CODES, _MASTER_KEYS, _check_block_size, _check_master_weights, _check_range,
+                        _check_state_dtype)
+from ._state_layout import _LOW, _conform, _fits, _join_remainder, _put_in_form, _same, _split_remainder, _state_dtype
 
 # Complex params are updated as real views (torch.view_as_real), as torch.optim
 # does; their state is complex like torch's. NOTE [float64 params] in
@@ -33,193 +36,11 @@ from ._kinds import KINDS
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64,
                      torch.complex128)
 _SUPPORTED_NAMES = "float32, float16, bfloat16, float64, complex64, complex128"
-_LOW = (torch.float16, torch.bfloat16)
 _KIND_PLANS: Dict[type, Any] = {}  # FusedOptimizer._kind_plan, per class
-
-
-def _state_dtype(p: Tensor, complex_state: bool = True, group: Optional[Mapping[str, Any]] = None) -> torch.dtype:
-    """The dtype of ``p``'s optimizer state: float64 (complex128) for float64
-    (complex128) params, float32 (complex64) for the others, unless ``group``
-    keeps bfloat16 or int8 state (NOTE [lean state]; int8 for params of at
-    least ``_int8_state.MIN_NUMEL`` elements, NOTE [8-bit state])."""
-    lean = "float32" if group is None else group.get("state_dtype", "float32")
-    if lean != "float32" and p.dtype in _LOW + (torch.float32,):
-        if lean == "bfloat16":
-            return torch.bfloat16
-        if p.numel() >= _int8_state.MIN_NUMEL:
-            return torch.int8
-    wide = p.dtype in (torch.float64, torch.complex128)
-    if p.is_complex() and complex_state:
-        return torch.complex128 if wide else torch.complex64
-    return torch.float64 if wide else torch.float32
-
-
-def _same(t: Tensor) -> Tensor:
-    return t
-
-
-# NOTE [lean state] in csrc/common/lean_state.h: how a group keeps its
-# bfloat16 params' full value (master_weights) and its moments (state_dtype).
-#: master_weights values and their code in a group record.
-_MASTER_CODES = {False: 0.0, True: 1.0, "remainder": 2.0, "stochastic": 3.0}
-_MASTER_NAMES = "False, True, 'remainder' or 'stochastic'"
-_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
-#: The state entry holding a param's full value, by master_weights value.
-_MASTER_KEYS = {True: "master_param", "remainder": "master_remainder"}
-
-
-def _check_master_weights(opt: str, value: Any, lean: bool) -> Any:
-    """``value`` as a group's master_weights setting, or a clear error."""
-    if not isinstance(value, (bool, str)):
-        raise TypeError(f"{opt}: master_weights must be {_MASTER_NAMES}, got {value!r}")
-    if not (isinstance(value, bool) or value in ("remainder", "stochastic")):
-        raise ValueError(f"{opt}: master_weights must be {_MASTER_NAMES}, got {value!r}")
-    if not isinstance(value, bool) and not lean:
-        raise ValueError(f"{opt}: master_weights={value!r} is for the element-wise optimizers (AdamW, Adam, SGD, "
-                         "Lion, RMSprop, Adadelta, RAdam, NAdam); use master_weights=True")
-    return value
-
-
-def _check_state_dtype(opt: str, value: Any, lean: bool) -> str:
-    """``value`` (a torch dtype or its name) as a group's state_dtype setting
-    ("float32", "bfloat16" or "int8"), or a clear error."""
-    name = next((n for n, d in _STATE_DTYPES.items() if value == d or value == n), None)
-    if name is None:
-        raise ValueError(f"{opt}: state_dtype must be torch.float32, torch.bfloat16 or torch.int8 (or their "
-                         f"names), got {value!r}")
-    if name != "float32" and not lean:
-        raise ValueError(f"{opt}: state_dtype={value!r} is for the element-wise optimizers (AdamW, Adam, SGD, "
-                         "Lion, RMSprop, Adadelta, RAdam, NAdam)")
-    return name
-
-
-def _check_block_size(opt: str, value: Any) -> int:
-    """``value`` as a group's state_block_size (NOTE [8-bit state]), or a clear error."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{opt}: state_block_size must be an int, got {type(value).__name__} {value!r}")
-    if value not in _int8_state.BLOCK_SIZES:
-        what = "not a power of two" if value <= 0 or value & (value - 1) else "out of range"
-        raise ValueError(f"{opt}: state_block_size must be a power of two among "
-                         f"{', '.join(map(str, _int8_state.BLOCK_SIZES))} (elements per int8 block), got {value} "
-                         f"({what})")
-    return value
-
-
-def _split_remainder(x: Tensor):
-    """NOTE [lean state]: float32 ``x`` as its bfloat16 value (rounded to
-    nearest, ties away from zero) and int16 remainder, the kernels' split."""
-    b = x.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    hi = (b + 0x8000) >> 16
-    rem = (b - (hi << 16)).to(torch.int16)
-    hi = hi & 0xFFFF
-    return torch.where(hi >= 0x8000, hi - 0x10000, hi).to(torch.int16).view(torch.bfloat16), rem
-
-
-def _join_remainder(p: Tensor, rem: Tensor) -> Tensor:
-    """The float32 value of a bfloat16 param and its int16 remainder."""
-    v = (((p.view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + rem.to(torch.int64)) & 0xFFFFFFFF
-    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32).view(torch.float32)
-
-
-# NOTE [state layout]: a state tensor (and a master copy) is laid out as its
-# param is, or contiguously for a param that is a strided view (NOTE [strided
-# params] in csrc/ops/fused_update.cpp), and has the dtype the step needs. A
-# param whose layout, dtype or device changes after its state was made
-# (``model.to(memory_format=torch.channels_last)``, ``model.double()``, a
-# column-major ``p.data``, a state dict saved from a model of another layout)
-# gets its state copied into the new layout before its next step, values kept.
-def _dense(t: Tensor) -> bool:
-    """Whether ``t``'s elements fill its memory without gaps or overlap, in some dimension order."""
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _state_strides(p: Tensor) -> Sequence[int]:
-    """The strides of ``p``'s state tensors (NOTE [state layout])."""
-    if _dense(p):
-        return p.stride()
-    strides, acc = [], 1
-    for n in reversed(p.shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def _fits(t: Any, p: Tensor, dtype: torch.dtype) -> bool:
-    """Whether state tensor ``t`` has the layout, dtype and device a step of ``p`` needs."""
-    if not isinstance(t, Tensor) or t.dtype != dtype or t.device != p.device:
-        return False
-    if t.stride() == p.stride() or t.shape != p.shape:  # a shape mismatch is the op's error to report
-        return True
-    return t.stride() == tuple(_state_strides(p))
-
-
-def _conform(t: Tensor, p: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t`` with the layout, dtype and device a step of ``p`` needs (``t`` when it has them already)."""
-    if t.shape != p.shape or _fits(t, p, dtype):  # a shape mismatch is the op's error to report
-        return t
-    return torch.empty_strided(p.shape, _state_strides(p), dtype=dtype, device=p.device).copy_(t)
-
-
-def _put_in_form(state: Dict[str, Any], name: str, p: Tensor, dtype: torch.dtype, block: int,
-                 initial: float) -> None:
-    """NOTE [8-bit state]: ``state[name]`` made, converted or laid out for a
-    step of ``p`` (on its local shard for a DTensor: NOTE [sharded 8-bit state])."""
-    put = _int8_state.put_in_form_sharded if _sharded.is_sharded(p) else _int8_state.put_in_form
-    put(state, name, p, dtype, block, initial, _fits, _conform)
 
 
 def _is_device_scalar(v: Any, device: torch.device) -> bool:
     return isinstance(v, Tensor) and v.device == device and v.dtype == torch.float32 and v.dim() == 0
-
-
-def _check_range(opt: str, name: str, value: Any, low: float, high: Optional[float] = None,
-                 high_inclusive: bool = False) -> None:
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{opt}: {name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
-        # Construction time only: reading a tensor hyperparameter once is fine.
-        value = float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{opt}: {name} must be a float, got {type(value).__name__} {value!r}")
-    ok = value >= low and (high is None or (value <= high if high_inclusive else value < high))
-    if not ok:
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}{']' if high_inclusive else ')'}"
-        raise ValueError(f"{opt}: {name} must be {allowed}, got {value}")
-
-
-def _check_flags(opt: str, **flags: Any) -> None:
-    """Each of ``flags`` must be a bool (a string such as "false" would otherwise count as true)."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{opt}: {name} must be a bool (True or False), got {type(value).__name__} {value!r}")
-
-
-def _check_betas(opt: str, betas: Any) -> None:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"{opt}: betas must be a pair (beta1, beta2), got {betas!r}")
-    _check_range(opt, "betas[0]", betas[0], 0.0, 1.0)
-    _check_range(opt, "betas[1]", betas[1], 0.0, 1.0)
-
-
-def _torch_checks(torch_cls, **kwargs) -> Dict[str, Any]:
-    """torch.optim's own argument checks, run by building the matching torch
-    optimizer over a stand-in parameter: the same exception types and messages
-    for the same configurations, so code written against torch may match them.
-    ``foreach``, ``fused`` and ``capturable`` only name an implementation (the
-    fused step is always used) but combinations torch rejects are rejected.
-    Returns torch's defaults (the keys of its param groups)."""
-    return dict(torch_cls([torch.zeros(1)], **kwargs).defaults)
-
-
-def _no_differentiable(opt: str, differentiable: Any) -> None:
-    if differentiable:
-        raise ValueError(f"{opt}: differentiable=True is not supported: the fused step runs outside autograd; "
-                         f"use torch.optim.{opt} to differentiate through optimizer steps")
 
 
 def _capturing(device: torch.device) -> bool:

@@ -8,7 +8,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ._base import FusedOptimizer, _check_betas, _check_flags, _check_range
+from ._base import FusedOptimizer
+from ._settings import _check_betas, _check_flags, _check_range
 
 
 def _check_common(opt: str, lr, betas, eps, weight_decay) -> None:

@@ -6,7 +6,8 @@ from typing import Optional, Union
 
 import torch
 
-from ._base import FusedOptimizer, _check_betas, _check_range
+from ._base import FusedOptimizer
+from ._settings import _check_betas, _check_range
 
 
 class Lion(FusedOptimizer):

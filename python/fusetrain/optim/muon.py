@@ -7,7 +7,8 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from ._base import FusedOptimizer, _check_range
+from ._base import FusedOptimizer
+from ._settings import _check_range
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 

@@ -6,7 +6,8 @@ from typing import Optional, Union
 
 import torch
 
-from ._base import FusedOptimizer, _no_differentiable, _torch_checks
+from ._base import FusedOptimizer
+from ._settings import _no_differentiable, _torch_checks
 
 
 class NAdam(FusedOptimizer):

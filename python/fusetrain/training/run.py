@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import resource
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -32,13 +31,14 @@ from .data.sharding import set_epoch
 from .distributed import DistContext
 from .evaluation import LossSums, evaluate
 from .metrics import MetricSet
+from .progress_bar import Progress
 from .params import TrainingParams
-from .schedules import LRSchedule, run_epochs
+from .schedules import LRSchedule, run_epochs, set_lr
 from .setting_schedules import SettingSchedule
 from .step import TrainStep
 from .triggers import StepTriggers, TrainingInterrupted
 
-__all__ = ["Run", "Progress"]
+__all__ = ["Run"]
 
 
 def _memory_mb(device: torch.device) -> Dict[str, float]:
@@ -52,52 +52,6 @@ def _memory_mb(device: torch.device) -> Dict[str, float]:
 def _prefixed(phase: str, name: str, results: Dict[str, float]) -> Dict[str, float]:
     prefix = f"{phase}_{name}_" if name else f"{phase}_"
     return {prefix + k: v for k, v in results.items()}
-
-
-class Progress:
-    """tqdm bar whose rate (and so ETA) excludes the first, warm-up step."""
-
-    def __init__(self, enabled: bool, total: int, desc: str) -> None:
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
-            except ImportError:
-                warnings.warn("progress_bar=True but tqdm is not installed, so no progress bar is shown; install it "
-                              "with `pip install tqdm` or `pip install fusetrain[logging]`, or set progress_bar=False",
-                              stacklevel=3)
-                self.bar = None
-        self.total = total
-
-    def first_step_done(self) -> None:
-        if self.bar is not None:
-            self.bar.reset(total=self.total)  # restart the clock after warm-up/compilation
-            self.bar.update(1)
-
-    def update(self, **postfix) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-            if postfix:
-                self.bar.set_postfix(**postfix)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def set_lr(opt, value: float) -> None:
-    """Each group's lr: ``value * lr_scale`` (filling the lr tensors of NOTE [lr tensor] in place)."""
-    seen = set()
-    for g in opt.param_groups:
-        lr, scaled = g["lr"], value * g.get("lr_scale", 1.0)
-        if isinstance(lr, torch.Tensor):
-            if id(lr) not in seen:
-                seen.add(id(lr))
-                lr.fill_(scaled)
-        else:
-            g["lr"] = scaled
 
 
 @dataclass

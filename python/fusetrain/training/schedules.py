@@ -15,7 +15,9 @@ import math
 import os
 from typing import Callable, Optional, Sequence
 
-__all__ = ["LRSchedule", "run_epochs", "run_steps", "write_schedule", "base_lr"]
+import torch
+
+__all__ = ["LRSchedule", "run_epochs", "run_steps", "write_schedule", "base_lr", "set_lr"]
 
 
 def base_lr(initial_lr) -> float:
@@ -248,3 +250,16 @@ def _restart_position(k: int, first: float, mult: int):
 
 def _cos_anneal(a: float, b: float, t: float) -> float:
     return b + (a - b) * 0.5 * (1.0 + math.cos(math.pi * min(max(t, 0.0), 1.0)))
+
+
+def set_lr(opt, value: float) -> None:
+    """Each group's lr: ``value * lr_scale`` (filling the lr tensors of NOTE [lr tensor] in place)."""
+    seen = set()
+    for g in opt.param_groups:
+        lr, scaled = g["lr"], value * g.get("lr_scale", 1.0)
+        if isinstance(lr, torch.Tensor):
+            if id(lr) not in seen:
+                seen.add(id(lr))
+                lr.fill_(scaled)
+        else:
+            g["lr"] = scaled

@@ -45,7 +45,7 @@ from .losses import build_loss
 from .metrics import MetricSet
 from .params import TrainingParams, TrainingParamsError, optimizer_class, resolve_training_params
 from .params.resolve import watch_candidates
-from .run import Progress as _Progress  # noqa: F401  (the progress bar, under its former name)
+from .progress_bar import Progress as _Progress  # noqa: F401  (the progress bar, under its former name)
 from .run import Run
 from .schedules import LRSchedule, base_lr, run_steps
 from .setting_schedules import SettingSchedule

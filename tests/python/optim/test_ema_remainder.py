@@ -12,7 +12,7 @@ from torch import nn
 
 from fusetrain import ModelEMA, TrainStep, _ops
 from fusetrain.optim import SGD, AdamW, Lamb, Lion
-from fusetrain.optim._base import _join_remainder, _split_remainder
+from fusetrain.optim._state_layout import _join_remainder, _split_remainder
 
 from _test_helpers import CUDA, DEVICES, kind_record
 

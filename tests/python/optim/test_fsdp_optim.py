@@ -118,7 +118,7 @@ def master_value(opt, p, whole):
     st = opt.state[p]
     if "master_remainder" not in st:
         return whole(st["master_param"]).cpu()
-    from fusetrain.optim._base import _join_remainder
+    from fusetrain.optim._state_layout import _join_remainder
 
     rem = st["master_remainder"]
     if not hasattr(rem, "to_local"):

@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounter
 
 import fusetrain.optim as fo
 from fusetrain import TrainStep
-from fusetrain.optim._base import _join_remainder, _split_remainder
+from fusetrain.optim._state_layout import _join_remainder, _split_remainder
 from _lean_helpers import LEAN, LEAN_IDS, M32, grads as _grads, rounding_bits as _rounding_bits, run as _run
 from _test_helpers import CUDA, DEVICES, kind_record
 
