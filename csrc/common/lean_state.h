@@ -19,6 +19,13 @@
 // its position in the launch, the stream (param or state slot) and the
 // element's index: no generator state, the same bits on CPU and CUDA, eager,
 // compiled or captured, and after a resume.
+//
+// NOTE [paired draws]: a rounding to bfloat16 uses 16 random bits, a draw
+// gives 32, and the draw is the cost (the hash, not the memory, bounds a
+// lean step). The bfloat16 moments of state slots 1 and 2 of an element
+// round with the two halves of one draw of stream 1 (slot 1 the low half,
+// slot 2 the high); slot 3 draws from stream 3, the param from
+// stream 0. The 8-bit codes (NOTE [8-bit state]) draw from streams 1..3.
 #pragma once
 
 #include <cstdint>

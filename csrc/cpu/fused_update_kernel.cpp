@@ -78,9 +78,22 @@ template <typename P>
 using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
 
 // The bfloat16 form of each of `n` values, rounded stochastically with the
-// stream `key` from element `first` on (NOTE [lean state]).
-inline void store_stochastic(const float* src, at::BFloat16* dst, int64_t n, uint32_t key, int64_t first) {
-  for (int64_t i = 0; i < n; ++i) dst[i].x = stochastic_bf16_bits(src[i], rounding_bits(key, first + i));
+// bits of the stream `key` from element `first` on, shifted right by `shift`
+// (NOTE [lean state], NOTE [paired draws]).
+inline void store_stochastic(const float* src, at::BFloat16* dst, int64_t n, uint32_t key, int64_t first,
+                             int shift = 0) {
+  for (int64_t i = 0; i < n; ++i) dst[i].x = stochastic_bf16_bits(src[i], rounding_bits(key, first + i) >> shift);
+}
+
+// Two states' bfloat16 forms from one draw per element: `a` with its low
+// half, `b` with its high half (NOTE [paired draws]).
+inline void store_stochastic_pair(const float* a, at::BFloat16* da, const float* b, at::BFloat16* db, int64_t n,
+                                  uint32_t key, int64_t first) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t r = rounding_bits(key, first + i);
+    da[i].x = stochastic_bf16_bits(a[i], r);
+    db[i].x = stochastic_bf16_bits(b[i], r >> 16);
+  }
 }
 
 // NOTE [8-bit state]: the value of each code of either map for a scale of 1
@@ -315,9 +328,16 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
         }
       }
     } else if constexpr (kLeanState) {
-      for (int k = 0; k < 3; ++k) {
-        if (s[k] != nullptr) store_stochastic(sb[k], s[k] + off, m, rounding_key(step, t, k + 1), it.begin + off);
+      // NOTE [paired draws]: slots 1 and 2 from stream 1's draws, slot 3 from stream 3's.
+      const uint32_t pair_key = rounding_key(step, t, 1);
+      if (s[0] != nullptr && s[1] != nullptr) {
+        store_stochastic_pair(sb[0], s[0] + off, sb[1], s[1] + off, m, pair_key, it.begin + off);
+      } else if (s[0] != nullptr) {
+        store_stochastic(sb[0], s[0] + off, m, pair_key, it.begin + off);
+      } else if (s[1] != nullptr) {
+        store_stochastic(sb[1], s[1] + off, m, pair_key, it.begin + off, 16);
       }
+      if (s[2] != nullptr) store_stochastic(sb[2], s[2] + off, m, rounding_key(step, t, 3), it.begin + off);
     }
     // Store the (rounded) param when the update did not run on its storage.
     if constexpr (kLowParam) {

@@ -106,15 +106,29 @@ template <typename P>
 using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
 
 // x as a T; a bfloat16 rounded stochastically with the bits of element i of
-// the stream `key` when `stochastic` (NOTE [lean state]).
+// the stream `key`, shifted right by `shift`, when `stochastic` (NOTE [lean
+// state], NOTE [paired draws]).
 template <typename T, typename C>
-__device__ __forceinline__ T store_value(C x, bool stochastic, uint32_t key, int64_t i) {
+__device__ __forceinline__ T store_value(C x, bool stochastic, uint32_t key, int64_t i, int shift = 0) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (stochastic) {
-      return T(stochastic_bf16_bits(static_cast<float>(x), rounding_bits(key, i)), T::from_bits());
+      return T(stochastic_bf16_bits(static_cast<float>(x), rounding_bits(key, i) >> shift), T::from_bits());
     }
   }
   return static_cast<T>(x);
+}
+
+// kILP values stored as bfloat16, rounded with the given draws shifted right
+// by `shift` (NOTE [paired draws]).
+template <typename C>
+__device__ __forceinline__ void store_rounded(at::BFloat16* dst, const C* src, const uint32_t* draws, int shift) {
+  cuda::AlignedVec<at::BFloat16> v;
+#pragma unroll
+  for (int k = 0; k < kILP; ++k) {
+    v.v[k] = at::BFloat16(stochastic_bf16_bits(static_cast<float>(src[k]), draws[k] >> shift),
+                          at::BFloat16::from_bits());
+  }
+  *reinterpret_cast<cuda::AlignedVec<at::BFloat16>*>(dst) = v;
 }
 
 // kILP values stored as T (store_value), element `first` onwards; returns them.
@@ -301,8 +315,8 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
   S* s3 = meta.addrs[4][t] ? static_cast<S*>(meta.addrs[4][t]) + start : nullptr;
   const EmaIO<P, C> eio(meta.addrs[6][t], meta.addrs[7][t], start);
   P* ema = eio.ema;
-  const uint32_t key_s[3] = {rounding_key(step, tensor, 1), rounding_key(step, tensor, 2),
-                             rounding_key(step, tensor, 3)};
+  // NOTE [paired draws]: state slots 1 and 2 round with stream 1's draws, slot 3 with stream 3's.
+  const uint32_t key_pair = rounding_key(step, tensor, 1), key_third = rounding_key(step, tensor, 3);
 
   auto finish = [&](C g) {
     g *= gmul;
@@ -337,9 +351,20 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
         const C gk = finish(g[k]);
         apply_update<K>(p[k], gk, H1 ? &r1[k] : nullptr, H2 ? &r2[k] : nullptr, H3 ? &r3[k] : nullptr, co);
       }
-      if (H1 && s1) store_values(s1 + i, r1, kLeanState, key_s[0], start + i);
-      if (H2 && s2) store_values(s2 + i, r2, kLeanState, key_s[1], start + i);
-      if (H3 && s3) store_values(s3 + i, r3, kLeanState, key_s[2], start + i);
+      if constexpr (kLeanState) {
+        uint32_t draws[kILP];  // one per element for slots 1 and 2 (NOTE [paired draws])
+        if ((H1 && s1) || (H2 && s2)) {
+#pragma unroll
+          for (int k = 0; k < kILP; ++k) draws[k] = rounding_bits(key_pair, start + i + k);
+        }
+        if (H1 && s1) store_rounded(s1 + i, r1, draws, 0);
+        if (H2 && s2) store_rounded(s2 + i, r2, draws, 16);
+        if (H3 && s3) store_values(s3 + i, r3, true, key_third, start + i);
+      } else {
+        if (H1 && s1) cuda::store_vec(s1 + i, r1);
+        if (H2 && s2) cuda::store_vec(s2 + i, r2);
+        if (H3 && s3) cuda::store_vec(s3 + i, r3);
+      }
       if (rem) {
         io.store_split(i, p);
       } else {
@@ -383,9 +408,9 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_kernel(UpdateMeta 
     if (s2) r[1] = static_cast<C>(s2[i]);
     if (s3) r[2] = static_cast<C>(s3[i]);
     apply_update<K>(p, g, s1 ? &r[0] : nullptr, s2 ? &r[1] : nullptr, s3 ? &r[2] : nullptr, co);
-    if (s1) s1[i] = store_value<S>(r[0], kLeanState, key_s[0], start + i);
-    if (s2) s2[i] = store_value<S>(r[1], kLeanState, key_s[1], start + i);
-    if (s3) s3[i] = store_value<S>(r[2], kLeanState, key_s[2], start + i);
+    if (s1) s1[i] = store_value<S>(r[0], kLeanState, key_pair, start + i);
+    if (s2) s2[i] = store_value<S>(r[1], kLeanState, key_pair, start + i, 16);
+    if (s3) s3[i] = store_value<S>(r[2], kLeanState, key_third, start + i);
     const P stored = io.store(i, p);
     if (count) n_stalled += stalled_update(stored, before, p);
     if (ema) eio.store(i, lerp_small_weight(eio.load(i), io.ema_source(i, p), ema_w));

@@ -40,6 +40,12 @@ def rounding_bits(step, tensor, stream, n):
     return mix32(((key ^ (i & M32)) + (i >> 32) * 0x27D4EB2F) & M32)
 
 
+def state_draw(slot):
+    """NOTE [paired draws]: (stream, shift) of the bits with which state slot ``slot`` (0..2) rounds to
+    bfloat16: slots 0 and 1 share stream 1's draws (low and high halves), slot 2 draws from stream 3."""
+    return ((1, 0), (1, 16), (3, 0))[slot]
+
+
 def grads(params, seed, scale=1.0):
     """Seeded gradients of bfloat16 values in each param's dtype and device."""
     g = torch.Generator().manual_seed(seed)

@@ -13,16 +13,18 @@ import fusetrain.optim as fo
 from fusetrain import TrainStep
 from fusetrain.optim._state_layout import _join_remainder, _split_remainder
 from _lean_helpers import LEAN, LEAN_IDS, M32, grads as _grads, rounding_bits as _rounding_bits, run as _run
+from _lean_helpers import state_draw as _state_draw
 from _test_helpers import CUDA, DEVICES, kind_record
 
 SHAPES = [(1,), (7,), (13, 17), (1031,), (3, 5, 7), (70001,)]
 
 
-def _stochastic_bf16(x32, step, tensor, stream):
-    """The kernels' stochastic rounding of float32 ``x32`` to bfloat16."""
+def _stochastic_bf16(x32, step, tensor, stream, shift=0):
+    """The kernels' stochastic rounding of float32 ``x32`` to bfloat16 with the bits of ``stream`` shifted
+    right by ``shift``."""
     flat = x32.detach().cpu().float().reshape(-1)
     b = flat.view(torch.int32).to(torch.int64) & M32
-    b = (b + (_rounding_bits(step, tensor, stream, flat.numel()) & 0xFFFF)) >> 16
+    b = (b + ((_rounding_bits(step, tensor, stream, flat.numel()) >> shift) & 0xFFFF)) >> 16
     b = torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16)
     return b.view(torch.bfloat16).reshape(x32.shape)
 
@@ -146,7 +148,7 @@ def test_stochastic_params_and_bf16_state_are_the_stream_s_rounding(device, cls,
             slot = list(a._state_names(a.param_groups[0])).index(name)
             got = b.state[q][name]
             assert got.dtype == torch.bfloat16
-            assert torch.equal(got.cpu(), _stochastic_bf16(a.state[p][name], 1, t, slot + 1)), (t, name)
+            assert torch.equal(got.cpu(), _stochastic_bf16(a.state[p][name], 1, t, *_state_draw(slot))), (t, name)
 
 
 @pytest.mark.parametrize("device", DEVICES)
