@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define FT_HD __host__ __device__ __forceinline__
@@ -34,19 +35,17 @@ FT_HD double vsign(double x) { return static_cast<double>((x > 0.0) - (x < 0.0))
 // the product may fuse with the update's add into one FMA (or not, as the
 // surrounding code changes); the difference of one rounding a step walks a few
 // elements past float32 agreement with torch over hundreds of steps. The CPU
-// kernels' Vectorized products are rounded on their own anyway.
-FT_HD float mul_rn(float a, float b) {
+// kernels' products are rounded on their own anyway.
+template <typename V>
+FT_HD V mul_rn(V a, V b) {
 #if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
+  if constexpr (std::is_same_v<V, double>) {
+    return __dmul_rn(a, b);
+  } else {
+    return __fmul_rn(a, b);
+  }
 #else
-  return a * b;
-#endif
-}
-FT_HD double mul_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dmul_rn(a, b);
-#else
-  return a * b;
+  return a * b;  // the CPU kernels' Vectorized products, rounded on their own
 #endif
 }
 

@@ -34,10 +34,6 @@ inline at::vec::Vectorized<C> vmax(at::vec::Vectorized<C> a, at::vec::Vectorized
   return at::vec::maximum(a, b);
 }
 template <typename C>
-inline at::vec::Vectorized<C> mul_rn(at::vec::Vectorized<C> a, at::vec::Vectorized<C> b) {
-  return a * b;
-}
-template <typename C>
 inline at::vec::Vectorized<C> vsign(at::vec::Vectorized<C> x) {
   using V = at::vec::Vectorized<C>;
   return x.gt(V(C(0))) - x.lt(V(C(0)));

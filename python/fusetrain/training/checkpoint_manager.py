@@ -22,12 +22,12 @@ models averaged so far.
 
 NOTE [asynchronous checkpoints]: with ``async_checkpoints`` a checkpoint's
 state is copied to host memory (the snapshot, queued by the training thread:
-later steps cannot change it; NOTE [pinned snapshot]), and its files are written, linked and pruned by one
-background thread, each file still atomically. The next checkpoint, the end
-of the run (also a failed or interrupted one: ``close``) wait for the write
-in flight; its ``on_checkpoint_saved`` callbacks then run on the training
-thread with the progress of the step it saved, and a failed write raises
-there. At most one write is in flight, so host memory holds at most one
+later steps cannot change it; NOTE [pinned snapshot]), and its files are
+written, linked and pruned by one background thread, each file still
+atomically. The next checkpoint, the end of the run (also a failed or
+interrupted one: ``close``) wait for the write in flight; its
+``on_checkpoint_saved`` callbacks then run on the training thread with the
+progress of the step it saved, and a failed write raises there. At most one write is in flight, so host memory holds at most one
 extra copy of a checkpoint. A sharded run (``multi_gpu: fsdp``) writes in
 the foreground: each checkpoint file prunes the shard folders it does not
 name, which must not overlap the next save's shards.
