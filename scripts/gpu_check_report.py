@@ -91,6 +91,22 @@ def benchmark_targets(path: str) -> Dict[str, object]:
     return {"all_targets_met": met, "targets": targets}
 
 
+# The lines of an Nsight Compute report a profile item keeps: name, unit, value.
+NCU_METRICS = ("Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput", "Registers Per Thread",
+               "Theoretical Occupancy", "Achieved Occupancy", "Issue Slots Busy", "No Eligible")
+NCU_LINE = re.compile(r"^\s+(" + "|".join(re.escape(m) for m in NCU_METRICS) + r")\s{2,}(?:(\S+)\s{2,})?([\d.,]+)\s*$")
+
+
+def ncu_metrics(text: str) -> Dict[str, str]:
+    """The first value of each of NCU_METRICS in an ncu text report, with its unit."""
+    found: Dict[str, str] = {}
+    for line in text.splitlines():
+        m = NCU_LINE.match(line)
+        if m and m.group(1) not in found:
+            found[m.group(1)] = f"{m.group(3)} {m.group(2) or ''}".strip()
+    return found
+
+
 def _read(path: str) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -128,6 +144,8 @@ def build_report(logs: str, final: bool) -> Dict[str, object]:
         elif kind.startswith("sanitize"):
             item["tests"] = pytest_counts(text) if kind.endswith("pytest") else gtest_counts(text)
             item["sanitizer"] = sanitizer_findings(text)
+        elif kind == "profile":
+            item["profile"] = ncu_metrics(text)
         elif kind == "bench":
             item["result_file"] = result
             # Only a report this run wrote (an item cut off leaves an older one in place).
@@ -168,6 +186,8 @@ def summary_lines(report: Dict[str, object]) -> List[str]:
             extra += f"; sanitizer findings {item['sanitizer']['findings']}"
         if item["kind"] == "bench":
             extra = f"targets met: {item.get('all_targets_met')}"
+        if item.get("profile"):
+            extra = "; ".join(f"{k} {v}" for k, v in item["profile"].items())
         lines.append(f"{item['stage']:9s} {item['name']:26s} {item['status']:18s} {item['seconds'] or 0:4d}s  {extra}")
     t = report["tests"]
     lines.append(f"tests: passed {t['passed']} failed {t['failed'] + t['error']} skipped {t['skipped']}; "

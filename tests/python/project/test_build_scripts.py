@@ -88,7 +88,7 @@ def test_dry_run_with_an_empty_wheel_folder_counts_the_wheels(tmp_path):
 
 
 @pytest.mark.parametrize("args, env, message", [
-    (["bench", "bogus"], {}, "'bogus' is neither a stage (seed tests sanitize bench) nor an item of --list"),
+    (["bench", "bogus"], {}, "'bogus' is neither a stage (seed tests sanitize bench profile) nor an item of --list"),
     (["--bogus"], {}, "unknown option '--bogus'"),
     (["--list"], {"GPU_CHECK_LIMITS": "optim_stepp=30"}, "GPU_CHECK_LIMITS entry 'optim_stepp=30' is not ITEM=SECONDS"),
     (["--list"], {"GPU_CHECK_LIMITS": "optim_step=3m"}, "GPU_CHECK_LIMITS entry 'optim_step=3m'"),
@@ -105,10 +105,11 @@ def test_list_names_every_stage_in_order_with_the_limits_given():
     assert r.returncode == 0, r.stderr
     rows = [line.split() for line in r.stdout.splitlines()]
     stages = [row[0] for row in rows]
-    assert stages == sorted(stages, key=["seed", "tests", "sanitize", "bench"].index)
+    assert stages == sorted(stages, key=["seed", "tests", "sanitize", "bench", "profile"].index)
     assert {row[1] for row in rows} >= {"seed_mnist_amp", "seed_compile_table_ddrnet", "trainer_overhead", "pytest_cuda",
                                         "cpp_tests", "memcheck_ops", "memcheck_captured_steps", "optim_step",
-                                        "step_host_time", "amp_ema_step", "optim_family"}
+                                        "step_host_time", "amp_ema_step", "optim_family", "ncu_update_int8",
+                                        "ncu_update_bf16", "ncu_update_fp32"}
     assert ["optim_step", "33s"] == [row for row in rows if row[1] == "optim_step"][0][1:3]
 
 
@@ -188,6 +189,22 @@ def test_xdist_lines_and_gtest_and_sanitizer_logs():
     racecheck = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
     assert report.sanitizer_findings(racecheck)["findings"] == 0
     assert report.sanitizer_findings("killed before the end\n")["findings"] is None
+
+
+def test_profile_items_keep_the_kernels_headline_figures():
+    ncu = ("==PROF== Connected to process 4242\n"
+           "  void fused_update_q8_kernel<...>(Q8Meta, KernelArgs, int) (1280, 1, 1)x(512, 1, 1), Device 0, CC 9.0\n"
+           "    Section: GPU Speed Of Light Throughput\n"
+           "    ----------------------- ----------- ------------\n"
+           "    DRAM Frequency                  Ghz         2.62\n"
+           "    Duration                         ms         2.04\n"
+           "    DRAM Throughput                   %        31.52\n"
+           "    Registers Per Thread    register/thread             128\n"
+           "    Achieved Occupancy                %        24.61\n"
+           "    Duration                         us        12.00\n")
+    assert report.ncu_metrics(ncu) == {"Duration": "2.04 ms", "DRAM Throughput": "31.52 %",
+                                       "Registers Per Thread": "128 register/thread", "Achieved Occupancy": "24.61 %"}
+    assert report.ncu_metrics("==ERROR== Failed to initialize the profiler\n") == {}
 
 
 @pytest.mark.parametrize("name, slug", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
