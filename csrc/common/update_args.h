@@ -120,6 +120,9 @@ using GradStatsKernel = void (*)(const std::vector<at::Tensor>& grads, const at:
 using EmaUpdateKernel = void (*)(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src,
                                  const std::vector<at::Tensor>& rem, const at::Tensor& decay,
                                  const at::Tensor& found_inf);
+// dst, src: dense pairs of one dtype and layout, none empty (the op checks).
+using GatedCopyKernel = void (*)(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src,
+                                 const at::Tensor& found_inf);
 using UpdateScaleKernel = void (*)(const at::Tensor& scale, const at::Tensor& growth_tracker,
                                    const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                                    int64_t growth_interval);
@@ -129,6 +132,8 @@ void grad_stats_cpu(const std::vector<at::Tensor>& grads, const at::Tensor& inv_
                     const at::Tensor& norm_out, const at::Tensor& found_inf_out);
 void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src,
                     const std::vector<at::Tensor>& rem, const at::Tensor& decay, const at::Tensor& found_inf);
+void gated_copy_cpu(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src,
+                    const at::Tensor& found_inf);
 void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
                       double growth_factor, double backoff_factor, int64_t growth_interval);
 void fused_update_cuda(const UpdateLists& lists, const OptimHyper& hyper, const UpdateScalars& scalars);
@@ -136,6 +141,8 @@ void grad_stats_cuda(const std::vector<at::Tensor>& grads, const at::Tensor& inv
                      const at::Tensor& norm_out, const at::Tensor& found_inf_out);
 void ema_update_cuda(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& src,
                      const std::vector<at::Tensor>& rem, const at::Tensor& decay, const at::Tensor& found_inf);
+void gated_copy_cuda(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src,
+                     const at::Tensor& found_inf);
 void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
                        double growth_factor, double backoff_factor, int64_t growth_interval);
 
@@ -154,6 +161,7 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_impl(GradStatsKernel kernel, at::T
                                                    const OptT& inv_scale);
 void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList src, const at::Tensor& decay,
                      const OptT& found_inf, const std::optional<at::TensorList>& remainders);
+void gated_copy_impl(GatedCopyKernel kernel, at::TensorList dst, at::TensorList src, const at::Tensor& found_inf);
 void update_scale_impl(UpdateScaleKernel kernel, const at::Tensor& scale, const at::Tensor& growth_tracker,
                        const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                        int64_t growth_interval, const OptT& last_skipped, const OptT& skipped_steps);

@@ -29,6 +29,11 @@ void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay
   op.call(ema, src, decay, found_inf, remainders);
 }
 
+void gated_copy_(at::TensorList dst, at::TensorList src, const at::Tensor& found_inf) {
+  static auto op = op_handle<&detail::gated_copy_impl>("fusetrain::gated_copy_");
+  op.call(dst, src, found_inf);
+}
+
 void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
                    double growth_factor, double backoff_factor, int64_t growth_interval,
                    const std::optional<at::Tensor>& last_skipped, const std::optional<at::Tensor>& skipped_steps) {

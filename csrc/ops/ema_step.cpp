@@ -17,6 +17,7 @@
 #include <ATen/ops/where.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <tuple>
@@ -118,12 +119,13 @@ void ema_step_impl(at::TensorList ema, at::TensorList src, at::TensorList copy_d
   }
 
   // NOTE [gated copy]: the copied tensors, one multi-tensor copy per group of
-  // tensors with the same devices and dtypes; with a flag, the group's sources and
-  // destinations are each gathered into one flat tensor, one select keeps the
-  // destination's values on a skipped step (exact for every dtype and value,
-  // non-finite ones included), and the result is copied back in one pass:
-  // a handful of launches however many shapes the group holds (every
-  // BatchNorm's running stats and counter).
+  // tensors with the same devices and dtypes. With a flag, a group whose pairs
+  // share a device, dtype and dense layout (every BatchNorm's running stats
+  // and counter) is one gated_copy_ launch, which keeps the destination's
+  // bytes on a skipped step; any other group is gathered into one flat
+  // tensor per side, one select keeps the destination's values, and the
+  // result is copied back (exact for every dtype and value, non-finite ones
+  // included): a handful of launches however many shapes the group holds.
   std::map<Key, std::vector<size_t>> groups;
   for (size_t i = 0; i < copy_dst.size(); ++i) {
     const auto& d = copy_dst[i];
@@ -144,6 +146,16 @@ void ema_step_impl(at::TensorList ema, at::TensorList src, at::TensorList copy_d
     auto f = flag_on(dev);
     if (!f) {
       at::_foreach_copy_(ds, ss);
+      continue;
+    }
+    const bool plain = std::all_of(idx.begin(), idx.end(), [&](size_t i) {
+      const auto& d = copy_dst[i];
+      const auto& s = copy_src[i];
+      return s.device() == dev && s.scalar_type() == d.scalar_type() && s.strides() == d.strides() &&
+             d.layout() == at::kStrided && d.is_non_overlapping_and_dense();
+    });
+    if (plain) {
+      gated_copy_(ds, ss, *f);
       continue;
     }
     std::vector<at::Tensor> flat_d, flat_s;

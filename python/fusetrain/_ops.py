@@ -59,7 +59,7 @@ def _update_fake(*args, **kwargs):
     return None
 
 
-for _name in ("ema_update_", "update_scale_", "fused_step_", "ema_decay_", "ema_step_"):
+for _name in ("ema_update_", "update_scale_", "fused_step_", "ema_decay_", "ema_step_", "gated_copy_"):
     torch.library.register_fake(f"fusetrain::{_name}")(_update_fake)
 
 
@@ -126,6 +126,13 @@ def ema_update_(ema: Sequence[Tensor], src: Sequence[Tensor], decay: Tensor, fou
     the exact float32 EMA (NOTE [ema remainder] in csrc/common/lean_state.h)."""
     _ops.ema_update_(list(ema), list(src), decay, found_inf, list(remainders) or None)
 
+
+
+def gated_copy_(dst: Sequence[Tensor], src: Sequence[Tensor], found_inf: Tensor) -> None:
+    """``dst[i].copy_(src[i])`` for every pair (one dtype, shape and dense
+    layout each) in one pass, unless ``found_inf`` (a 0-d float32 tensor on
+    their device) is non-zero, which is checked on the device."""
+    _ops.gated_copy_(list(dst), list(src), found_inf)
 
 def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
                   backoff_factor: float, growth_interval: int, last_skipped: Optional[Tensor] = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,29 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model.module
         else:
             return model
+
+
+
+# NOTE [ema locators]: an attached EMA reads the live model's buffers (and
+# non-float params) after every step. Walking the model for them
+# (named_buffers) costs about as much host time as the update pass itself on
+# a model of many small layers, so attach() walks once: each name is kept as
+# (module, "_buffers" or "_parameters", leaf name) and read from the module's
+# table at each step, which still sees a tensor the module replaced. A name
+# the table no longer holds falls back to a walk and locates again; a
+# submodule replaced by another object after attach() is found by attaching
+# again.
+def _locate(base: nn.Module, names: List[str]) -> List[Tuple[nn.Module, str, str]]:
+    found = []
+    for n in names:
+        prefix, _, leaf = n.rpartition(".")
+        module = base.get_submodule(prefix)
+        found.append((module, "_parameters" if leaf in module._parameters else "_buffers", leaf))
+    return found
+
+
+def _detached(t: Tensor) -> Tensor:
+    return t.detach() if t.requires_grad else t
 
 
 class ModelEMA:
@@ -112,6 +135,7 @@ class ModelEMA:
         self._hooks: List[Any] = []
         self._optimizer = None
         self._model = model  # the live model, for attach()'s buffer updates
+        self._locators: Optional[Tuple[Tuple[str, ...], List[Tuple[nn.Module, str, str]]]] = None
         self._build_index(base)
 
     # ---- bookkeeping -----------------------------------------------------------------
@@ -225,9 +249,24 @@ class ModelEMA:
                       found_inf: Optional[Tensor]) -> None:
         """Average ``avg_names``, copy the non-averaged tensors, advance the counter."""
         copy_names = self._copy_names + self._buf_copy_names
-        _ops.ema_step_([self._ema_tensors[n] for n in avg_names], [src[n].detach() for n in avg_names],
-                       [self._ema_tensors[n] for n in copy_names], [src[n].detach() for n in copy_names],
+        _ops.ema_step_([self._ema_tensors[n] for n in avg_names], [_detached(src[n]) for n in avg_names],
+                       [self._ema_tensors[n] for n in copy_names], [_detached(src[n]) for n in copy_names],
                        decay, self._step, found_inf, self._remainders_of(avg_names))
+
+    def _located_sources(self, names: List[str]) -> Dict[str, Tensor]:
+        """The live model's tensors of ``names``, read from the modules that
+        hold them (NOTE [ema locators])."""
+        key = tuple(names)
+        if self._locators is None or self._locators[0] != key:
+            self._locators = (key, _locate(unwrap_model(self._model), names))
+        src = {}
+        for n, (module, table, leaf) in zip(names, self._locators[1]):
+            t = getattr(module, table).get(leaf)
+            if t is None:  # the model's structure changed: walk it again
+                self._locators = None
+                return self._sources(self._model)
+            src[n] = t
+        return src
 
     def _check_sources(self, src: Dict[str, Tensor], names: List[str]) -> None:
         missing = [n for n in names if n not in src]
@@ -242,7 +281,9 @@ class ModelEMA:
         writes the EMA of every param it updates; after the step buffers are
         averaged/copied and the counter advances, all gated on the step's
         non-finite flag. Only params updated by the step move their EMA (a
-        param without a gradient keeps its EMA). An EMA with remainders rides
+        param without a gradient keeps its EMA). The model's buffers are
+        located now (NOTE [ema locators]): after replacing one of its
+        submodules, attach again. An EMA with remainders rides
         in the update pass of the element-wise optimizers; with the others
         (Lamb, AdamP, Muon) its params are averaged after the step instead."""
         from .optim._base import FusedOptimizer
@@ -252,6 +293,7 @@ class ModelEMA:
             raise TypeError(f"ModelEMA.attach: needs a fusetrain optimizer, got {type(optimizer).__name__}; "
                             "call ema.update(model) after optimizer.step() instead")
         self.detach()
+        self._locators = None
         by_id, rems = {}, {}
         model_params: Dict[int, Tensor] = {}
         for group in optimizer.param_groups:
@@ -269,16 +311,20 @@ class ModelEMA:
         def pre_hook(opt, args, kwargs):
             self._compute_decay()
 
-        def post_hook(opt, args, kwargs):
+        def followed() -> List[str]:
             # Params rode in the update pass (unless `rides` is false); buffers and non-float
             # params follow. _buf_avg_names is read per step: load_state_dict may change include_buffers.
+            return self._buf_avg_names if rides else self._avg_names + self._buf_avg_names
+
+        def post_hook(opt, args, kwargs):
             if opt.last_found_inf is None:
                 return  # the step applied no gradient: no EMA update
-            # The model is walked for what the step reads only: a walk is ~0.1 ms of host time a step.
-            names = self._buf_avg_names if rides else self._avg_names + self._buf_avg_names
-            src = self._sources(self._model, params=not rides or bool(self._copy_names),
-                                buffers=bool(self._buf_avg_names or self._buf_copy_names))
+            names = followed()
+            src = self._located_sources(names + self._copy_names + self._buf_copy_names)
             self._step_tensors(src, names, self._decay, opt.last_found_inf)
+
+        # Located now, outside any compiled step: a compiled tail reads them without recompiling.
+        self._located_sources(followed() + self._copy_names + self._buf_copy_names)
 
         self._hooks = [optimizer.register_step_pre_hook(pre_hook), optimizer.register_step_post_hook(post_hook)]
         self._optimizer = optimizer

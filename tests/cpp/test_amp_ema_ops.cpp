@@ -1,4 +1,4 @@
-// update_scale_ and ema_update_ on CPU against scalar references written here.
+// update_scale_, ema_update_ and gated_copy_ on CPU against references written here.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -89,6 +89,28 @@ TEST(EmaUpdate, SkipsOnFoundInfAndRejectsMismatches) {
   EXPECT_THROW(fusetrain::ema_update_(ema, half_src, at::full({}, 0.5f, at::kFloat)), c10::Error);
   std::vector<at::Tensor> short_src = {at::randn({32})};
   EXPECT_THROW(fusetrain::ema_update_(ema, short_src, at::full({}, 0.5f, at::kFloat)), c10::Error);
+}
+
+TEST(GatedCopy, CopiesEveryDtypeUnlessFlaggedAndRejectsMismatches) {
+  std::vector<at::Tensor> dst = {at::randn({7, 5}), at::randint(-9, 9, {1031}, at::kLong),
+                                 at::randn({2, 3, 4, 5}).contiguous(at::MemoryFormat::ChannelsLast).to(at::kBFloat16),
+                                 at::zeros({0})};
+  std::vector<at::Tensor> src;
+  for (const auto& d : dst) src.push_back(at::empty_like(d).copy_(d.to(at::kFloat).add(1).to(d.scalar_type())));
+  std::vector<at::Tensor> before;
+  for (const auto& d : dst) before.push_back(d.clone());
+  fusetrain::gated_copy_(dst, src, at::ones({}, at::kFloat));
+  for (size_t i = 0; i < dst.size(); ++i) EXPECT_TRUE(at::equal(dst[i], before[i])) << "pair " << i;
+  fusetrain::gated_copy_(dst, src, at::zeros({}, at::kFloat));
+  for (size_t i = 0; i < dst.size(); ++i) {
+    EXPECT_TRUE(at::equal(dst[i], src[i])) << "pair " << i;
+    EXPECT_EQ(dst[i].strides(), src[i].strides()) << "pair " << i;
+  }
+  std::vector<at::Tensor> a = {at::zeros({4})}, wrong_dtype = {at::zeros({4}, at::kDouble)},
+                          wrong_shape = {at::zeros({5})};
+  EXPECT_THROW(fusetrain::gated_copy_(a, wrong_dtype, at::zeros({}, at::kFloat)), c10::Error);
+  EXPECT_THROW(fusetrain::gated_copy_(a, wrong_shape, at::zeros({}, at::kFloat)), c10::Error);
+  EXPECT_THROW(fusetrain::gated_copy_(a, a, at::zeros({2}, at::kFloat)), c10::Error);
 }
 
 }  // namespace

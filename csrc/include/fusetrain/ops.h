@@ -39,6 +39,10 @@ void ema_update_(at::TensorList ema, at::TensorList src, const at::Tensor& decay
                  const std::optional<at::Tensor>& found_inf = std::nullopt,
                  const std::optional<at::TensorList>& remainders = std::nullopt);
 
+// dst[i] <- src[i] for every pair (same dtype, shape and strides, dense), in
+// one pass; nothing changes when found_inf (0-d float32) is non-zero.
+void gated_copy_(at::TensorList dst, at::TensorList src, const at::Tensor& found_inf);
+
 // Dynamic loss-scale update in device memory (torch.amp.GradScaler semantics).
 // scale: 0-d float32; growth_tracker: 0-d int32; found_inf: 0-d float32. The
 // optional skip counters (0-d float32) get found_inf copied / added.

@@ -255,6 +255,33 @@ def test_batchnorm_buffers(device, include_buffers):
             torch.testing.assert_close(esd[k].cpu().double(), ref[k], **EMA_TOL)
 
 
+def test_attached_ema_reads_replaced_buffers_and_a_replaced_module_after_attaching_again():
+    # NOTE [ema locators]: the buffers are found once, when attaching, and read from
+    # their module's table at each step.
+    model = bn_model("cpu").train()
+    opt = AdamW(model.parameters(), lr=1e-2)
+    ema = ModelEMA(model, decay=0.8, decay_type="constant", include_buffers=False).attach(opt)
+
+    def step():
+        model(torch.randn(32, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    model[2].running_mean = torch.full((model[2].num_features,), 7.0)  # a new tensor in the same module
+    step()
+    assert torch.equal(ema.module[2].running_mean, model[2].running_mean)
+    assert model[2].running_mean.ne(7.0).all()  # the forward moved the new tensor, the EMA copied it after
+    fresh = nn.BatchNorm1d(model[2].num_features)  # another module object holding the same params
+    fresh.weight, fresh.bias = model[2].weight, model[2].bias
+    fresh.running_var.fill_(3.0)
+    model[2] = fresh
+    ema.attach(opt)
+    step()
+    assert torch.equal(ema.module[2].running_var, fresh.running_var)
+    assert ema.module[2].num_batches_tracked.item() == fresh.num_batches_tracked.item() == 1
+
+
 class WithIntTensors(nn.Module):
     def __init__(self):
         super().__init__()
