@@ -164,11 +164,11 @@ class Trainer:
             raise TrainingParamsError(["training_params.average_best_models: got True without a valid_loader; "
                                        "allowed: pass valid_loader (the best models are those of metric_to_watch "
                                        "after each validation), or average_best_models=False"])
-        if p.weights_dtype == "bfloat16" and (p.mixed_precision in (False, "fp32", "fp16") or p.multi_gpu == "fsdp"):
+        if p.weights_dtype == "bfloat16" and p.mixed_precision in (False, "fp32", "fp16"):
             raise TrainingParamsError([
-                f"training_params.weights_dtype: got 'bfloat16' with mixed_precision {p.mixed_precision!r} and "
-                f"multi_gpu {p.multi_gpu!r}; allowed: mixed_precision bf16 (or true), whose autocast feeds the "
-                "bfloat16 weights, without multi_gpu fsdp (or weights_dtype float32)"])
+                f"training_params.weights_dtype: got 'bfloat16' with mixed_precision {p.mixed_precision!r}; "
+                "allowed: mixed_precision bf16 (or true), whose autocast feeds the bfloat16 weights "
+                "(or weights_dtype float32)"])
         step_log.check_logger_packages(p.loggers)
         if any(name.endswith(".onnx") for name in p.export):
             check_onnx_packages()

@@ -468,9 +468,10 @@ _SPECS = [
         element-wise optimizers' lean state (`optimizer_params: {master_weights: remainder, state_dtype:
         bfloat16}`, docs/optimizers.md "Lean state"), brings AdamW from 12 bytes per parameter to 8 (6 with
         `master_weights: stochastic`). Needs `mixed_precision: bf16` (or `true` resolving to it), whose autocast
-        feeds the weights; not with `multi_gpu: fsdp`. Checkpoints hold the bfloat16 weights. An `ema` is kept in
-        bfloat16 with an int16 remainder per value, which together are the exact float32 EMA
-        (`ema_params: {remainder: false}` drops them, and a decay close to 1 then rounds its updates away). Without
+        feeds the weights. Checkpoints hold the bfloat16 weights (sharded with `multi_gpu: fsdp`, the remainders and
+        moments alike). An `ema` is kept in bfloat16 with an int16 remainder per value, which together are the
+        exact float32 EMA (`ema_params: {remainder: false}` drops them, and a decay close to 1 then rounds its
+        updates away; a sharded EMA copy under `multi_gpu: fsdp` has no remainders yet, with a warning). Without
         a master (`master_weights` false or `stochastic`) each epoch row reports `stalled_updates`: the weight
         updates lost because they did not move a bfloat16 value (many of them: the lr is too small for bfloat16
         weights)."""),
