@@ -3,6 +3,7 @@
 // integer params) in one pass however many tensors, the same bytes whatever
 // the dtype and values. Each pair has one dtype, shape and strides, and is
 // dense; the dtype and layout conversions stay with ema_step_.
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include "../common/update_args.h"
@@ -32,6 +33,8 @@ void gated_copy_impl(GatedCopyKernel kernel, at::TensorList dst, at::TensorList 
     TORCH_CHECK_VALUE(d.layout() == at::kStrided && d.is_non_overlapping_and_dense(), op, ": dst[", i,
                       "] must be a dense tensor");
     if (d.numel() == 0 || d.is_same(s)) continue;
+    TORCH_CHECK_VALUE(at::get_overlap_status(d, s) != at::MemOverlapStatus::Partial, op, ": dst[", i, "] and src[", i,
+                      "] overlap in part; allowed: separate tensors (or one tensor, left alone)");
     ds.push_back(d);
     ss.push_back(s);
   }

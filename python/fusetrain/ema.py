@@ -37,7 +37,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-
 # NOTE [ema locators]: an attached EMA reads the live model's buffers (and
 # non-float params) after every step. Walking the model for them
 # (named_buffers) costs about as much host time as the update pass itself on
@@ -224,12 +223,11 @@ class ModelEMA:
                         self.warmup_gamma, self.warmup_power)
         return self._decay
 
-    def _sources(self, model: nn.Module, params: bool = True, buffers: bool = True) -> Dict[str, Tensor]:
-        """The model's current params and/or buffers by name (looked up at each
+    def _sources(self, model: nn.Module) -> Dict[str, Tensor]:
+        """The model's current params and buffers by name (looked up at each
         update: a module may replace a buffer tensor)."""
         base = unwrap_model(model)
-        return {**(dict(base.named_parameters()) if params else {}),
-                **(dict(base.named_buffers()) if buffers else {})}
+        return {**dict(base.named_parameters()), **dict(base.named_buffers())}
 
     # ---- updates -------------------------------------------------------------------
 
@@ -311,20 +309,19 @@ class ModelEMA:
         def pre_hook(opt, args, kwargs):
             self._compute_decay()
 
-        def followed() -> List[str]:
+        def sources() -> Tuple[List[str], Dict[str, Tensor]]:
             # Params rode in the update pass (unless `rides` is false); buffers and non-float
             # params follow. _buf_avg_names is read per step: load_state_dict may change include_buffers.
-            return self._buf_avg_names if rides else self._avg_names + self._buf_avg_names
+            names = self._buf_avg_names if rides else self._avg_names + self._buf_avg_names
+            return names, self._located_sources(names + self._copy_names + self._buf_copy_names)
 
         def post_hook(opt, args, kwargs):
             if opt.last_found_inf is None:
                 return  # the step applied no gradient: no EMA update
-            names = followed()
-            src = self._located_sources(names + self._copy_names + self._buf_copy_names)
+            names, src = sources()
             self._step_tensors(src, names, self._decay, opt.last_found_inf)
 
-        # Located now, outside any compiled step: a compiled tail reads them without recompiling.
-        self._located_sources(followed() + self._copy_names + self._buf_copy_names)
+        sources()  # located now, outside any compiled step: a compiled tail reads them without recompiling
 
         self._hooks = [optimizer.register_step_pre_hook(pre_hook), optimizer.register_step_post_hook(post_hook)]
         self._optimizer = optimizer

@@ -124,6 +124,7 @@ def test_compiles_without_graph_break():
 def test_bad_input_is_a_clear_error_before_any_copy(device):
     zero = torch.zeros((), device=device)
     a, b = torch.zeros(4, device=device), torch.ones(4, device=device)
+    buf = torch.arange(6.0, device=device)
     cases = [
         (([a], [b, b], zero), "2 dst tensors but 3 src"),
         (([a], [b], torch.zeros(2, device=device)), "found_inf must be a float32 tensor with one element"),
@@ -133,6 +134,7 @@ def test_bad_input_is_a_clear_error_before_any_copy(device):
         (([torch.zeros(2, 3, device=device)], [torch.ones(3, 2, device=device).t()], zero), "one shape and one layout"),
         (([torch.zeros(4, 2, device=device)[:, 0]], [torch.ones(4, 2, device=device)[:, 0]], zero),
          "must be a dense tensor"),
+        (([buf[1:5]], [buf[:4]], zero), "overlap in part"),
     ]
     if device != "cpu":
         cases.append((([a], [b.cpu()], zero), "src\\[1\\] on cpu"))

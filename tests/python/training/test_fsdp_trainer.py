@@ -140,30 +140,29 @@ def test_bf16_policy_accumulation_and_sync_bn_train(tmp_path):
 @pytest.mark.dist
 def test_bfloat16_weights_with_lean_state_train_shard_and_resume(tmp_path):
     # weights_dtype bfloat16 under FSDP2: bf16 shards with int16 remainders and bf16 moments (NOTE [lean
-    # state]), a sharded checkpoint that resumes on the same processes into the uninterrupted run's weights.
+    # state]), BatchNorm units (NOTE [fp32 batch norm]) in bf16 too, a sharded checkpoint that resumes on the
+    # same processes into the uninterrupted run's weights.
+    from fusetrain.models import build_model
+
+    def cnn():
+        torch.manual_seed(0)
+        return build_model("digits_cnn", num_classes=10, width=8)
+
     lean = dict(weights_dtype="bfloat16", mixed_precision="bf16", torch_compile=False, multi_gpu="fsdp",
                 num_processes=2, optimizer_params={"master_weights": "remainder", "state_dtype": "bfloat16",
                                                    "weight_decay": 0.01})
     root = str(tmp_path)
-    model = _model()
-    res = Trainer("lean", ckpt_root_dir=root).train(model, dict(COMMON, max_epochs=1, **lean), *_loaders(8))
+    res = Trainer("lean", ckpt_root_dir=root).train(cnn(), dict(COMMON, max_epochs=1, **lean), *_loaders(8))
     assert torch.isfinite(torch.tensor(res["final"]["train_loss"]))
     saved = full_state_dict(os.path.join(root, "lean", "ckpt_latest.pth"))
     assert saved and all(v.dtype == torch.bfloat16 for v in saved.values() if v.is_floating_point())
     assert os.path.isdir(os.path.join(root, "lean", SHARDS))
-    resumed, whole = _model(), _model()
+    resumed, whole = cnn(), cnn()
     Trainer("lean", ckpt_root_dir=root).train(resumed, dict(COMMON, max_epochs=2, resume=True, **lean),
                                               *_loaders(8))
     Trainer("lean_whole", ckpt_root_dir=root).train(whole, dict(COMMON, max_epochs=2, **lean), *_loaders(8))
     for (k, a), b in zip(resumed.state_dict().items(), whole.state_dict().values()):
         assert torch.equal(a, b), k
-    # BatchNorm layers (each its own unit, NOTE [fp32 batch norm]) hold bfloat16 weights and statistics alike.
-    from fusetrain.models import build_model
-
-    torch.manual_seed(0)
-    cnn = build_model("digits_cnn", num_classes=10, width=8)
-    res = Trainer("lean_cnn", ckpt_root_dir=root).train(cnn, dict(COMMON, max_epochs=1, **lean), *_loaders(8))
-    assert torch.isfinite(torch.tensor(res["final"]["train_loss"]))
 
 
 def test_wrap_targets():
