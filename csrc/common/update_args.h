@@ -162,6 +162,9 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_impl(GradStatsKernel kernel, at::T
 void ema_update_impl(EmaUpdateKernel kernel, at::TensorList ema, at::TensorList src, const at::Tensor& decay,
                      const OptT& found_inf, const std::optional<at::TensorList>& remainders);
 void gated_copy_impl(GatedCopyKernel kernel, at::TensorList dst, at::TensorList src, const at::Tensor& found_inf);
+// Whether gated_copy_ takes the pair (its checks, as one answer): one device, dtype, shape and dense layout,
+// no partial overlap.
+bool gated_copy_takes(const at::Tensor& dst, const at::Tensor& src);
 void update_scale_impl(UpdateScaleKernel kernel, const at::Tensor& scale, const at::Tensor& growth_tracker,
                        const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                        int64_t growth_interval, const OptT& last_skipped, const OptT& skipped_steps);

@@ -25,6 +25,8 @@
 
 #include "fusetrain/ops.h"
 
+#include "../common/update_args.h"
+
 namespace fusetrain {
 namespace detail {
 namespace {
@@ -148,13 +150,7 @@ void ema_step_impl(at::TensorList ema, at::TensorList src, at::TensorList copy_d
       at::_foreach_copy_(ds, ss);
       continue;
     }
-    const bool plain = std::all_of(idx.begin(), idx.end(), [&](size_t i) {
-      const auto& d = copy_dst[i];
-      const auto& s = copy_src[i];
-      return s.device() == dev && s.scalar_type() == d.scalar_type() && s.strides() == d.strides() &&
-             d.layout() == at::kStrided && d.is_non_overlapping_and_dense();
-    });
-    if (plain) {
+    if (std::all_of(idx.begin(), idx.end(), [&](size_t i) { return gated_copy_takes(copy_dst[i], copy_src[i]); })) {
       gated_copy_(ds, ss, *f);
       continue;
     }

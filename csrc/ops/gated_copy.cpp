@@ -11,6 +11,12 @@
 namespace fusetrain {
 namespace detail {
 
+bool gated_copy_takes(const at::Tensor& dst, const at::Tensor& src) {
+  return dst.device() == src.device() && dst.scalar_type() == src.scalar_type() && dst.sizes() == src.sizes() &&
+         dst.strides() == src.strides() && dst.layout() == at::kStrided && dst.is_non_overlapping_and_dense() &&
+         at::get_overlap_status(dst, src) != at::MemOverlapStatus::Partial;
+}
+
 void gated_copy_impl(GatedCopyKernel kernel, at::TensorList dst, at::TensorList src, const at::Tensor& found_inf) {
   const char* op = "gated_copy_";
   TORCH_CHECK_VALUE(dst.size() == src.size(), op, ": got ", dst.size(), " dst tensors but ", src.size(),
