@@ -43,6 +43,7 @@ inline at::vec::Vectorized<C> vsign(at::vec::Vectorized<C> x) {
 
 #include "../common/lean_state.h"
 #include "../common/optim_kinds.h"
+#include "bf16_lanes.h"
 #include "blocks.h"
 #include "work_items.h"
 
@@ -74,21 +75,11 @@ template <typename P>
 using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
 
 // The bfloat16 form of each of `n` values, rounded stochastically with the
-// bits of the stream `key` from element `first` on, shifted right by `shift`
-// (NOTE [lean state], NOTE [paired draws]).
-inline void store_stochastic(const float* src, at::BFloat16* dst, int64_t n, uint32_t key, int64_t first,
-                             int shift = 0) {
-  for (int64_t i = 0; i < n; ++i) dst[i].x = stochastic_bf16_bits(src[i], rounding_bits(key, first + i) >> shift);
-}
-
-// Two states' bfloat16 forms from one draw per element: `a` with its low
-// half, `b` with its high half (NOTE [paired draws]).
-inline void store_stochastic_pair(const float* a, at::BFloat16* da, const float* b, at::BFloat16* db, int64_t n,
-                                  uint32_t key, int64_t first) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t r = rounding_bits(key, first + i);
-    da[i].x = stochastic_bf16_bits(a[i], r);
-    db[i].x = stochastic_bf16_bits(b[i], r >> 16);
+// stream `key` from element `first` on (NOTE [lean state]).
+inline void store_stochastic(const float* src, at::BFloat16* dst, int64_t n, uint32_t key, int64_t first) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const int c = static_cast<int>(std::min<int64_t>(kLanes, n - i));
+    store_bf16(VecF::loadu(src + i, c), dst + i, c, key, first + i);
   }
 }
 
@@ -206,8 +197,9 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
                  bool has_ema, int64_t* stalled) {
   using C = Compute<P>;
   using Vec = at::vec::Vectorized<C>;
-  // Whether the state is stored in bfloat16 (NOTE [lean state]).
-  constexpr bool kLeanState = !std::is_same_v<S, C>;
+  // Whether the state is stored in bfloat16 (NOTE [lean state]): its lanes
+  // are widened and rounded back in the vector loop (NOTE [bf16 lanes]).
+  constexpr bool kBf16State = std::is_same_v<S, at::BFloat16>;
   constexpr bool kQ8 = std::is_same_v<S, int8_t>;
   const int64_t t = it.tensor;
   P* param = l.params[t].data_ptr<P>() + it.begin;
@@ -244,11 +236,13 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
   const float aux = l.aux.empty() ? 1.f : *l.aux[t].const_data_ptr<float>();
 
   const auto co = make_coeffs<K, C>(h, lr, step, aux);
+  const uint32_t pair_key = kBf16State ? rounding_key(step, t, 1) : 0u;
+  const uint32_t key3 = kBf16State ? rounding_key(step, t, 3) : 0u;
 
   alignas(64) float pb[kBlock];
   alignas(64) C gb[kBlock];
   alignas(64) float eb[kBlock];
-  alignas(64) C sb[3][kLeanState ? kBlock : 1];
+  alignas(64) C sb[3][kQ8 ? kBlock : 1];
   constexpr int64_t VS = Vec::size();
   // Whether the update runs on the param's own storage.
   constexpr bool kInPlace = std::is_same_v<P, C>;
@@ -279,41 +273,53 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
       convert_block(grad + off, gb, m);
       gw = gb;
     }
-    C* ms[3];
+    // The state the vector loop reads and writes as C: in place (C state),
+    // decoded into a block buffer (8-bit state); bfloat16 state goes lane by lane.
+    C* ms[3] = {nullptr, nullptr, nullptr};
     for (int k = 0; k < 3; ++k) {
-      if (s[k] == nullptr) {
-        ms[k] = nullptr;
-      } else if constexpr (kQ8) {
+      if (s[k] == nullptr) continue;
+      if constexpr (kQ8) {
         load_q8(s[k] + off, scales[k], sb[k], m, it.begin + off, qblock);
         ms[k] = sb[k];
-      } else if constexpr (kLeanState) {
-        convert_block(s[k] + off, sb[k], m);
-        ms[k] = sb[k];
-      } else {
+      } else if constexpr (!kBf16State) {
         ms[k] = s[k] + off;
       }
     }
     // NOTE [state presence]: which state lists a group uses is decided once
     // per block (the inner loop is compiled for each combination) so that the
     // per-vector loop holds no branch on it.
-    with_flags(ms[0] != nullptr, ms[1] != nullptr, ms[2] != nullptr, [&](auto has1, auto has2, auto has3) {
+    with_flags(s[0] != nullptr, s[1] != nullptr, s[2] != nullptr, [&](auto has1, auto has2, auto has3) {
       constexpr bool H1 = decltype(has1)::value, H2 = decltype(has2)::value, H3 = decltype(has3)::value;
-      C* m1 = ms[0];
-      C* m2 = ms[1];
-      C* m3 = ms[2];
+      const auto load_state = [&](int k, int64_t i, int c) {
+        if constexpr (kBf16State) {
+          return load_bf16_lanes(s[k] + off + i, c);
+        } else {
+          return Vec::loadu(ms[k] + i, c);
+        }
+      };
       for (int64_t i = 0; i < m; i += VS) {
         const int c = static_cast<int>(std::min<int64_t>(VS, m - i));
         Vec p = Vec::loadu(pw + i, c);
         Vec g = Vec::loadu(gw + i, c) * vgmul;
         if (h.maximize) g = g.neg();
         Vec r1, r2, r3;
-        if constexpr (H1) r1 = Vec::loadu(m1 + i, c);
-        if constexpr (H2) r2 = Vec::loadu(m2 + i, c);
-        if constexpr (H3) r3 = Vec::loadu(m3 + i, c);
+        if constexpr (H1) r1 = load_state(0, i, c);
+        if constexpr (H2) r2 = load_state(1, i, c);
+        if constexpr (H3) r3 = load_state(2, i, c);
         apply_update<K>(p, g, H1 ? &r1 : nullptr, H2 ? &r2 : nullptr, H3 ? &r3 : nullptr, co);
-        if constexpr (H1) r1.store(m1 + i, c);
-        if constexpr (H2) r2.store(m2 + i, c);
-        if constexpr (H3) r3.store(m3 + i, c);
+        if constexpr (kBf16State) {
+          // NOTE [paired draws]: slots 1 and 2 from stream 1's draws, slot 3 from stream 3's.
+          const int64_t first = it.begin + off + i;
+          if constexpr (H1 || H2) {
+            store_bf16_pair<H1, H2>(r1, H1 ? s[0] + off + i : nullptr, r2, H2 ? s[1] + off + i : nullptr, c,
+                                    pair_key, first);
+          }
+          if constexpr (H3) store_bf16(r3, s[2] + off + i, c, key3, first);
+        } else {
+          if constexpr (H1) r1.store(ms[0] + i, c);
+          if constexpr (H2) r2.store(ms[1] + i, c);
+          if constexpr (H3) r3.store(ms[2] + i, c);
+        }
         p.store(pw + i, c);
       }
     });
@@ -323,17 +329,6 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
           store_q8(sb[k], s[k] + off, scales[k], m, it.begin + off, qblock, rounding_key(step, t, k + 1));
         }
       }
-    } else if constexpr (kLeanState) {
-      // NOTE [paired draws]: slots 1 and 2 from stream 1's draws, slot 3 from stream 3's.
-      const uint32_t pair_key = rounding_key(step, t, 1);
-      if (s[0] != nullptr && s[1] != nullptr) {
-        store_stochastic_pair(sb[0], s[0] + off, sb[1], s[1] + off, m, pair_key, it.begin + off);
-      } else if (s[0] != nullptr) {
-        store_stochastic(sb[0], s[0] + off, m, pair_key, it.begin + off);
-      } else if (s[1] != nullptr) {
-        store_stochastic(sb[1], s[1] + off, m, pair_key, it.begin + off, 16);
-      }
-      if (s[2] != nullptr) store_stochastic(sb[2], s[2] + off, m, rounding_key(step, t, 3), it.begin + off);
     }
     // Store the (rounded) param when the update did not run on its storage.
     if constexpr (kLowParam) {
