@@ -25,7 +25,7 @@
 namespace fusetrain {
 namespace {
 
-// NOTE [state before capture] (python/fusetrain/optim/_base.py): what a step
+// NOTE [state before capture] (python/fusetrain/optim/_param_state.py): what a step
 // creates or fills lazily would be recorded in a CUDA graph and redone on
 // every replay (step counters and moments reset, the lr pinned).
 [[noreturn]] void fail_capturing(const at::Device& dev, const char* what) {

@@ -14,7 +14,7 @@
 //     a gradient exactly when it had one (dense; a DTensor gradient gives its
 //     local shard);
 //   * a param with a master copy has the same version counter and data
-//     pointer (NOTE [master re-sync] in python/fusetrain/optim/_base.py);
+//     pointer (NOTE [master re-sync] in python/fusetrain/optim/_param_state.py);
 //   * the optimizer's state dict maps each stepped param to the same dict,
 //     whose tensor entries are the same objects; a DTensor param has the same
 //     local shard.

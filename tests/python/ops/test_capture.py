@@ -27,7 +27,7 @@ from torch import nn
 import fusetrain
 from fusetrain import TrainStep
 from fusetrain.optim import AdamW
-from fusetrain.optim import _base
+from fusetrain.optim import _capture
 from fusetrain.training import distributed as _dist
 from fusetrain.training import step as step_mod
 
@@ -145,7 +145,7 @@ class FakeCuda:
                                 set_stream=lambda s: fake.calls.append(("set_stream", s)),
                                 synchronize=lambda device=None: None).items():
             monkeypatch.setattr(torch.cuda, name, value)
-        monkeypatch.setattr(_base, "_capturing", lambda device: fake.capturing)
+        monkeypatch.setattr(_capture, "capturing", lambda device: fake.capturing)
         monkeypatch.setattr(fusetrain._ops, "abandon_capture",
                             lambda device, pool: fake.calls.append(("abandon_capture", device, pool)))
         # The model stays on the CPU: let TrainStep build a graphed step there.
@@ -212,13 +212,13 @@ def test_state_created_while_capturing_raises(monkeypatch):
     model = Late()
     opt = AdamW(model.parameters(), lr=torch.tensor(0.01))
     LOSS(model(torch.randn(3, 6)), torch.tensor([0, 1, 2])).backward()
-    monkeypatch.setattr(_base, "_capturing", lambda device: True)
+    monkeypatch.setattr(_capture, "capturing", lambda device: True)
     with pytest.raises(RuntimeError, match=r"param 0 of group 0 has no optimizer state yet and a CUDA graph is being "
                                            r"captured.*prepare_capture\(\)"):
         opt.step()
-    monkeypatch.setattr(_base, "_capturing", lambda device: False)
+    monkeypatch.setattr(_capture, "capturing", lambda device: False)
     opt.prepare_capture()
-    monkeypatch.setattr(_base, "_capturing", lambda device: True)
+    monkeypatch.setattr(_capture, "capturing", lambda device: True)
     opt.step()  # everything exists: nothing to create
     assert opt.state[model.a.weight]["step"].item() == 1
     assert opt.state[model.b.weight]["step"].item() == 0, "prepared, not stepped (it has no gradient)"
@@ -257,7 +257,7 @@ def test_float_lr_filled_while_capturing_raises(monkeypatch):
     opt = AdamW(model.parameters(), lr=0.01)
     LOSS(model(torch.randn(3, 6)), torch.tensor([0, 1, 2])).backward()
     opt.step()
-    monkeypatch.setattr(_base, "_capturing", lambda device: True)
+    monkeypatch.setattr(_capture, "capturing", lambda device: True)
     opt.param_groups[0]["lr"] = 0.02  # a fill of the cached lr tensor would be recorded
     with pytest.raises(RuntimeError, match=r"lr is the Python number 0.02 and a CUDA graph is being captured"):
         opt.step()
@@ -267,13 +267,13 @@ def test_cpu_lr_tensor_for_gpu_params_warns_once_and_is_refused_while_capturing(
     model = Late()
     opt = AdamW(model.parameters(), lr=torch.tensor(0.01))
     lr, dev = opt.param_groups[0]["lr"], torch.device("cuda", 0)
-    monkeypatch.setattr(_base, "_capturing", lambda device: False)
+    monkeypatch.setattr(_capture, "capturing", lambda device: False)
     with pytest.warns(UserWarning, match=r"lr is a CPU tensor but its params are on cuda:0: every step copies it"):
         opt._check_lr_copy(0, lr, dev)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt._check_lr_copy(0, lr, dev)  # once
-    monkeypatch.setattr(_base, "_capturing", lambda device: True)
+    monkeypatch.setattr(_capture, "capturing", lambda device: True)
     with pytest.raises(RuntimeError, match=r"lr is a tensor on cpu but its params are on cuda:0, and a CUDA graph"):
         opt._check_lr_copy(0, lr, dev)
 
