@@ -121,9 +121,10 @@ def copy_experiment(root, src, dst):
     shutil.copytree(os.path.join(root, src), os.path.join(root, dst), ignore=shutil.ignore_patterns(".lock"))
 
 
+# DDP with loader workers and random augmentation (their streams resume too),
+# FSDP with the data loaded in the training process.
 VARIANTS = {
-    "ddp": dict(params={}, data={}),
-    "workers_augment": dict(params={}, data=dict(augment=True, workers=2)),
+    "ddp_workers_augment": dict(params={}, data=dict(augment=True, workers=2)),
     "fsdp": dict(params={"multi_gpu": "fsdp"}, data={}),
 }
 
