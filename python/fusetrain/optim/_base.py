@@ -11,6 +11,12 @@ in C++ and later steps only re-check them (NOTE [step plan] in
 csrc/python/step_plan.cpp). Every changing scalar (lr, step, inverse
 scale, found_inf, norm, EMA decay) is a device tensor, so ``step()`` never
 synchronises with the host.
+
+``FusedOptimizer`` is this module (groups, collecting the lists, the step,
+the step plan) and four mixins: _param_state.py (a param's state and its
+master weights), _group_values.py (each group's lr, record and device
+values), _update_riders.py (EMA copies, the stalled-update counter) and
+_state_dicts.py.
 """
 
 from __future__ import annotations
