@@ -12,6 +12,7 @@
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
+#include <c10/macros/Macros.h>
 #include <c10/util/BFloat16.h>
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -80,21 +81,12 @@ inline void store_stochastic_lanes(__m256 x, __m256i rnd, at::BFloat16* dst) {
 }
 #endif
 
-// The first `c` lanes of `a` and `b` rounded stochastically into `da` and
-// `db` from one draw of the stream `key` per lane (NOTE [paired draws]): `a`
-// takes its low half, `b` its high half. A and B say which of them exist.
+// store_bf16_pair of a vector that is not full or whose indices cross a
+// multiple of 2^32: the scalar functions, lane by lane (out of line: the
+// vector loop's calls stay small enough to inline).
 template <bool A, bool B>
-inline void store_bf16_pair(VecF a, at::BFloat16* da, VecF b, at::BFloat16* db, int c, uint32_t key,
-                            int64_t first) {
-  static_assert(A || B, "store_bf16_pair needs a value to store");
-#if defined(CPU_CAPABILITY_AVX2)
-  if (c == kLanes && one_high_word(first)) {
-    const __m256i r = rounding_bits_lanes(key, first);
-    if constexpr (A) store_stochastic_lanes(a, r, da);
-    if constexpr (B) store_stochastic_lanes(b, _mm256_srli_epi32(r, 16), db);
-    return;
-  }
-#endif
+C10_NOINLINE void store_bf16_pair_scalar(VecF a, at::BFloat16* da, VecF b, at::BFloat16* db, int c, uint32_t key,
+                                         int64_t first) {
   alignas(64) float ta[kLanes];
   alignas(64) float tb[kLanes];
   if constexpr (A) a.store(ta, c);
@@ -106,9 +98,27 @@ inline void store_bf16_pair(VecF a, at::BFloat16* da, VecF b, at::BFloat16* db, 
   }
 }
 
+// The first `c` lanes of `a` and `b` rounded stochastically into `da` and
+// `db` from one draw of the stream `key` per lane (NOTE [paired draws]): `a`
+// takes its low half, `b` its high half. A and B say which of them exist.
+template <bool A, bool B>
+C10_ALWAYS_INLINE void store_bf16_pair(VecF a, at::BFloat16* da, VecF b, at::BFloat16* db, int c, uint32_t key,
+                                       int64_t first) {
+  static_assert(A || B, "store_bf16_pair needs a value to store");
+#if defined(CPU_CAPABILITY_AVX2)
+  if (C10_LIKELY(c == kLanes && one_high_word(first))) {
+    const __m256i r = rounding_bits_lanes(key, first);
+    if constexpr (A) store_stochastic_lanes(a, r, da);
+    if constexpr (B) store_stochastic_lanes(b, _mm256_srli_epi32(r, 16), db);
+    return;
+  }
+#endif
+  store_bf16_pair_scalar<A, B>(a, da, b, db, c, key, first);
+}
+
 // The first `c` lanes of `a` rounded stochastically with the low half of the
 // stream `key`'s draws.
-inline void store_bf16(VecF a, at::BFloat16* da, int c, uint32_t key, int64_t first) {
+C10_ALWAYS_INLINE void store_bf16(VecF a, at::BFloat16* da, int c, uint32_t key, int64_t first) {
   store_bf16_pair<true, false>(a, da, a, nullptr, c, key, first);
 }
 

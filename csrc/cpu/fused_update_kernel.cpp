@@ -12,10 +12,6 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Exception.h>
 
-#if defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -45,6 +41,7 @@ inline at::vec::Vectorized<C> vsign(at::vec::Vectorized<C> x) {
 #include "../common/optim_kinds.h"
 #include "bf16_lanes.h"
 #include "blocks.h"
+#include "q8_lanes.h"
 #include "work_items.h"
 
 namespace fusetrain {
@@ -83,61 +80,19 @@ inline void store_stochastic(const float* src, at::BFloat16* dst, int64_t n, uin
   }
 }
 
-// NOTE [8-bit state]: the value of each code of either map for a scale of 1
-// (index: 256 for the unsigned map, plus the code), as q8_decode gives it.
-struct Q8Table {
-  float v[512];
-  Q8Table() {
-    for (int c = 0; c < 256; ++c) {
-      v[c] = q8_decode(static_cast<uint8_t>(c), false);
-      v[256 + c] = q8_decode(static_cast<uint8_t>(c), true);
-    }
-  }
-};
-
 // The values of `n` codes from element `first` (a block boundary) of a state
 // whose blocks of `block` elements have the scales `scales` (q8_load).
 inline void load_q8(const int8_t* src, const float* scales, float* dst, int64_t n, int64_t first, int64_t block) {
-  static const Q8Table table;
   for (int64_t b = 0; b < n; b += block) {
-    const uint32_t bits = float_bits(scales[(first + b) / block]);
-    const float* map = table.v + ((bits >> 31) != 0 ? 256 : 0);
-    const float mag = bits_float(bits & 0x7FFFFFFFu);
-    const int64_t m = std::min(block, n - b);
-    for (int64_t i = b; i < b + m; ++i) dst[i] = map[static_cast<uint8_t>(src[i])] * mag;
+    load_q8_block(src + b, scales[(first + b) / block], dst + b, std::min(block, n - b));
   }
 }
-
-#if defined(CPU_CAPABILITY_AVX2)
-// q8_encode of 8 values with AVX2, the same operations lane by lane (its
-// branch-free form): the codes as int32.
-inline void q8_encode8(const float* x, const uint32_t* rnd, const Q8Map& map, int32_t* out) {
-  const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(x));
-  const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rnd));
-  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
-  __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(mag, _mm256_and_si256(r, _mm256_set1_epi32(0xFFFFF))),
-                                     kQ8Shift);
-  normal = _mm256_min_epi32(_mm256_sub_epi32(normal, _mm256_set1_epi32(map.bias)), _mm256_set1_epi32(map.top));
-  const __m256 q = _mm256_min_ps(_mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(map.linear)),
-                                 _mm256_set1_ps(8.f));
-  const __m256i whole = _mm256_cvttps_epi32(q);
-  const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-8f));
-  const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(q, _mm256_cvtepi32_ps(whole)), u, _CMP_GT_OQ);
-  const __m256i linear = _mm256_sub_epi32(whole, _mm256_castps_si256(up));  // + 1 where rounded up
-  const __m256i is_normal = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(static_cast<int32_t>(map.low) - 1));
-  const __m256i code = _mm256_blendv_epi8(linear, normal, is_normal);
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(b, 24), _mm256_set1_epi32(static_cast<int32_t>(map.sign)));
-  _mm256_store_si256(reinterpret_cast<__m256i*>(out), _mm256_or_si256(code, sign));
-}
-#endif
 
 // Stores `n` values from element `first` (a block boundary) as codes and
 // block scales, rounded with the stream `key` (q8_block_scale, q8_store).
 inline void store_q8(const float* src, int8_t* dst, float* scales, int64_t n, int64_t first, int64_t block,
                      uint32_t key) {
   using Vec = at::vec::Vectorized<float>;
-  alignas(64) float x[kBlock];
-  alignas(64) uint32_t rnd[kBlock];
   for (int64_t b = 0; b < n; b += block) {
     const int64_t m = std::min(block, n - b);
     // NaN-propagating: a block with a NaN or an infinity is not finite, and
@@ -162,21 +117,7 @@ inline void store_q8(const float* src, int8_t* dst, float* scales, int64_t n, in
       std::memset(dst + b, 0, m);
       continue;
     }
-    const Vec va(absmax);
-    for (int64_t i = 0; i < m; i += Vec::size()) {
-      const int c = static_cast<int>(std::min<int64_t>(Vec::size(), m - i));
-      (Vec::loadu(src + b + i, c) / va).store(x + i, c);
-    }
-    // The random bits first, in a loop of their own (it vectorises).
-    for (int64_t i = 0; i < m; ++i) rnd[i] = rounding_bits(key, first + b + i);
-    const Q8Map map = q8_map(!negative);
-    int64_t i = 0;
-#if defined(CPU_CAPABILITY_AVX2)
-    alignas(32) int32_t codes[kBlock];
-    for (; i + 8 <= m; i += 8) q8_encode8(x + i, rnd + i, map, codes + i);
-    for (int64_t j = 0; j < i; ++j) dst[b + j] = static_cast<int8_t>(codes[j]);
-#endif
-    for (; i < m; ++i) dst[b + i] = static_cast<int8_t>(q8_encode(x[i], map, rnd[i]));
+    store_q8_block(src + b, absmax, q8_map(!negative), dst + b, m, key, first + b);
   }
 }
 

@@ -1,0 +1,104 @@
+// Eight codes of an 8-bit state (NOTE [8-bit state]) decoded to floats, and
+// eight floats encoded to codes with the draws of NOTE [lean state], for the
+// CPU update kernel. Internal header.
+//
+// NOTE [q8 lanes]: the 8-bit moments are decoded before the vector loop and
+// encoded after it, block by block (a block's scale needs its largest
+// magnitude first). Both directions are integer operations on the fp32 bits
+// (q8_decode, q8_encode), which AVX2 does eight lanes at a time: the decode
+// computes both of a map's forms and picks one per lane, instead of a table
+// lookup per element; the encode divides, draws (rounding_bits_lanes), encodes
+// and packs the eight codes into bytes in registers. Lanes give the same bits
+// as the scalar functions, which the tails and the CUDA kernels use.
+#pragma once
+
+#include <cstdint>
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include "../common/lean_state.h"
+#include "bf16_lanes.h"
+
+namespace fusetrain {
+namespace detail {
+
+#if defined(CPU_CAPABILITY_AVX2)
+// q8_decode of the 8 codes at src lane by lane, times `mag`.
+inline __m256 q8_decode_lanes(const int8_t* src, bool unsigned_map, __m256 mag) {
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  const __m256i m = unsigned_map ? c : _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+  const int32_t bias = unsigned_map ? 768 : 896;
+  const float step = unsigned_map ? 1.16415321826934814453125e-10f : 7.62939453125e-6f;  // 2^-33, 2^-17
+  const __m256 normal = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(m, _mm256_set1_epi32(bias)), kQ8Shift));
+  const __m256 linear = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(step));
+  const __m256i is_linear = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), m);
+  __m256 v = _mm256_blendv_ps(normal, linear, _mm256_castsi256_ps(is_linear));
+  if (!unsigned_map) {
+    v = _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24)));
+  }
+  return _mm256_mul_ps(v, mag);
+}
+
+// q8_encode of 8 normalised values with the random bits `r`, lane by lane
+// (its branch-free form): the codes as int32.
+inline __m256i q8_encode_lanes(__m256 x, __m256i r, const Q8Map& map) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
+  __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(mag, _mm256_and_si256(r, _mm256_set1_epi32(0xFFFFF))),
+                                     kQ8Shift);
+  normal = _mm256_min_epi32(_mm256_sub_epi32(normal, _mm256_set1_epi32(map.bias)), _mm256_set1_epi32(map.top));
+  const __m256 q = _mm256_min_ps(_mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(map.linear)),
+                                 _mm256_set1_ps(8.f));
+  const __m256i whole = _mm256_cvttps_epi32(q);
+  const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-8f));
+  const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(q, _mm256_cvtepi32_ps(whole)), u, _CMP_GT_OQ);
+  const __m256i linear = _mm256_sub_epi32(whole, _mm256_castps_si256(up));  // + 1 where rounded up
+  const __m256i is_normal = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(static_cast<int32_t>(map.low) - 1));
+  const __m256i code = _mm256_blendv_epi8(linear, normal, is_normal);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(b, 24), _mm256_set1_epi32(static_cast<int32_t>(map.sign)));
+  return _mm256_or_si256(code, sign);
+}
+
+// Stores the low bytes of 8 int32 codes (each in 0..255) at dst.
+inline void store_code_bytes(__m256i codes, int8_t* dst) {
+  const __m256i words = _mm256_packs_epi32(codes, codes);     // per 128-bit half: c0..c3 twice
+  const __m256i bytes = _mm256_packus_epi16(words, words);    // per half: c0..c3 four times
+  const __m256i both = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(both));
+}
+#endif
+
+// The values of the `n` codes at src (one block, whose stored scale is
+// `scale`: q8_load of each).
+inline void load_q8_block(const int8_t* src, float scale, float* dst, int64_t n) {
+  const uint32_t bits = float_bits(scale);
+  const bool unsigned_map = (bits >> 31) != 0;
+  const float mag = bits_float(bits & 0x7FFFFFFFu);
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 vmag = _mm256_set1_ps(mag);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, q8_decode_lanes(src + i, unsigned_map, vmag));
+#endif
+  for (; i < n; ++i) dst[i] = q8_decode(static_cast<uint8_t>(src[i]), unsigned_map) * mag;
+}
+
+// The codes of the `n` values at src (one block with largest magnitude
+// `absmax` > 0, finite, and map `map`), element `first` of the stream `key`
+// (q8_store of each).
+inline void store_q8_block(const float* src, float absmax, const Q8Map& map, int8_t* dst, int64_t n, uint32_t key,
+                           int64_t first) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 va = _mm256_set1_ps(absmax);
+  for (; i + 8 <= n && one_high_word(first + i); i += 8) {
+    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(src + i), va);
+    store_code_bytes(q8_encode_lanes(x, rounding_bits_lanes(key, first + i), map), dst + i);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<int8_t>(q8_encode(src[i] / absmax, map, rounding_bits(key, first + i)));
+}
+
+}  // namespace detail
+}  // namespace fusetrain

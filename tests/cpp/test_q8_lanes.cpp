@@ -1,0 +1,99 @@
+// The block functions of csrc/cpu/q8_lanes.h (NOTE [q8 lanes]) against the
+// scalar q8_load and q8_store of csrc/common/lean_state.h that the CUDA
+// kernels use: the same floats for every code of both maps and every block
+// length, the same codes for random values of every magnitude (values near a
+// block's largest, in the linear range of each map, zeros of both signs) and
+// for indices whose vector crosses a multiple of 2^32. Compiled with the CPU
+// kernels' flags (CMakeLists.txt), so it checks the AVX2 forms where they are
+// built.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "../../csrc/cpu/q8_lanes.h"
+
+namespace {
+
+using namespace fusetrain::detail;
+
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+
+TEST(Q8Lanes, DecodeIsTheScalarLoadForEveryCode) {
+  std::vector<int8_t> codes(256 + 5);
+  for (size_t c = 0; c < codes.size(); ++c) codes[c] = static_cast<int8_t>(static_cast<uint8_t>(c * 37 % 256));
+  for (const float scale : {1.f, 0.375f, -1.f, -3.0e-20f, 7.5e12f, -0.f, 0.f}) {
+    for (const int64_t n : {int64_t(1), int64_t(7), int64_t(8), int64_t(13), int64_t(64), int64_t(261)}) {
+      std::vector<float> out(n);
+      load_q8_block(codes.data(), scale, out.data(), n);
+      for (int64_t i = 0; i < n; ++i) {
+        const float want = q8_load(static_cast<uint8_t>(codes[i]), scale);
+        ASSERT_TRUE(same_bits(out[i], want)) << scale << " " << n << " " << i << ": " << out[i] << " vs " << want;
+      }
+    }
+  }
+}
+
+// Values of one block: random magnitudes over 40 binary orders below the
+// largest, some in each map's linear range, zeros of both signs.
+std::vector<float> block_values(int64_t n, bool signed_values, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> frac(0.5f, 1.f);
+  std::uniform_int_distribution<int> exp(-40, 0);
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    float x = std::ldexp(frac(gen), exp(gen));
+    if (i % 11 == 3) x = std::ldexp(frac(gen), -20 - static_cast<int>(gen() % 20));
+    if (i % 17 == 5) x = 0.f;
+    if (signed_values && (gen() & 1u)) x = -x;
+    v[i] = x;
+  }
+  if (n > 2) v[2] = signed_values ? -0.f : 0.f;
+  v[0] = signed_values ? -1.25f : 1.25f;  // the block's largest magnitude
+  return v;
+}
+
+TEST(Q8Lanes, EncodeIsTheScalarStore) {
+  const int64_t firsts[] = {0, 5, 4096, (int64_t(1) << 32) - 8, (int64_t(1) << 32) - 3, (int64_t(3) << 32) + 1};
+  const uint32_t key = rounding_key(9.f, 2, 1);
+  for (const bool signed_values : {false, true}) {
+    for (const int64_t n : {int64_t(1), int64_t(8), int64_t(13), int64_t(64), int64_t(256)}) {
+      for (const int64_t first : firsts) {
+        for (uint32_t seed = 0; seed < 8; ++seed) {
+          const std::vector<float> v = block_values(n, signed_values, seed * 31 + static_cast<uint32_t>(n));
+          float absmax = 0.f;
+          for (float x : v) absmax = std::max(absmax, std::fabs(x));
+          std::vector<int8_t> codes(n);
+          store_q8_block(v.data(), absmax, q8_map(!signed_values), codes.data(), n, key, first);
+          for (int64_t i = 0; i < n; ++i) {
+            const uint8_t want = q8_store(v[i], absmax, !signed_values, true, rounding_bits(key, first + i));
+            ASSERT_EQ(static_cast<uint8_t>(codes[i]), want)
+                << signed_values << " " << n << " " << first << " " << i << " " << v[i];
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Q8Lanes, EncodeThenDecodeIsUnbiased) {
+  // The codes of one value over many draws average to the value (NOTE
+  // [8-bit state]'s stochastic rounding), in the normal and the linear range.
+  const int64_t n = 4096;
+  for (const float x : {0.3f, 1e-7f, 3e-10f}) {
+    std::vector<float> v(n, x);
+    v[0] = 1.f;
+    std::vector<int8_t> codes(n);
+    store_q8_block(v.data(), 1.f, q8_map(true), codes.data(), n, rounding_key(1.f, 0, 2), 0);
+    std::vector<float> back(n);
+    load_q8_block(codes.data(), -1.f, back.data(), n);
+    double sum = 0;
+    for (int64_t i = 1; i < n; ++i) sum += back[i];
+    EXPECT_NEAR(sum / (n - 1) / x, 1.0, 0.02) << x;
+  }
+}
+
+}  // namespace
