@@ -10,13 +10,13 @@ counter untouched without asking the host.
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from . import _ops
+from .optim import _sharded
 
 __all__ = ["ModelEMA", "unwrap_model"]
 
@@ -161,20 +161,13 @@ class ModelEMA:
 
     def _build_remainders(self) -> None:
         """An int16 remainder (zero: the bfloat16 value is the EMA) for each
-        averaged bfloat16 tensor, keeping those already there."""
+        averaged bfloat16 tensor, keeping those already there. The remainder
+        of a sharded (FSDP2) tensor is a DTensor sharded like it; a tensor
+        that changed shape, device or form (sharded by ``fully_shard``)
+        restarts from a zero remainder."""
         names = [n for n in self._avg_names + self._buf_avg_names
                  if self._ema_tensors[n].dtype == torch.bfloat16]
         if self._remainder_setting is False or not names:
-            self._remainders = {}
-            return
-        from torch.distributed.tensor import DTensor
-
-        if any(isinstance(self._ema_tensors[n], DTensor) for n in names):
-            if self._remainder_setting:
-                raise ValueError("ModelEMA: remainders for a sharded (FSDP2) EMA copy are not supported; pass "
-                                 "remainder=False (the EMA then stays in bfloat16) or keep float32 weights")
-            warnings.warn("ModelEMA: a sharded (FSDP2) EMA copy keeps its bfloat16 tensors without remainders, "
-                          "where updates smaller than half an ulp round away (NOTE [ema remainder])", stacklevel=3)
             self._remainders = {}
             return
         old = self._remainders
@@ -182,7 +175,7 @@ class ModelEMA:
         for n in names:
             t = self._ema_tensors[n]
             r = old.get(n)
-            if r is None or r.shape != t.shape or r.device != t.device:
+            if r is None or r.shape != t.shape or r.device != t.device or type(r) is not type(t):
                 r = torch.zeros_like(t, dtype=torch.int16)
             self._remainders[n] = r
 
@@ -192,6 +185,17 @@ class ModelEMA:
         remainders), e.g. after writing ``ema.module``'s tensors directly."""
         for r in self._remainders.values():
             r.zero_()
+
+    def remainder_tensors(self) -> Dict[str, Tensor]:
+        """The int16 remainders by the name of their bfloat16 tensor (the live
+        tensors: DTensors for a sharded EMA copy)."""
+        return dict(self._remainders)
+
+    def buffer_remainders(self) -> List[Tensor]:
+        """The remainders of the averaged buffers: a distributed run that gives
+        every rank rank 0's buffers gives them these with them, so that each
+        pair stays one value."""
+        return self._remainders_of(self._buf_avg_names)
 
     def _remainders_of(self, names: List[str]) -> List[Tensor]:
         return [self._remainders[n] for n in names if n in self._remainders]
@@ -247,9 +251,11 @@ class ModelEMA:
                       found_inf: Optional[Tensor]) -> None:
         """Average ``avg_names``, copy the non-averaged tensors, advance the counter."""
         copy_names = self._copy_names + self._buf_copy_names
-        _ops.ema_step_([self._ema_tensors[n] for n in avg_names], [_detached(src[n]) for n in avg_names],
-                       [self._ema_tensors[n] for n in copy_names], [_detached(src[n]) for n in copy_names],
-                       decay, self._step, found_inf, self._remainders_of(avg_names))
+        # NOTE [sharded steps]: a sharded EMA tensor averages its local shard with the model's.
+        loc = _sharded.local_fn()
+        _ops.ema_step_([loc(self._ema_tensors[n]) for n in avg_names], [loc(_detached(src[n])) for n in avg_names],
+                       [loc(self._ema_tensors[n]) for n in copy_names], [loc(_detached(src[n])) for n in copy_names],
+                       decay, self._step, found_inf, [loc(r) for r in self._remainders_of(avg_names)])
 
     def _located_sources(self, names: List[str]) -> Dict[str, Tensor]:
         """The live model's tensors of ``names``, read from the modules that

@@ -28,6 +28,22 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def gloo_group():
+    """A process group of this process alone (gloo), destroyed after the test."""
+    import torch.distributed as dist
+
+    from _dist_helpers import free_port
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark ``cuda`` every test that runs only on a CUDA GPU: a ``cuda`` case
     of a device parameter, or a test skipped without CUDA (the ``CUDA``

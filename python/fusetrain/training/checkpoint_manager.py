@@ -11,7 +11,9 @@ and :mod:`.model_average`. The Trainer calls only this class.
 NOTE [checkpoint schema]: a checkpoint file is a dict of data (NOTE
 [checkpoints are data]): ``model`` and ``optimizer`` (state dicts; None when
 ``shards`` names the folder of a sharded run's tensors), ``scaler``,
-``ema`` (None without ``ema``), ``epoch`` (epochs done), ``global_step``
+``ema`` (None without ``ema``; in a sharded run without its ``module`` and
+``remainders``, which are in the shards, and with ``sharded_remainders``,
+the names of the remainders saved there), ``epoch`` (epochs done), ``global_step``
 (optimizer steps done), ``best`` (``{"metric", "value", "epoch"[,
 "step"]}``), ``stale_epochs``, ``rng`` (this process's random states),
 ``training_params`` (JSON-safe), ``world_size``, ``data_order`` (NOTE
@@ -259,7 +261,8 @@ class CheckpointManager:
             return None
         name = sharded_checkpoints.new_name(self.state.global_step)
         sharded_checkpoints.save(self.dir, name, self.model, self.opt,
-                                 self.ema.module if self.ema is not None else None)
+                                 self.ema.module if self.ema is not None else None,
+                                 self.ema.remainder_tensors() if self.ema is not None else None)
         return name
 
     def skipped_steps(self) -> float:
@@ -273,8 +276,9 @@ class CheckpointManager:
         """The checkpoint's contents (NOTE [checkpoint schema]); with ``shards`` the tensors that are sharded
         live in that folder."""
         ema_state = self.ema.state_dict() if self.ema is not None else None
-        if shards is not None and ema_state is not None:
+        if shards is not None and ema_state is not None:  # in the shards; the file names the remainders there
             del ema_state["module"]
+            ema_state["sharded_remainders"] = sorted(ema_state.pop("remainders"))
         st = self.state
         out = {"model": unwrap_model(self.model).state_dict() if shards is None else None,
                "optimizer": self.opt.state_dict() if shards is None else None, "shards": shards,

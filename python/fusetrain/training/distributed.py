@@ -174,9 +174,10 @@ class DistContext:
             dist.broadcast(t.data, src=0)
 
     @torch.no_grad()
-    def broadcast_buffers(self, modules: Sequence[Optional[nn.Module]]) -> None:
+    def broadcast_buffers(self, modules: Sequence[Optional[nn.Module]], extra: Sequence[Tensor] = ()) -> None:
         """Give every rank rank 0's buffers (BatchNorm running stats differ per rank
-        without sync_bn) so validation and the EMA agree everywhere."""
+        without sync_bn) and the ``extra`` tensors (the EMA's remainders of its
+        buffers) so validation and the EMA agree everywhere."""
         if not self.enabled:
             return
         import torch.distributed as dist
@@ -186,6 +187,11 @@ class DistContext:
                 continue
             for b in m.buffers():
                 dist.broadcast(b, src=0)
+        for t in extra:  # as bytes: neither gloo nor NCCL broadcasts int16
+            flat = t.contiguous().view(-1)
+            dist.broadcast(flat.view(torch.uint8), src=0)
+            if flat.data_ptr() != t.data_ptr():
+                t.copy_(flat.view_as(t))
 
     # ---- reductions and barriers ---------------------------------------------------------------------------
 

@@ -82,6 +82,14 @@ def check_changes(saved: Optional[Dict[str, Any]], p: TrainingParams, path: str,
                       + "\n".join(lines), stacklevel=5)
 
 
+def _saved_remainders(ck: Dict[str, Any], ema) -> Optional[Dict[str, Any]]:
+    """The EMA's remainder tensors whose values a sharded checkpoint holds (NOTE [checkpoint schema])."""
+    if ema is None or ck.get("ema") is None:
+        return None
+    live = ema.remainder_tensors()
+    return {n: live[n] for n in ck["ema"].get("sharded_remainders", ()) if n in live}
+
+
 def restore(ck: Dict[str, Any], path: str, model, opt, scaler, ema) -> None:
     """Load the checkpoint's state into the freshly built objects, then apply
     the new settings to them (hyperparameters from training_params). A
@@ -97,7 +105,8 @@ def restore(ck: Dict[str, Any], path: str, model, opt, scaler, ema) -> None:
         unwrap_model(model).load_state_dict(ck["model"])
     try:
         if ck.get("shards") is not None:
-            sharded_checkpoints.load(ck, path, unwrap_model(model), opt, ema.module if ema is not None else None)
+            sharded_checkpoints.load(ck, path, unwrap_model(model), opt, ema.module if ema is not None else None,
+                                     _saved_remainders(ck, ema))
         else:
             opt.load_state_dict(ck["optimizer"])
     except (ValueError, KeyError, RuntimeError) as e:
@@ -113,5 +122,7 @@ def restore(ck: Dict[str, Any], path: str, model, opt, scaler, ema) -> None:
         scaler.load_state_dict({**ck["scaler"], **growth})
     if ema is not None and ck.get("ema") is not None:
         settings = {k: v for k, v in ema.state_dict().items() if k not in ("module", "step", "remainders")}
-        module = {"module": ema.module.state_dict()} if ck.get("shards") is not None else {}  # loaded above
+        # A sharded checkpoint's module and remainders were loaded above (in place); those it lacks restart at zero.
+        module = ({"module": ema.module.state_dict(), "remainders": _saved_remainders(ck, ema)}
+                  if ck.get("shards") is not None else {})
         ema.load_state_dict({**ck["ema"], **settings, **module})

@@ -153,7 +153,9 @@ class Run:
             set_epoch(self.train_loader, epoch)
             cbs("on_epoch_start", state)
             row = self.train_epoch(epoch)
-            ctx.broadcast_buffers([self.model, self.ema.module if self.ema is not None else None])
+            ema = self.ema
+            ctx.broadcast_buffers([self.model, ema.module if ema is not None else None],
+                                  ema.buffer_remainders() if ema is not None else ())
             if (epoch + 1) % p.run_validation_freq == 0 or epoch + 1 == n_epochs or self.steps_done():
                 self.validate(row)
                 self.schedule.observe(row.get(self.watch_key), p.greater_metric_to_watch_is_better)

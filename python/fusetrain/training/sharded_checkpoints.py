@@ -5,7 +5,7 @@ NOTE [sharded checkpoints]: a checkpoint file of an fsdp run
 other runs hold except the sharded tensors, plus ``"shards"``: the name of a
 folder under ``<experiment>/shards/`` into which every rank wrote its shards
 with ``dcp.save`` (the weights, the optimizer state with master weights, the
-EMA weights), keyed by parameter names, so any number of processes (one
+EMA weights and their remainders), keyed by parameter names, so any number of processes (one
 included, without a process group) can load it; its metadata and
 non-tensor values are read as data (NOTE [checkpoints are data]). The
 folder is written first and is complete when ``dcp.save`` returns (its
@@ -117,26 +117,42 @@ def new_name(global_step: int) -> str:
     return pick[0]
 
 
-def _states(model: nn.Module, opt, ema_module: Optional[nn.Module]) -> Dict[str, Any]:
+def _states(model: nn.Module, opt, ema_module: Optional[nn.Module],
+            ema_remainders: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     model_sd, opt_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optimizer": opt_sd}
     if ema_module is not None:
         state["ema"] = get_model_state_dict(ema_module)
+    if ema_remainders:
+        state["ema_remainders"] = dict(ema_remainders)
     return state
 
 
-def save(experiment_dir: str, name: str, model: nn.Module, opt, ema_module: Optional[nn.Module]) -> None:
-    """Every rank writes its shards of the model, optimizer and EMA into ``shards/<name>``."""
+def save(experiment_dir: str, name: str, model: nn.Module, opt, ema_module: Optional[nn.Module],
+         ema_remainders: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """Every rank writes its shards of the model, optimizer and EMA (with the
+    int16 remainders of its bfloat16 tensors, NOTE [ema remainder]) into
+    ``shards/<name>``."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_states(model, opt, ema_module), checkpoint_id=os.path.join(experiment_dir, SHARDS, name))
+    # NOTE [replicated tensors from rank 0]: a tensor every rank holds whole (a
+    # buffer: BatchNorm statistics differ per rank without sync_bn; an EMA
+    # buffer's remainder) is written by rank 0, not by whichever rank has the
+    # least to write, so a bfloat16 EMA buffer and its remainder come from one
+    # rank and the file agrees with what rank 0 validated.
+    dcp.save(_states(model, opt, ema_module, ema_remainders),
+             checkpoint_id=os.path.join(experiment_dir, SHARDS, name),
+             planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
 
 
-def load(ck: Dict[str, Any], ckpt_path: str, model: nn.Module, opt, ema_module: Optional[nn.Module]) -> None:
+def load(ck: Dict[str, Any], ckpt_path: str, model: nn.Module, opt, ema_module: Optional[nn.Module],
+         ema_remainders: Optional[Dict[str, torch.Tensor]] = None) -> None:
     """Load the shards a checkpoint file names into the model, optimizer and
-    EMA of this run, whatever its number of processes (resharded by DCP)."""
+    EMA of this run, whatever its number of processes (resharded by DCP);
+    ``ema_remainders`` (the remainders the checkpoint holds: ``ck["ema"]
+    ["sharded_remainders"]``) are loaded in place."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
@@ -148,7 +164,8 @@ def load(ck: Dict[str, Any], ckpt_path: str, model: nn.Module, opt, ema_module: 
     # another optimizer get_state_dict makes it with one zero-lr step.
     if isinstance(opt, FusedOptimizer):
         opt.init_state()
-    state = _states(model, opt, ema_module if ck.get("ema") is not None else None)
+    with_ema = ck.get("ema") is not None
+    state = _states(model, opt, ema_module if with_ema else None, ema_remainders if with_ema else None)
     with warnings.catch_warnings():  # one process without a process group: DCP says so
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, storage_reader=_reader(path), planner=_planner())

@@ -13,7 +13,6 @@ import contextlib
 import copy
 import io
 import math
-import socket
 
 import pytest
 import torch
@@ -80,12 +79,6 @@ def assert_same_state(a, b):
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), f"{k} differs"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- schedules -------------------------------------------------------------------------
@@ -448,19 +441,6 @@ def test_torch_compile_wrapped_model():
     assert attached.step_tensor.item() == 1.0
     assert not torch.equal(attached.module[0].weight, model[0].weight)
     attached.detach()
-
-
-@pytest.fixture
-def gloo_group():
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ddp_wrapped_model(gloo_group):

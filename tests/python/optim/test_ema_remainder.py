@@ -327,3 +327,55 @@ def test_train_step_carries_ema_remainders_and_stall_counts(mode):
     for k, v in eager[1].items():
         assert torch.equal(v, other[1][k]), k
     assert eager[2] == other[2] > 0
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_sharded_model_ema_keeps_sharded_remainders(gloo_group, attached):
+    # Built before fully_shard, as the Trainer builds it: after rebuild_index
+    # each bfloat16 param's remainder is a DTensor sharded like it, and the
+    # sharded EMA (updated by ema.update or in the update pass) is bit for bit
+    # the unsharded one.
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    models, emas, opts = [], [], []
+    for sharded in (False, True):
+        m = _bn_model()
+        ema = ModelEMA(m, decay=0.999, decay_type="constant")
+        if sharded:
+            fully_shard(m)
+            fully_shard(ema.module)
+            ema.rebuild_index()
+        opt = AdamW(m.parameters(), lr=1e-2, master_weights="remainder")
+        if attached:
+            ema.attach(opt)
+        models.append(m)
+        emas.append(ema)
+        opts.append(opt)
+    rems = emas[1].remainder_tensors()
+    assert set(rems) == set(emas[0].remainder_tensors())
+    for name, p in emas[1].module.named_parameters():
+        assert isinstance(p, DTensor) and isinstance(rems[name], DTensor), name
+        assert rems[name].placements == p.placements and rems[name].dtype == torch.int16
+    for _ in range(4):
+        grads = [torch.randn_like(_full(p)) for p in models[0].parameters()]
+        for m, opt, ema in zip(models, opts, emas):
+            for p, g in zip(m.parameters(), grads):
+                p.grad = g if not isinstance(p, DTensor) else DTensor.from_local(g, p.device_mesh, p.placements)
+            opt.step()
+            if not attached:
+                ema.update(m)
+    assert any(int(r.abs().sum()) != 0 for r in emas[0].remainder_tensors().values())
+    for name, r in emas[0].remainder_tensors().items():
+        assert torch.equal(_full(rems[name]), r), name
+    plain = emas[0].module.state_dict()
+    for k, v in emas[1].module.state_dict().items():
+        assert torch.equal(_full(v), plain[k]), k
+    for ema in emas:
+        ema.detach()

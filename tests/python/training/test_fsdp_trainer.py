@@ -163,6 +163,20 @@ def test_bfloat16_weights_with_lean_state_train_shard_and_resume(tmp_path):
     Trainer("lean_whole", ckpt_root_dir=root).train(whole, dict(COMMON, max_epochs=2, **lean), *_loaders(8))
     for (k, a), b in zip(resumed.state_dict().items(), whole.state_dict().values()):
         assert torch.equal(a, b), k
+    # The bfloat16 EMA's int16 remainders (NOTE [ema remainder]) are sharded, saved in the shards and resumed:
+    # the resumed run's EMA is the uninterrupted one's.
+    ck = load_checkpoint(os.path.join(root, "lean", "ckpt_latest.pth"))
+    names = ck["ema"]["sharded_remainders"]
+    assert names and "remainders" not in ck["ema"] and "module" not in ck["ema"]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved_keys = FileSystemReader(os.path.join(root, "lean", SHARDS, ck["shards"])).read_metadata().state_dict_metadata
+    assert all(f"ema_remainders.{n}" in saved_keys for n in names)
+    ema_resumed = full_state_dict(os.path.join(root, "lean", "ckpt_latest.pth"), ema=True)
+    ema_whole = full_state_dict(os.path.join(root, "lean_whole", "ckpt_latest.pth"), ema=True)
+    assert ema_resumed.keys() == ema_whole.keys()
+    for k, v in ema_whole.items():
+        assert torch.equal(ema_resumed[k], v), k
 
 
 def test_wrap_targets():

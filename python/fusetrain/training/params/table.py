@@ -471,7 +471,8 @@ _SPECS = [
         feeds the weights. Checkpoints hold the bfloat16 weights (sharded with `multi_gpu: fsdp`, the remainders and
         moments alike). An `ema` is kept in bfloat16 with an int16 remainder per value, which together are the
         exact float32 EMA (`ema_params: {remainder: false}` drops them, and a decay close to 1 then rounds its
-        updates away; a sharded EMA copy under `multi_gpu: fsdp` has no remainders yet, with a warning). Without
+        updates away; under `multi_gpu: fsdp` the remainders are sharded like the EMA copy and saved in its
+        shards). Without
         a master (`master_weights` false or `stochastic`) each epoch row reports `stalled_updates`: the weight
         updates lost because they did not move a bfloat16 value (many of them: the lr is too small for bfloat16
         weights)."""),
