@@ -140,8 +140,9 @@ def _model(seed=0):
 
 def _train(model, opt, sched, steps, wd=None):
     g = torch.Generator().manual_seed(5)
+    dtype = next(model.parameters()).dtype
     for i in range(steps):
-        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
+        x, y = torch.randn(8, 12, generator=g).to(dtype), torch.randn(8, 4, generator=g).to(dtype)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         if wd is not None:
@@ -164,7 +165,12 @@ def test_one_cycle_momentum_and_a_weight_decay_schedule_match_torch(name):
         "nadam": (NAdam, torch.optim.NAdam, {}),
         "rmsprop": (RMSprop, torch.optim.RMSprop, dict(momentum=0.9)),
     }[name]
-    ref, ours = _model(), _model()
+    # The reference runs in float64. RMSprop's first steps divide by the root
+    # of a tiny square average, which magnifies rounding: torch's own float32
+    # RMSprop ends about 1.4e-5 from the float64 run on these params (the
+    # others about 1e-7), so its tolerance is wider; a schedule applied wrongly
+    # moves the params by 1e-3 or more.
+    ref, ours = _model().double(), _model()
     ref_opt, ours_opt = ref_cls(ref.parameters(), lr=0.01, **kw), ours_cls(ours.parameters(), lr=0.01, **kw)
     seen = []
 
@@ -178,7 +184,8 @@ def test_one_cycle_momentum_and_a_weight_decay_schedule_match_torch(name):
         _train(model, opt, sched, 10, wd)
     key = "betas" if "betas" in ours_opt.defaults else "momentum"
     assert ours_opt.param_groups[0][key] == ref_opt.param_groups[0][key]
-    assert_params_close(list(ours.parameters()), list(ref.parameters()), rtol=1e-5, atol=1e-6)
+    tol = dict(rtol=1e-4, atol=5e-5) if name == "rmsprop" else dict(rtol=1e-5, atol=1e-6)
+    assert_params_close(list(ours.parameters()), list(ref.parameters()), **tol)
 
 
 def _step_run(mode, sched_kind, **compile_options):
