@@ -222,10 +222,10 @@ def _crash_in_second_save(rank, world, root):
 
     real, calls = dcp.save, []
 
-    def save(state, checkpoint_id):
+    def save(state, checkpoint_id, **kwargs):
         calls.append(checkpoint_id)
         writer = DiskFullOnRank1(checkpoint_id) if len(calls) == 2 else None
-        return real(state, checkpoint_id=checkpoint_id, storage_writer=writer)
+        return real(state, checkpoint_id=checkpoint_id, storage_writer=writer, **kwargs)
 
     dcp.save = save
     try:
