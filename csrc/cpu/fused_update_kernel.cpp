@@ -177,8 +177,8 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
   const float aux = l.aux.empty() ? 1.f : *l.aux[t].const_data_ptr<float>();
 
   const auto co = make_coeffs<K, C>(h, lr, step, aux);
-  const uint32_t pair_key = kBf16State ? rounding_key(step, t, 1) : 0u;
-  const uint32_t key3 = kBf16State ? rounding_key(step, t, 3) : 0u;
+  [[maybe_unused]] const uint32_t pair_key = kBf16State ? rounding_key(step, t, 1) : 0u;
+  [[maybe_unused]] const uint32_t key3 = kBf16State ? rounding_key(step, t, 3) : 0u;
 
   alignas(64) float pb[kBlock];
   alignas(64) C gb[kBlock];

@@ -28,11 +28,12 @@ namespace detail {
 // q8_decode of the 8 codes at src lane by lane, times `mag`.
 inline __m256 q8_decode_lanes(const int8_t* src, bool unsigned_map, __m256 mag) {
   const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  const Q8Map map = q8_map(unsigned_map);
   const __m256i m = unsigned_map ? c : _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
-  const int32_t bias = unsigned_map ? 768 : 896;
-  const float step = unsigned_map ? 1.16415321826934814453125e-10f : 7.62939453125e-6f;  // 2^-33, 2^-17
-  const __m256 normal = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(m, _mm256_set1_epi32(bias)), kQ8Shift));
-  const __m256 linear = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(step));
+  const __m256 normal =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(m, _mm256_set1_epi32(map.bias)), kQ8Shift));
+  // The linear step is a power of two: 1 / map.linear is exact.
+  const __m256 linear = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(1.f / map.linear));
   const __m256i is_linear = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), m);
   __m256 v = _mm256_blendv_ps(normal, linear, _mm256_castsi256_ps(is_linear));
   if (!unsigned_map) {

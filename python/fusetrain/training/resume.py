@@ -103,10 +103,11 @@ def restore(ck: Dict[str, Any], path: str, model, opt, scaler, ema) -> None:
                          f"it without fsdp, or start a fresh fsdp run from its weights (pretrained_weights: {path})")
     if ck.get("shards") is None:
         unwrap_model(model).load_state_dict(ck["model"])
+    saved_remainders = _saved_remainders(ck, ema)
     try:
         if ck.get("shards") is not None:
             sharded_checkpoints.load(ck, path, unwrap_model(model), opt, ema.module if ema is not None else None,
-                                     _saved_remainders(ck, ema))
+                                     saved_remainders)
         else:
             opt.load_state_dict(ck["optimizer"])
     except (ValueError, KeyError, RuntimeError) as e:
@@ -123,6 +124,6 @@ def restore(ck: Dict[str, Any], path: str, model, opt, scaler, ema) -> None:
     if ema is not None and ck.get("ema") is not None:
         settings = {k: v for k, v in ema.state_dict().items() if k not in ("module", "step", "remainders")}
         # A sharded checkpoint's module and remainders were loaded above (in place); those it lacks restart at zero.
-        module = ({"module": ema.module.state_dict(), "remainders": _saved_remainders(ck, ema)}
+        module = ({"module": ema.module.state_dict(), "remainders": saved_remainders}
                   if ck.get("shards") is not None else {})
         ema.load_state_dict({**ck["ema"], **settings, **module})
