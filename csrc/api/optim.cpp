@@ -157,11 +157,10 @@ void FusedOptimizer::init_state(FusedParamState& s, const at::Tensor& p, const d
       const float x = static_cast<float>(v), mag = std::fabs(x);
       const bool finite = std::isfinite(x), negative = x < 0.f;
       const int64_t block = options.state_block_size_;
-      const auto code = static_cast<int8_t>(detail::q8_store(x, mag, !negative, finite, 0u));
+      const detail::Q8Block q = detail::q8_block(finite ? mag : 0.f, negative, finite);
+      const auto code = static_cast<int8_t>(detail::q8_store(x, q, 0x8000u));  // rounded to nearest
       *t = at::full_like(p, code, p.options().dtype(at::kChar), at::MemoryFormat::Preserve);
-      s.scales(st->name) = at::full({(p.numel() + block - 1) / block},
-                                    detail::q8_block_scale(finite ? mag : 0.f, negative, finite),
-                                    p.options().dtype(at::kFloat));
+      s.scales(st->name) = at::full({(p.numel() + block - 1) / block}, q.scale, p.options().dtype(at::kFloat));
     } else {
       *t = state_zeros_like(p, dtype);
       if (v != 0.0) t->fill_(v);

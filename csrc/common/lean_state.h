@@ -20,12 +20,12 @@
 // element's index: no generator state, the same bits on CPU and CUDA, eager,
 // compiled or captured, and after a resume.
 //
-// NOTE [paired draws]: a rounding to bfloat16 uses 16 random bits, a draw
-// gives 32, and the draw is the cost (the hash, not the memory, bounds a
-// lean step). The bfloat16 moments of state slots 1 and 2 of an element
-// round with the two halves of one draw of stream 1 (slot 1 the low half,
-// slot 2 the high); slot 3 draws from stream 3, the param from
-// stream 0. The 8-bit codes (NOTE [8-bit state]) draw from streams 1..3.
+// NOTE [paired draws]: a rounding to bfloat16 or to an 8-bit code uses 16
+// random bits, a draw gives 32, and the draw is the cost (the hash, not the
+// memory, bounds a lean step). State slots 1 and 2 of an element round with
+// the two halves of one draw of stream 1 (slot 1 the low half, slot 2 the
+// high); slot 3 takes the low half of stream 3's draw, the param that of
+// stream 0's. bfloat16 and 8-bit moments draw alike.
 #pragma once
 
 #include <cstdint>
@@ -76,11 +76,17 @@ FT_HD uint32_t rounding_key(float step, int64_t tensor, int stream) {
   return mix32(mix32(s * 0x9E3779B9u + static_cast<uint32_t>(stream)) ^ static_cast<uint32_t>(tensor) * 0x85EBCA6Bu);
 }
 
+// rounding_bits from the key xor the index's low word and the term of its
+// high word (a loop over indices that share the high word forms both once).
+FT_HD uint32_t rounding_bits_of(uint32_t keyed_low, uint32_t high_term) { return mix32(keyed_low + high_term); }
+FT_HD uint32_t rounding_high_term(int64_t i) {
+  return static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32) * 0x27D4EB2Fu;
+}
+
 // 32 random bits of element `i` of the stream `key`: one mix of the index
 // under the key (the key itself is mixed twice, once per tensor and step).
 FT_HD uint32_t rounding_bits(uint32_t key, int64_t i) {
-  const uint32_t lo = static_cast<uint32_t>(i), hi = static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32);
-  return mix32((key ^ lo) + hi * 0x27D4EB2Fu);
+  return rounding_bits_of(key ^ static_cast<uint32_t>(i), rounding_high_term(i));
 }
 
 // The bfloat16 bits of x rounded stochastically with the random bits `rnd`
@@ -139,9 +145,10 @@ FT_HD void split_remainder(float x, uint16_t& param_bits, int16_t& rem) {
 // (B = 64, 128 or 256; the blocks start at element 0 of the param's state and
 // never cross a param or an FSDP shard: each shard's state is its own tensor).
 // A block's scale is the largest magnitude of its values; a code is that
-// value divided by the scale in a small floating-point format whose rounding
-// is stochastic (the bits of lean_state's stream, so a moment decaying by
-// 0.999 a step keeps decaying). The sign of the scale names the block's map:
+// value times the scale's reciprocal in a small floating-point format whose
+// rounding is stochastic (16 bits of lean_state's stream, NOTE [paired
+// draws], so a moment decaying by 0.999 a step keeps decaying). The sign of
+// the scale names the block's map:
 //   * scale >= +0 (some value negative): sign bit, 4 exponent bits and 3
 //     mantissa bits (E4M3), normal down to 2^-14 of the scale, then a linear
 //     step of 2^-17;
@@ -149,10 +156,12 @@ FT_HD void split_remainder(float x, uint16_t& param_bits, int16_t& rem) {
 //     and 3 mantissa bits (E5M3) with no sign, normal down to 2^-30 of the
 //     scale, then a linear step of 2^-33 (the range a second moment needs).
 // A block holding a non-finite value gets the scale NaN and codes 0 (its
-// values read back as NaN, as an fp32 state would hold them). The codes are
-// the fp32 bits of the normalised value shifted, so encoding and decoding are
-// exact integer operations; python/fusetrain/optim/_int8_state.py mirrors
-// them for state-dict conversion and the tests check the two bit for bit.
+// values read back as NaN, as an fp32 state would hold them); a block whose
+// largest magnitude is below float32's smallest normal (2^-126, where the
+// reciprocal would overflow) is stored as zeros. The codes are the fp32 bits
+// of the normalised value shifted, so encoding and decoding are exact integer
+// operations; python/fusetrain/optim/_int8_state.py mirrors them for
+// state-dict conversion and the tests check the two bit for bit.
 constexpr int kQ8Shift = 20;  // fp32 mantissa bits below a code's 3
 
 // The normalised value (|x| / |scale|, before the scale) of code c.
@@ -180,38 +189,44 @@ FT_HD Q8Map q8_map(bool unsigned_map) {
   return unsigned_map ? Q8Map{97u << 23, 768, 255, 8589934592.0f, 0u} : Q8Map{113u << 23, 896, 127, 131072.0f, 0x80u};
 }
 
-// The code of x (a value divided by its block's largest magnitude: |x| <= 1),
-// rounded stochastically with the random bits `rnd`. Both forms are computed
-// and one is picked: no branch, so a loop over it vectorises.
+// The code of x (a value times its block's norm: |x| <= 1, up to rounding),
+// rounded stochastically with the 16 random bits in the low half of `rnd`:
+// the exponent and 3 mantissa bits of |x|, the 20 bits below rounded by
+// adding the random bits at their top (a carry is the next code). Below the
+// normal codes, |x| + low (one binade up, where a linear step is 2^20 fp32
+// steps) takes the same shift and rounding. Branch-free, so a loop over it
+// vectorises.
 FT_HD uint8_t q8_encode(float x, const Q8Map& map, uint32_t rnd) {
   const uint32_t b = float_bits(x);
   const uint32_t mag = b & 0x7FFFFFFFu;
-  // Normal codes: the exponent and 3 mantissa bits, the bits below rounded
-  // by adding random bits (a carry is the next code).
-  int32_t normal = static_cast<int32_t>((mag + (rnd & 0xFFFFFu)) >> kQ8Shift) - map.bias;
-  normal = normal < map.top ? normal : map.top;
-  // The linear steps below them: q in [0, 8), rounded up with probability frac(q).
-  float q = bits_float(mag) * map.linear;
-  q = q < 8.f ? q : 8.f;
-  const int32_t whole = static_cast<int32_t>(q);
-  const float u = static_cast<float>(static_cast<int32_t>(rnd >> 8)) * 5.9604644775390625e-8f;  // [0, 1), 2^-24 steps
-  const int32_t linear = whole + ((q - static_cast<float>(whole)) > u ? 1 : 0);
-  const int32_t code = mag >= map.low ? normal : linear;
+  const bool linear = mag < map.low;
+  const uint32_t z = linear ? float_bits(bits_float(mag) + bits_float(map.low)) : mag;
+  int32_t code = static_cast<int32_t>((z + ((rnd & 0xFFFFu) << 4)) >> kQ8Shift) - (map.bias + (linear ? 8 : 0));
+  code = code < map.top ? code : map.top;
   return static_cast<uint8_t>(code | static_cast<int32_t>((b >> 24) & map.sign));
 }
 
-// The scale a block stores (NOTE [8-bit state]): `absmax` the largest
-// magnitude of its finite values, `negative` whether one is below zero,
-// `finite` whether all are finite.
-FT_HD float q8_block_scale(float absmax, bool negative, bool finite) {
-  if (!finite) return bits_float(0x7FC00000u);
-  return negative ? absmax : -absmax;
+// How one block is stored (NOTE [8-bit state]): its scale, the factor that
+// normalises its values (0: its codes are all 0) and its map.
+struct Q8Block {
+  float scale;
+  float norm;
+  bool unsigned_map;
+};
+
+// The block whose finite values have the largest magnitude `absmax`, with
+// `negative` whether one is below zero and `finite` whether all are finite.
+FT_HD Q8Block q8_block(float absmax, bool negative, bool finite) {
+  if (!finite) return Q8Block{bits_float(0x7FC00000u), 0.f, !negative};
+  const float kept = absmax >= 1.17549435082228750797e-38f ? absmax : 0.f;  // 2^-126
+  return Q8Block{negative ? kept : -kept, kept > 0.f ? 1.f / kept : 0.f, !negative};
 }
 
-// The code of value y of a block with that largest magnitude and map.
-FT_HD uint8_t q8_store(float y, float absmax, bool unsigned_map, bool finite, uint32_t rnd) {
-  if (!finite || !(absmax > 0.f)) return 0;
-  return q8_encode(y / absmax, q8_map(unsigned_map), rnd);
+// The code of value y of a block (branch-free: a zero norm encodes and
+// drops the code).
+FT_HD uint8_t q8_store(float y, const Q8Block& block, uint32_t rnd) {
+  const uint8_t c = q8_encode(y * block.norm, q8_map(block.unsigned_map), rnd);
+  return block.norm != 0.f ? c : uint8_t{0};
 }
 
 // The value of code c of a block with stored scale `scale`.

@@ -54,6 +54,15 @@ constexpr bool state_may_be_absent(int slot) {
          (K == OptimKind::RMSprop && slot >= 2) || (K == OptimKind::Direction && slot == 3);
 }
 
+// Whether apply_update<K> reads state slot `slot` (1..3) at all.
+template <OptimKind K>
+constexpr bool slot_used(int slot) {
+  if constexpr (K == OptimKind::SGD || K == OptimKind::Lion) return slot == 1;
+  if constexpr (K == OptimKind::Adadelta || K == OptimKind::RAdam || K == OptimKind::NAdam) return slot <= 2;
+  if constexpr (K == OptimKind::Apply) return false;
+  return true;
+}
+
 // The tensor scalar after a step's increment of `step` (NOTE [tensor scalars]):
 // NAdam's mu_product advances; for the other kinds it is read-only.
 template <OptimKind K>

@@ -88,36 +88,63 @@ inline void load_q8(const int8_t* src, const float* scales, float* dst, int64_t 
   }
 }
 
-// Stores `n` values from element `first` (a block boundary) as codes and
-// block scales, rounded with the stream `key` (q8_block_scale, q8_store).
-inline void store_q8(const float* src, int8_t* dst, float* scales, int64_t n, int64_t first, int64_t block,
-                     uint32_t key) {
+// How the block of the `m` values at src is stored (q8_block).
+inline Q8Block q8_block_of(const float* src, int64_t m) {
   using Vec = at::vec::Vectorized<float>;
-  for (int64_t b = 0; b < n; b += block) {
-    const int64_t m = std::min(block, n - b);
-    // NaN-propagating: a block with a NaN or an infinity is not finite, and
-    // then neither its largest magnitude nor its sign matters.
-    Vec vmax(0.f), vmin(0.f);
-    for (int64_t i = 0; i < m; i += Vec::size()) {
-      const int c = static_cast<int>(std::min<int64_t>(Vec::size(), m - i));
-      const Vec v = Vec::loadu(src + b + i, c);  // the lanes past c load as 0
-      vmax = at::vec::maximum(vmax, v.abs());
-      vmin = at::vec::minimum(vmin, v);
-    }
-    float absmax = 0.f, least = 0.f;
-    alignas(64) float lanes[Vec::size()];
-    vmax.store(lanes);
-    for (float l : lanes) absmax = std::isnan(l) || std::isnan(absmax) ? NAN : std::max(absmax, l);
-    vmin.store(lanes);
-    for (float l : lanes) least = std::min(least, l);
-    const bool finite = absmax <= std::numeric_limits<float>::max();
-    const bool negative = least < 0.f;
-    scales[(first + b) / block] = q8_block_scale(absmax, negative, finite);
-    if (!finite || !(absmax > 0.f)) {
-      std::memset(dst + b, 0, m);
+  // NaN-propagating: a block with a NaN or an infinity is not finite, and
+  // then neither its largest magnitude nor its sign matters.
+  Vec vmax(0.f), vmin(0.f);
+  for (int64_t i = 0; i < m; i += Vec::size()) {
+    const int c = static_cast<int>(std::min<int64_t>(Vec::size(), m - i));
+    const Vec v = Vec::loadu(src + i, c);  // the lanes past c load as 0
+    vmax = at::vec::maximum(vmax, v.abs());
+    vmin = at::vec::minimum(vmin, v);
+  }
+  float absmax = 0.f, least = 0.f;
+  alignas(64) float lanes[Vec::size()];
+  vmax.store(lanes);
+  for (float l : lanes) absmax = std::isnan(l) || std::isnan(absmax) ? NAN : std::max(absmax, l);
+  vmin.store(lanes);
+  for (float l : lanes) least = std::min(least, l);
+  return q8_block(absmax, least < 0.f, absmax <= std::numeric_limits<float>::max());
+}
+
+// One state slot of store_q8: its values (a block buffer), codes and block scales.
+struct Q8Slot {
+  const float* src;
+  int8_t* codes;
+  float* scales;
+};
+
+// Stores `n` values of slot `a` (and of slot `b` where b.src is set) from
+// element `first` (a block boundary) as codes and block scales, rounded
+// with the draws of the stream `key`: `a` with their bits shifted right by
+// `shift`, `b` with their high halves (NOTE [paired draws]: one draw for
+// both).
+inline void store_q8(Q8Slot a, Q8Slot b, int shift, int64_t n, int64_t first, int64_t block, uint32_t key) {
+  for (int64_t o = 0; o < n; o += block) {
+    const int64_t m = std::min(block, n - o);
+    const int64_t k = (first + o) / block;
+    const Q8Block qa = q8_block_of(a.src + o, m);
+    a.scales[k] = qa.scale;
+    const Q8Block qb = b.src != nullptr ? q8_block_of(b.src + o, m) : Q8Block{0.f, 0.f, true};
+    if (b.src != nullptr) b.scales[k] = qb.scale;
+    if (qa.norm != 0.f && qb.norm != 0.f) {
+      store_q8_block<true>(a.src + o, qa, a.codes + o, shift, b.src + o, qb, b.codes + o, m, key, first + o);
       continue;
     }
-    store_q8_block(src + b, absmax, q8_map(!negative), dst + b, m, key, first + b);
+    // A block stored as zeros (NOTE [8-bit state]) leaves the other to round alone with its half.
+    if (qa.norm != 0.f) {
+      store_q8_block<false>(a.src + o, qa, a.codes + o, shift, nullptr, qa, nullptr, m, key, first + o);
+    } else {
+      std::memset(a.codes + o, 0, m);
+    }
+    if (b.src == nullptr) continue;
+    if (qb.norm != 0.f) {
+      store_q8_block<false>(b.src + o, qb, b.codes + o, 16, nullptr, qb, nullptr, m, key, first + o);
+    } else {
+      std::memset(b.codes + o, 0, m);
+    }
   }
 }
 
@@ -177,8 +204,8 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
   const float aux = l.aux.empty() ? 1.f : *l.aux[t].const_data_ptr<float>();
 
   const auto co = make_coeffs<K, C>(h, lr, step, aux);
-  [[maybe_unused]] const uint32_t pair_key = kBf16State ? rounding_key(step, t, 1) : 0u;
-  [[maybe_unused]] const uint32_t key3 = kBf16State ? rounding_key(step, t, 3) : 0u;
+  [[maybe_unused]] const uint32_t pair_key = kBf16State || kQ8 ? rounding_key(step, t, 1) : 0u;
+  [[maybe_unused]] const uint32_t key3 = kBf16State || kQ8 ? rounding_key(step, t, 3) : 0u;
 
   alignas(64) float pb[kBlock];
   alignas(64) C gb[kBlock];
@@ -265,11 +292,15 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
       }
     });
     if constexpr (kQ8) {
-      for (int k = 0; k < 3; ++k) {
-        if (s[k] != nullptr) {
-          store_q8(sb[k], s[k] + off, scales[k], m, it.begin + off, qblock, rounding_key(step, t, k + 1));
-        }
+      // NOTE [paired draws]: slots 1 and 2 from stream 1's draws, slot 3 from stream 3's.
+      const auto slot = [&](int k) { return Q8Slot{sb[k], s[k] + off, scales[k]}; };
+      const int64_t at = it.begin + off;
+      if (s[0] != nullptr) {
+        store_q8(slot(0), s[1] != nullptr ? slot(1) : Q8Slot{}, 0, m, at, qblock, pair_key);
+      } else if (s[1] != nullptr) {
+        store_q8(slot(1), Q8Slot{}, 16, m, at, qblock, pair_key);
       }
+      if (s[2] != nullptr) store_q8(slot(2), Q8Slot{}, 0, m, at, qblock, key3);
     }
     // Store the (rounded) param when the update did not run on its storage.
     if constexpr (kLowParam) {

@@ -7,9 +7,10 @@
 // magnitude first). Both directions are integer operations on the fp32 bits
 // (q8_decode, q8_encode), which AVX2 does eight lanes at a time: the decode
 // computes both of a map's forms and picks one per lane, instead of a table
-// lookup per element; the encode divides, draws (rounding_bits_lanes), encodes
-// and packs the eight codes into bytes in registers. Lanes give the same bits
-// as the scalar functions, which the tails and the CUDA kernels use.
+// lookup per element; the encode normalises, draws (rounding_bits_lanes, one
+// draw for the first two slots), encodes and packs the eight codes into bytes
+// in registers. Lanes give the same bits as the scalar functions, which the
+// tails and the CUDA kernels use.
 #pragma once
 
 #include <cstdint>
@@ -42,22 +43,19 @@ inline __m256 q8_decode_lanes(const int8_t* src, bool unsigned_map, __m256 mag) 
   return _mm256_mul_ps(v, mag);
 }
 
-// q8_encode of 8 normalised values with the random bits `r`, lane by lane
-// (its branch-free form): the codes as int32.
+// q8_encode of 8 normalised values with the random bits in the low halves
+// of `r`, lane by lane: the codes as int32.
 inline __m256i q8_encode_lanes(__m256 x, __m256i r, const Q8Map& map) {
   const __m256i b = _mm256_castps_si256(x);
   const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
-  __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(mag, _mm256_and_si256(r, _mm256_set1_epi32(0xFFFFF))),
-                                     kQ8Shift);
-  normal = _mm256_min_epi32(_mm256_sub_epi32(normal, _mm256_set1_epi32(map.bias)), _mm256_set1_epi32(map.top));
-  const __m256 q = _mm256_min_ps(_mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(map.linear)),
-                                 _mm256_set1_ps(8.f));
-  const __m256i whole = _mm256_cvttps_epi32(q);
-  const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-8f));
-  const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(q, _mm256_cvtepi32_ps(whole)), u, _CMP_GT_OQ);
-  const __m256i linear = _mm256_sub_epi32(whole, _mm256_castps_si256(up));  // + 1 where rounded up
-  const __m256i is_normal = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(static_cast<int32_t>(map.low) - 1));
-  const __m256i code = _mm256_blendv_epi8(linear, normal, is_normal);
+  const __m256i low = _mm256_set1_epi32(static_cast<int32_t>(map.low));
+  const __m256i linear = _mm256_cmpgt_epi32(low, mag);
+  const __m256i up = _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(low)));
+  const __m256i z = _mm256_blendv_epi8(mag, up, linear);
+  const __m256i off = _mm256_add_epi32(_mm256_set1_epi32(map.bias), _mm256_and_si256(linear, _mm256_set1_epi32(8)));
+  const __m256i r16 = _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF));
+  const __m256i shifted = _mm256_srli_epi32(_mm256_add_epi32(z, _mm256_slli_epi32(r16, 4)), kQ8Shift);
+  const __m256i code = _mm256_min_epi32(_mm256_sub_epi32(shifted, off), _mm256_set1_epi32(map.top));
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(b, 24), _mm256_set1_epi32(static_cast<int32_t>(map.sign)));
   return _mm256_or_si256(code, sign);
 }
@@ -85,20 +83,34 @@ inline void load_q8_block(const int8_t* src, float scale, float* dst, int64_t n)
   for (; i < n; ++i) dst[i] = q8_decode(static_cast<uint8_t>(src[i]), unsigned_map) * mag;
 }
 
-// The codes of the `n` values at src (one block with largest magnitude
-// `absmax` > 0, finite, and map `map`), element `first` of the stream `key`
-// (q8_store of each).
-inline void store_q8_block(const float* src, float absmax, const Q8Map& map, int8_t* dst, int64_t n, uint32_t key,
-                           int64_t first) {
+// The codes of the `n` values at a (one block, stored as `qa` with codes:
+// qa.norm > 0), rounded with the draws of element `first` on of the stream
+// `key` shifted right by `shift` (q8_store of each); with Pair, also those
+// of b (stored as `qb`, qb.norm > 0) with the draws' high halves (NOTE
+// [paired draws]: one draw for both).
+template <bool Pair>
+inline void store_q8_block(const float* a, const Q8Block& qa, int8_t* da, int shift, const float* b,
+                           const Q8Block& qb, int8_t* db, int64_t n, uint32_t key, int64_t first) {
+  const Q8Map ma = q8_map(qa.unsigned_map), mb = q8_map(qb.unsigned_map);
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
-  const __m256 va = _mm256_set1_ps(absmax);
+  const __m256 na = _mm256_set1_ps(qa.norm), nb = _mm256_set1_ps(qb.norm);
+  const __m128i vshift = _mm_cvtsi32_si128(shift);
   for (; i + 8 <= n && one_high_word(first + i); i += 8) {
-    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(src + i), va);
-    store_code_bytes(q8_encode_lanes(x, rounding_bits_lanes(key, first + i), map), dst + i);
+    const __m256i r = rounding_bits_lanes(key, first + i);
+    store_code_bytes(q8_encode_lanes(_mm256_mul_ps(_mm256_loadu_ps(a + i), na), _mm256_srl_epi32(r, vshift), ma),
+                     da + i);
+    if constexpr (Pair) {
+      store_code_bytes(q8_encode_lanes(_mm256_mul_ps(_mm256_loadu_ps(b + i), nb), _mm256_srli_epi32(r, 16), mb),
+                       db + i);
+    }
   }
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<int8_t>(q8_encode(src[i] / absmax, map, rounding_bits(key, first + i)));
+  for (; i < n; ++i) {
+    const uint32_t r = rounding_bits(key, first + i);
+    da[i] = static_cast<int8_t>(q8_encode(a[i] * qa.norm, ma, r >> shift));
+    if constexpr (Pair) db[i] = static_cast<int8_t>(q8_encode(b[i] * qb.norm, mb, r >> 16));
+  }
 }
 
 }  // namespace detail

@@ -66,14 +66,36 @@ TEST(Q8Lanes, EncodeIsTheScalarStore) {
           const std::vector<float> v = block_values(n, signed_values, seed * 31 + static_cast<uint32_t>(n));
           float absmax = 0.f;
           for (float x : v) absmax = std::max(absmax, std::fabs(x));
-          std::vector<int8_t> codes(n);
-          store_q8_block(v.data(), absmax, q8_map(!signed_values), codes.data(), n, key, first);
-          for (int64_t i = 0; i < n; ++i) {
-            const uint8_t want = q8_store(v[i], absmax, !signed_values, true, rounding_bits(key, first + i));
-            ASSERT_EQ(static_cast<uint8_t>(codes[i]), want)
-                << signed_values << " " << n << " " << first << " " << i << " " << v[i];
+          const Q8Block block = q8_block(absmax, signed_values, true);
+          for (const int shift : {0, 16}) {  // NOTE [paired draws]: either half of a draw
+            std::vector<int8_t> codes(n);
+            store_q8_block<false>(v.data(), block, codes.data(), shift, nullptr, block, nullptr, n, key, first);
+            for (int64_t i = 0; i < n; ++i) {
+              const uint8_t want = q8_store(v[i], block, rounding_bits(key, first + i) >> shift);
+              ASSERT_EQ(static_cast<uint8_t>(codes[i]), want)
+                  << signed_values << " " << n << " " << first << " " << shift << " " << i << " " << v[i];
+            }
           }
         }
+      }
+    }
+  }
+}
+
+TEST(Q8Lanes, PairEncodesBothSlotsFromOneDraw) {
+  // NOTE [paired draws]: slot a takes each draw's low half, slot b its high half.
+  const uint32_t key = rounding_key(4.f, 7, 1);
+  for (const int64_t n : {int64_t(5), int64_t(64), int64_t(200)}) {
+    for (const int64_t first : {int64_t(0), int64_t(24), (int64_t(1) << 32) - 16}) {
+      const std::vector<float> a = block_values(n, true, 3u + static_cast<uint32_t>(n));
+      const std::vector<float> b = block_values(n, false, 5u + static_cast<uint32_t>(n));
+      const Q8Block qa = q8_block(1.25f, true, true), qb = q8_block(1.25f, false, true);
+      std::vector<int8_t> ca(n), cb(n);
+      store_q8_block<true>(a.data(), qa, ca.data(), 0, b.data(), qb, cb.data(), n, key, first);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t r = rounding_bits(key, first + i);
+        ASSERT_EQ(static_cast<uint8_t>(ca[i]), q8_store(a[i], qa, r)) << n << " " << first << " " << i;
+        ASSERT_EQ(static_cast<uint8_t>(cb[i]), q8_store(b[i], qb, r >> 16)) << n << " " << first << " " << i;
       }
     }
   }
@@ -87,7 +109,8 @@ TEST(Q8Lanes, EncodeThenDecodeIsUnbiased) {
     std::vector<float> v(n, x);
     v[0] = 1.f;
     std::vector<int8_t> codes(n);
-    store_q8_block(v.data(), 1.f, q8_map(true), codes.data(), n, rounding_key(1.f, 0, 2), 0);
+    const Q8Block block = q8_block(1.f, false, true);
+    store_q8_block<false>(v.data(), block, codes.data(), 16, nullptr, block, nullptr, n, rounding_key(1.f, 0, 2), 0);
     std::vector<float> back(n);
     load_q8_block(codes.data(), -1.f, back.data(), n);
     double sum = 0;

@@ -42,8 +42,15 @@ def rounding_bits(step, tensor, stream, n):
 
 def state_draw(slot):
     """NOTE [paired draws]: (stream, shift) of the bits with which state slot ``slot`` (0..2) rounds to
-    bfloat16: slots 0 and 1 share stream 1's draws (low and high halves), slot 2 draws from stream 3."""
+    bfloat16 or to an 8-bit code: slots 0 and 1 share stream 1's draws (low and high halves), slot 2 draws
+    from stream 3."""
     return ((1, 0), (1, 16), (3, 0))[slot]
+
+
+def state_bits(step, tensor, slot, n):
+    """The random bits (in their low 16) with which state slot ``slot`` (0..2) of elements 0..n-1 rounds."""
+    stream, shift = state_draw(slot)
+    return rounding_bits(step, tensor, stream, n) >> shift
 
 
 def grads(params, seed, scale=1.0):

@@ -47,8 +47,9 @@ def _bits_float(bits: Tensor) -> Tensor:
 
 def encode(values: Tensor, block: int, rnd: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Codes (int8, in ``values``' memory order, 1-D) and block scales of a
-    dense float tensor. ``rnd``: 32 random bits per element (int64), the
-    kernels' stochastic rounding; None: rounded to nearest."""
+    dense float tensor. ``rnd``: the kernels' 16 random bits per element (the
+    low half of an int64 tensor: NOTE [paired draws]), their stochastic
+    rounding; None: rounded to nearest."""
     y = _memory_order(values).float()
     n = y.numel()
     nb = -(-n // block)
@@ -58,28 +59,27 @@ def encode(values: Tensor, block: int, rnd: Optional[Tensor] = None) -> Tuple[Te
     a = blocks.abs()
     finite = torch.isfinite(blocks).all(dim=1)
     absmax = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(dim=1)
+    # A block below float32's smallest normal is stored as zeros (its reciprocal would overflow).
+    absmax = torch.where(absmax >= torch.finfo(torch.float32).tiny, absmax, torch.zeros_like(absmax))
     negative = (blocks < 0).any(dim=1)
     scales = torch.where(finite, torch.where(negative, absmax, -absmax), torch.full_like(absmax, float("nan")))
-    x = a / absmax[:, None]
+    # The kernels multiply by the float32 reciprocal of the block's largest magnitude.
+    norm = torch.where(absmax > 0, torch.ones_like(absmax) / absmax, torch.zeros_like(absmax))
+    x = a * norm[:, None]
     mag = x.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
     unsigned = ~negative[:, None]
-    low = torch.where(unsigned, 97 << 23, 113 << 23)
-    normal = mag >= low
-    # The linear codes below the normal ones: q in [0, 8).
-    q = x * torch.where(unsigned, 2.0 ** 33, 2.0 ** 17).float()
-    whole = q.trunc()
+    low = torch.where(unsigned, 2.0 ** -30, 2.0 ** -14).float()
+    # Below the normal codes: the bits of |x| + low, one binade up (float32 addition, as the kernels).
+    linear = x < low
+    z = torch.where(linear, (x + low).view(torch.int32).to(torch.int64), mag)
     if rnd is None:
         add = torch.full_like(mag, 0x80000)
-        up = (q - whole) >= 0.5
     else:
         r = torch.zeros(nb * block, dtype=torch.int64, device=y.device)
-        r[:n] = rnd.reshape(-1).to(torch.int64) & 0xFFFFFFFF
-        r = r.view(nb, block)
-        add = r & 0xFFFFF
-        up = (q - whole) > (r >> 8).float() * 2.0 ** -24
-    code_n = torch.minimum(((mag + add) >> 20) - torch.where(unsigned, 768, 896), torch.where(unsigned, 255, 127))
-    code_s = torch.nan_to_num(whole).to(torch.int64) + up.to(torch.int64)
-    code = torch.where(normal, code_n, code_s)
+        r[:n] = rnd.reshape(-1).to(torch.int64) & 0xFFFF
+        add = r.view(nb, block) << 4
+    off = torch.where(unsigned, 768, 896) + torch.where(linear, 8, 0)
+    code = torch.minimum(((z + add) >> 20) - off, torch.where(unsigned, 255, 127))
     sign = padded.view(torch.int32).view(nb, block) < 0
     code = code | torch.where(~unsigned & sign, 0x80, 0)
     code = torch.where((finite & (absmax > 0))[:, None], code, torch.zeros_like(code))
