@@ -5,6 +5,7 @@
 // the EMA are applied in registers. Every changing scalar (lr, step, inverse
 // scale, found_inf, grad norm, EMA decay) is read from device memory, so the
 // launch sequence is the same every step and can be captured in a CUDA graph.
+// int8 states take the kernel of fused_update_q8_kernel.cu.
 #include <torch/library.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -14,17 +15,11 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "../common/lean_state.h"
-#include "../common/optim_kinds.h"
-#include "multi_tensor_apply.cuh"
+#include "update_io.cuh"
 
 namespace fusetrain {
 namespace detail {
 namespace {
-
-using cuda::kBlockThreads;
-using cuda::kChunkSize;
-using cuda::kILP;
 
 // Depth 8: param, grad, state1, state2, state3, master, ema, ema remainder.
 using UpdateMeta = cuda::TensorListMeta<8, 96, 1280>;
@@ -33,18 +28,6 @@ constexpr int kMaxStepPtrs = 1024;
 struct StepPtrs {
   float* p[kMaxStepPtrs];
   float* aux[kMaxStepPtrs];  // NOTE [tensor scalars]; null entries when absent
-};
-
-struct KernelArgs {
-  OptimHyper hyper;      // with maximize and max_grad_norm
-  const double* values;  // NOTE [device values]; null when absent
-  const float* lr;
-  const float* inv_scale;
-  const float* found_inf;
-  const float* grad_norm;
-  const float* ema_decay;
-  bool remainder;  // the masters are int16 remainders of bfloat16 params (NOTE [lean state])
-  unsigned long long* stalled;  // NOTE [stalled updates]; null: not counted
 };
 
 static_assert(cuda::fits_kernel_params<UpdateMeta, KernelArgs>(), "fused_update_kernel arguments too large");
@@ -66,59 +49,6 @@ __global__ void advance_steps_kernel(StepPtrs steps, int n, const float* found_i
       *steps.aux[i] = next_tensor_scalar<K>(hyper, step, *steps.aux[i]);
     }
   }
-}
-
-// NOTE [block hyper]: the step's settings with the device values written over
-// them (read_device_values), made once per CUDA block in shared memory. The
-// values land at byte offsets known only at run time, so a copy in each
-// thread's registers cannot be: it is a stack frame of the struct's size
-// (about 440 bytes) in local memory, written by every thread of every block
-// (the update pass then reaches 81% of the copy bandwidth on an H200, 99%
-// with the block's copy). Both update kernels read the block's copy.
-__device__ __forceinline__ const OptimHyper& block_hyper(const KernelArgs& a) {
-  __shared__ alignas(OptimHyper) unsigned char storage[sizeof(OptimHyper)];
-  OptimHyper& h = *reinterpret_cast<OptimHyper*>(storage);
-  if (threadIdx.x == 0) {
-    h = a.hyper;
-    read_device_values(h, a.values);
-  }
-  __syncthreads();
-  return h;
-}
-
-// f(std::true_type) when state slot Slot is present, f(std::false_type) when
-// absent; only the slots that may be absent branch (NOTE [optional states]),
-// and a slot the kind never reads is absent.
-template <OptimKind K, int Slot, class F>
-__device__ __forceinline__ void with_state(bool present, F&& f) {
-  if constexpr (!slot_used<K>(Slot)) {
-    f(std::false_type{});
-  } else if constexpr (state_may_be_absent<K>(Slot)) {
-    if (present) {
-      f(std::true_type{});
-    } else {
-      f(std::false_type{});
-    }
-  } else {
-    f(std::true_type{});
-  }
-}
-
-// The precision of the update: double for float64 params, else float.
-template <typename P>
-using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
-
-// x as a T; a bfloat16 rounded stochastically with the bits of element i of
-// the stream `key`, shifted right by `shift`, when `stochastic` (NOTE [lean
-// state], NOTE [paired draws]).
-template <typename T, typename C>
-__device__ __forceinline__ T store_value(C x, bool stochastic, uint32_t key, int64_t i, int shift = 0) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (stochastic) {
-      return T(stochastic_bf16_bits(static_cast<float>(x), rounding_bits(key, i) >> shift), T::from_bits());
-    }
-  }
-  return static_cast<T>(x);
 }
 
 // kILP values stored as bfloat16, rounded with the given draws shifted right
@@ -144,145 +74,6 @@ __device__ __forceinline__ cuda::AlignedVec<T> store_values(T* dst, const C* src
   *reinterpret_cast<cuda::AlignedVec<T>*>(dst) = v;
   return v;
 }
-
-// NOTE [stalled updates]: whether a 16-bit param's stored value `stored`
-// kept the bits of `before` although the update computed `after`.
-template <typename P, typename C>
-__device__ __forceinline__ int stalled_update(P stored, C before, C after) {
-  if constexpr (std::is_same_v<P, at::BFloat16> || std::is_same_v<P, at::Half>) {
-    return stored.x == static_cast<P>(before).x && after != before;
-  }
-  return 0;
-}
-
-// Adds each thread's count to the counter, one atomic per warp; every thread
-// of the block calls it (the counter is the same for the whole block).
-__device__ __forceinline__ void add_stalled(unsigned long long* counter, int n) {
-  for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xFFFFFFFFu, n, o);
-  if (threadIdx.x % 32 == 0 && n != 0) atomicAdd(counter, static_cast<unsigned long long>(n));
-}
-
-// kILP values of the remainder form (NOTE [lean state]) from element i of a
-// bfloat16 tensor and its int16 remainders, with vector loads and stores
-// (i aligned as cuda::is_aligned says).
-template <typename C>
-__device__ __forceinline__ void load_joined(C* out, const at::BFloat16* hi, const int16_t* rem, int64_t i) {
-  const auto pv = *reinterpret_cast<const cuda::AlignedVec<at::BFloat16>*>(hi + i);
-  const auto rv = *reinterpret_cast<const cuda::AlignedVec<int16_t>*>(rem + i);
-#pragma unroll
-  for (int k = 0; k < kILP; ++k) out[k] = static_cast<C>(join_remainder(pv.v[k].x, rv.v[k]));
-}
-template <typename C>
-__device__ __forceinline__ void store_split(at::BFloat16* hi, int16_t* rem, int64_t i, const C* in) {
-  cuda::AlignedVec<at::BFloat16> pv;
-  cuda::AlignedVec<int16_t> rv;
-#pragma unroll
-  for (int k = 0; k < kILP; ++k) {
-    uint16_t bits;
-    split_remainder(static_cast<float>(in[k]), bits, rv.v[k]);
-    pv.v[k] = at::BFloat16(bits, at::BFloat16::from_bits());
-  }
-  *reinterpret_cast<cuda::AlignedVec<at::BFloat16>*>(hi + i) = pv;
-  *reinterpret_cast<cuda::AlignedVec<int16_t>*>(rem + i) = rv;
-}
-
-// A chunk's EMA tensor (NOTE [ema source]), in the param's dtype or, for a
-// bfloat16 EMA with an int16 remainder, the exact float32 EMA (NOTE [ema
-// remainder] in csrc/common/lean_state.h).
-template <typename P, typename C>
-struct EmaIO {
-  static constexpr bool kBf16 = std::is_same_v<P, at::BFloat16>;
-  P* ema;
-  int16_t* rem;
-  __device__ EmaIO(void* e, void* r, int64_t first)
-      : ema(e ? static_cast<P*>(e) + first : nullptr), rem(kBf16 && e && r ? static_cast<int16_t*>(r) + first : nullptr) {}
-  __device__ C load(int64_t i) const {
-    if constexpr (kBf16) {
-      if (rem) return static_cast<C>(join_remainder(ema[i].x, rem[i]));
-    }
-    return static_cast<C>(ema[i]);
-  }
-  __device__ void store(int64_t i, C e) const {
-    if constexpr (kBf16) {
-      if (rem) {
-        uint16_t bits;
-        split_remainder(static_cast<float>(e), bits, rem[i]);
-        ema[i] = P(bits, P::from_bits());
-        return;
-      }
-    }
-    ema[i] = static_cast<P>(e);
-  }
-  __device__ void load_vec(C* e, int64_t i) const {
-    if constexpr (kBf16) {
-      if (rem) return load_joined(e, ema, rem, i);
-    }
-    cuda::load_vec(e, ema + i);
-  }
-  __device__ void store_vec(int64_t i, const C* e) const {
-    if constexpr (kBf16) {
-      if (rem) return store_split(ema, rem, i, e);
-    }
-    cuda::store_vec(ema + i, e);
-  }
-  __device__ bool aligned() const { return !ema || (cuda::is_aligned(ema) && (!rem || cuda::is_aligned(rem))); }
-};
-
-// A chunk's params as the update reads and writes them (NOTE [lean state]):
-// through the fp32 master, the bfloat16 param joined with its int16
-// remainder, or the param itself (rounded stochastically when `stochastic`).
-template <typename P, typename C>
-struct ParamIO {
-  static constexpr bool kBf16 = std::is_same_v<P, at::BFloat16>;
-  P* param;
-  float* master;
-  int16_t* rem;
-  bool stochastic;
-  uint32_t key;   // the param's rounding stream
-  int64_t start;  // the chunk's first element in the tensor
-
-  // addrs: the param's and master's addresses in a multi-tensor launch.
-  __device__ ParamIO(void* p, void* m, bool remainder, const OptimHyper& h, float step, int64_t tensor, int64_t first)
-      : param(static_cast<P*>(p) + first),
-        master(m && !remainder ? static_cast<float*>(m) + first : nullptr),
-        rem(kBf16 && m && remainder ? static_cast<int16_t*>(m) + first : nullptr),
-        stochastic(kBf16 && h.stochastic_params && !m),
-        key(rounding_key(step, tensor, 0)),
-        start(first) {}
-  // Whether the update's value is kept beyond the stored param.
-  __device__ bool full() const { return master != nullptr || rem != nullptr; }
-  __device__ C load(int64_t i) const {
-    if (master) return static_cast<C>(master[i]);
-    if constexpr (kBf16) {
-      if (rem) return static_cast<C>(join_remainder(param[i].x, rem[i]));
-    }
-    return static_cast<C>(param[i]);
-  }
-  // Stores p; returns the param's stored value.
-  __device__ P store(int64_t i, C p) const {
-    if (master) master[i] = static_cast<float>(p);
-    if constexpr (kBf16) {
-      if (rem) {
-        uint16_t bits;
-        split_remainder(static_cast<float>(p), bits, rem[i]);
-        param[i] = P(bits, P::from_bits());
-        return param[i];
-      }
-    }
-    const P v = store_value<P>(p, stochastic, key, start + i);
-    param[i] = v;
-    return v;
-  }
-  // kILP values of the remainder form from element i (load_joined, store_split).
-  __device__ void load_joined(C* p, int64_t i) const {
-    if constexpr (kBf16) fusetrain::detail::load_joined(p, param, rem, i);
-  }
-  __device__ void store_split(int64_t i, const C* p) const {
-    if constexpr (kBf16) fusetrain::detail::store_split(param, rem, i, p);
-  }
-  // The value the EMA follows (NOTE [ema source] in csrc/cpu/fused_update_kernel.cpp).
-  __device__ C ema_source(int64_t i, C p) const { return full() ? p : static_cast<C>(param[i]); }
-};
 
 // NOTE [lean occupancy]: with bfloat16 state the update's registers (the
 // rounding draws beside the values) exceed 64 a thread, which leaves one block
@@ -428,252 +219,6 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocks<S>) fused_update_ker
   if (count) add_stalled(a.stalled, n_stalled);
 }
 
-// Depth 11: UpdateMeta's lists, then the block scales of state1..3.
-using Q8Meta = cuda::TensorListMeta<11, 96, 1280>;
-static_assert(cuda::fits_kernel_params<Q8Meta, KernelArgs, int>(), "fused_update_q8_kernel arguments too large");
-constexpr int kWarps = kBlockThreads / 32;
-
-// NOTE [q8 lanes on CUDA]: the 8-bit update gives each lane 8 neighbouring
-// elements, so a warp covers 256 and a block of B elements (NOTE [8-bit
-// state]) is B / 8 neighbouring lanes. A lane's values come and go in
-// 16-byte accesses (8 bytes of codes) and its codes' draws are its own; the
-// block's largest magnitude is a shuffle reduction over its lanes, the only
-// step whose width depends on B. Each block's reciprocal is computed once
-// and every value multiplied by it, so the loop holds no division besides
-// the kind's own. Indices within a chunk are 32-bit; the draws take the
-// element's index in the tensor.
-constexpr int kLaneElems = 8;
-constexpr int kWarpElems = 32 * kLaneElems;
-
-// Eight neighbouring elements of T as one value (aligned for one access of
-// up to 16 bytes).
-template <typename T>
-struct alignas(sizeof(T) * kLaneElems < 16 ? sizeof(T) * kLaneElems : 16) Eight {
-  T v[kLaneElems];
-};
-
-// Whether p (null: absent) is aligned for Eight<T> accesses.
-template <typename T>
-__device__ __forceinline__ bool eight_aligned(const T* p) {
-  return reinterpret_cast<uintptr_t>(p) % alignof(Eight<T>) == 0;
-}
-
-// The eight elements at src: whole accesses where `whole`, else the first
-// `n` one by one (the others are left undefined).
-template <typename T>
-__device__ __forceinline__ Eight<T> load8(const T* src, int n, bool whole) {
-  if (whole) return *reinterpret_cast<const Eight<T>*>(src);
-  Eight<T> e;
-#pragma unroll
-  for (int k = 0; k < kLaneElems; ++k) {
-    if (k < n) e.v[k] = src[k];
-  }
-  return e;
-}
-
-template <typename T>
-__device__ __forceinline__ void store8(T* dst, const Eight<T>& e, int n, bool whole) {
-  if (whole) {
-    *reinterpret_cast<Eight<T>*>(dst) = e;
-    return;
-  }
-#pragma unroll
-  for (int k = 0; k < kLaneElems; ++k) {
-    if (k < n) dst[k] = e.v[k];
-  }
-}
-
-// NOTE [8-bit state] (csrc/common/lean_state.h): int8 states with block
-// scales, laid out over the lanes as NOTE [q8 lanes on CUDA] says. `block`
-// is 64, 128 or 256 and divides kChunkSize.
-template <OptimKind K, typename P, typename G>
-__global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta meta, KernelArgs a, int block) {
-  using C = float;
-  constexpr bool kBf16 = std::is_same_v<P, at::BFloat16>;
-  if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
-  // The normalised value of every code of both maps (q8_decode), so that a
-  // decode is a lookup and a multiply (block_hyper below syncs the block).
-  __shared__ float decoded[512];
-  for (int c = threadIdx.x; c < 512; c += kBlockThreads) decoded[c] = q8_decode(static_cast<uint8_t>(c), c >= 256);
-  const int t = meta.block_to_tensor[blockIdx.x];
-  const int64_t start = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * kChunkSize;
-  const int64_t rem_len = meta.numel[t] - start;
-  const int len = static_cast<int>(rem_len < kChunkSize ? rem_len : kChunkSize);
-  const float step = *meta.step[t];
-  const float aux = meta.aux[t] != nullptr ? *meta.aux[t] : 1.f;
-  const auto co = make_coeffs<K, C>(block_hyper(a), *a.lr, step, aux);
-  const C gmul = grad_multiplier(a.inv_scale, a.grad_norm, static_cast<float>(a.hyper.max_grad_norm));
-  const C ema_w = a.ema_decay != nullptr ? 1.f - *a.ema_decay : 0.f;
-  const bool maximize = a.hyper.maximize;
-  const int64_t tensor = meta.index[t];
-  const ParamIO<P, C> io(meta.addrs[0][t], meta.addrs[5][t], a.remainder, a.hyper, step, tensor, start);
-  const G* grad = static_cast<const G*>(meta.addrs[1][t]) + start;
-  const EmaIO<P, C> eio(meta.addrs[6][t], meta.addrs[7][t], start);
-  const bool count = a.stalled != nullptr && !io.full();  // NOTE [stalled updates]
-  int n_stalled = 0;
-  int8_t* codes[3];
-  float* scales[3];
-#pragma unroll
-  for (int k = 0; k < 3; ++k) {
-    codes[k] = meta.addrs[2 + k][t] ? static_cast<int8_t*>(meta.addrs[2 + k][t]) + start : nullptr;
-    scales[k] = meta.addrs[8 + k][t] ? static_cast<float*>(meta.addrs[8 + k][t]) + start / block : nullptr;
-  }
-  // NOTE [paired draws]: slots 1 and 2 round with stream 1's draws, slot 3 with stream 3's.
-  const uint32_t key_pair = rounding_key(step, tensor, 1), key_third = rounding_key(step, tensor, 3);
-  const bool aligned = eight_aligned(io.param) && eight_aligned(io.master) && eight_aligned(io.rem) &&
-                       eight_aligned(grad) && eight_aligned(eio.ema) && eight_aligned(eio.rem) &&
-                       eight_aligned(codes[0]) && eight_aligned(codes[1]) && eight_aligned(codes[2]);
-  const int lane = threadIdx.x % 32;
-  const int group = block / kLaneElems;  // the lanes of one block: 8, 16 or 32
-  const int block_shift = __ffs(block) - 1;
-  const unsigned group_mask = group == 32 ? 0xFFFFFFFFu : ((1u << group) - 1u) << (lane & ~(group - 1));
-
-  // NOTE [optional states]: H1..H3 say at compile time which states are
-  // present (with_state), so r stays in registers and no check is per element.
-  auto update_lanes = [&](auto has1, auto has2, auto has3) {
-    constexpr bool H1 = decltype(has1)::value, H2 = decltype(has2)::value, H3 = decltype(has3)::value;
-    constexpr bool present[3] = {H1, H2, H3};
-#pragma unroll 1
-    for (int base = (threadIdx.x / 32) * kWarpElems; base < len; base += kWarps * kWarpElems) {
-      const int i = base + lane * kLaneElems;
-      const int n = len - i < 0 ? 0 : (len - i < kLaneElems ? len - i : kLaneElems);
-      const bool whole = aligned && n == kLaneElems;
-      // Every load first: they are in flight together.
-      Eight<int8_t> cv[3];
-      float scale[3];
-#pragma unroll
-      for (int k = 0; k < 3; ++k) {
-        if (!present[k]) continue;
-        cv[k] = load8(codes[k] + i, n, whole);
-        scale[k] = n > 0 ? scales[k][i >> block_shift] : 0.f;
-      }
-      const Eight<G> gv = load8(grad + i, n, whole);
-      Eight<float> mv;
-      Eight<P> pv;
-      Eight<int16_t> rv;
-      if (io.master) {
-        mv = load8(io.master + i, n, whole);
-      } else {
-        pv = load8(io.param + i, n, whole);
-        if (io.rem) rv = load8(io.rem + i, n, whole);
-      }
-      Eight<P> ev;
-      Eight<int16_t> erv;
-      if (eio.ema) {
-        ev = load8(eio.ema + i, n, whole);
-        if (eio.rem) erv = load8(eio.rem + i, n, whole);
-      }
-
-      // Element by element: the update, then the param's forms and the EMA
-      // written over the loaded values (NOTE [lean state]).
-      C r[3][kLaneElems];
-#pragma unroll
-      for (int j = 0; j < kLaneElems; ++j) {
-        C p;
-        if (io.master) {
-          p = mv.v[j];
-        } else if (kBf16 && io.rem) {
-          if constexpr (kBf16) p = join_remainder(pv.v[j].x, rv.v[j]);
-        } else {
-          p = static_cast<C>(pv.v[j]);
-        }
-        C gj = static_cast<C>(gv.v[j]) * gmul;
-        if (maximize) gj = -gj;
-#pragma unroll
-        for (int k = 0; k < 3; ++k) {
-          // q8_load: the map named by the scale's sign, times its magnitude.
-          const uint32_t sb = float_bits(scale[k]);
-          const int c = static_cast<uint8_t>(cv[k].v[j]) + static_cast<int>(sb >> 31) * 256;
-          r[k][j] = present[k] ? decoded[c] * bits_float(sb & 0x7FFFFFFFu) : 0.f;
-        }
-        apply_update<K>(p, gj, H1 ? &r[0][j] : nullptr, H2 ? &r[1][j] : nullptr, H3 ? &r[2][j] : nullptr, co);
-        if (kBf16 && io.rem) {
-          if constexpr (kBf16) {
-            uint16_t bits;
-            split_remainder(p, bits, rv.v[j]);
-            pv.v[j] = P(bits, P::from_bits());
-          }
-        } else {
-          if (io.master) mv.v[j] = p;
-          const P stored = store_value<P>(p, io.stochastic, io.key, start + i + j);
-          if (count && j < n) n_stalled += stalled_update(stored, static_cast<C>(pv.v[j]), p);
-          pv.v[j] = stored;
-        }
-        if (eio.ema) {
-          C e = static_cast<C>(ev.v[j]);
-          if constexpr (kBf16) {
-            if (eio.rem) e = join_remainder(ev.v[j].x, erv.v[j]);
-          }
-          e = lerp_small_weight(e, io.full() ? p : static_cast<C>(pv.v[j]), ema_w);
-          ev.v[j] = static_cast<P>(e);
-          if constexpr (kBf16) {
-            if (eio.rem) {
-              uint16_t bits;
-              split_remainder(e, bits, erv.v[j]);
-              ev.v[j] = P(bits, P::from_bits());
-            }
-          }
-        }
-      }
-      store8(io.param + i, pv, n, whole);
-      if (io.master) store8(io.master + i, mv, n, whole);
-      if (io.rem) store8(io.rem + i, rv, n, whole);
-      if (eio.ema) {
-        store8(eio.ema + i, ev, n, whole);
-        if (eio.rem) store8(eio.rem + i, erv, n, whole);
-      }
-
-      // The states' blocks: the largest magnitude over the block's lanes, the
-      // scale from its first lane, then the codes (slots 1 and 2 from one draw).
-      Q8Block qb[3];
-#pragma unroll
-      for (int k = 0; k < 3; ++k) {
-        if (!present[k]) continue;
-        // The largest magnitude as the largest magnitude's bits (integer
-        // order is float order for them, and a NaN or an infinity is above
-        // every finite value), the least value for the sign.
-        uint32_t top_bits = 0;
-        float least = 0.f;
-#pragma unroll
-        for (int j = 0; j < kLaneElems; ++j) {
-          const float x = j < n ? r[k][j] : 0.f;
-          top_bits = max(top_bits, float_bits(x) & 0x7FFFFFFFu);
-          least = fminf(least, x);
-        }
-        for (int o = group / 2; o > 0; o >>= 1) top_bits = max(top_bits, __shfl_xor_sync(0xFFFFFFFFu, top_bits, o));
-        const bool negative = (__ballot_sync(0xFFFFFFFFu, least < 0.f) & group_mask) != 0;
-        qb[k] = q8_block(bits_float(top_bits), negative, top_bits < 0x7F800000u);
-        if (n > 0 && (lane & (group - 1)) == 0) scales[k][i >> block_shift] = qb[k].scale;
-      }
-      // The lane's indices share their high word (i is a multiple of 8).
-      const int64_t first = start + i;
-      const uint32_t high = rounding_high_term(first);
-      const uint32_t pair_low = key_pair ^ static_cast<uint32_t>(first);
-      const uint32_t third_low = key_third ^ static_cast<uint32_t>(first);
-      Eight<int8_t> out[3];
-#pragma unroll
-      for (int j = 0; j < kLaneElems; ++j) {
-        if (present[0] || present[1]) {
-          const uint32_t d = rounding_bits_of(pair_low ^ j, high);  // rounding_bits(key_pair, first + j)
-          if (present[0]) out[0].v[j] = static_cast<int8_t>(q8_store(r[0][j], qb[0], d));
-          if (present[1]) out[1].v[j] = static_cast<int8_t>(q8_store(r[1][j], qb[1], d >> 16));
-        }
-        if (present[2]) out[2].v[j] = static_cast<int8_t>(q8_store(r[2][j], qb[2], rounding_bits_of(third_low ^ j, high)));
-      }
-#pragma unroll
-      for (int k = 0; k < 3; ++k) {
-        if (present[k]) store8(codes[k] + i, out[k], n, whole);
-      }
-    }
-  };
-  with_state<K, 1>(codes[0] != nullptr, [&](auto h1) {
-    with_state<K, 2>(codes[1] != nullptr, [&](auto h2) {
-      with_state<K, 3>(codes[2] != nullptr, [&](auto h3) { update_lanes(h1, h2, h3); });
-    });
-  });
-  if (count) add_stalled(a.stalled, n_stalled);
-}
-
 const float* scalar_ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
 
 }  // namespace
@@ -743,15 +288,7 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
             launch_with(double{});
           } else if constexpr (kLeanKind && kLeanGrad) {
             if (q8) {
-              const std::vector<const std::vector<at::Tensor>*> q8_lists = {
-                  &l.params, &l.grads, &l.state1, &l.state2, &l.state3, &l.master, &l.ema, &ema_rem,
-                  &l.scales[0], &l.scales[1], &l.scales[2]};
-              const int block = static_cast<int>(l.state_block);
-              TORCH_INTERNAL_ASSERT(block == 64 || block == 128 || block == 256, "int8 state block ", block);
-              cuda::multi_tensor_apply<Q8Meta>(q8_lists, l.steps, l.aux, [&](const Q8Meta& meta, int blocks) {
-                fused_update_q8_kernel<K, P, G><<<blocks, kBlockThreads, 0, stream>>>(meta, a, block);
-                C10_CUDA_KERNEL_LAUNCH_CHECK();
-              });
+              launch_q8_update(l, h, a, ema_rem, stream);
             } else if (lean) {
               launch_with(at::BFloat16{});
             } else {
