@@ -127,24 +127,13 @@ inline void store_q8(Q8Slot a, Q8Slot b, int shift, int64_t n, int64_t first, in
     const int64_t k = (first + o) / block;
     const Q8Block qa = q8_block_of(a.src + o, m);
     a.scales[k] = qa.scale;
-    const Q8Block qb = b.src != nullptr ? q8_block_of(b.src + o, m) : Q8Block{0.f, 0.f, true};
-    if (b.src != nullptr) b.scales[k] = qb.scale;
-    if (qa.norm != 0.f && qb.norm != 0.f) {
-      store_q8_block<true>(a.src + o, qa, a.codes + o, shift, b.src + o, qb, b.codes + o, m, key, first + o);
+    if (b.src == nullptr) {
+      store_q8_block<false>(a.src + o, qa, a.codes + o, shift, nullptr, qa, nullptr, m, key, first + o);
       continue;
     }
-    // A block stored as zeros (NOTE [8-bit state]) leaves the other to round alone with its half.
-    if (qa.norm != 0.f) {
-      store_q8_block<false>(a.src + o, qa, a.codes + o, shift, nullptr, qa, nullptr, m, key, first + o);
-    } else {
-      std::memset(a.codes + o, 0, m);
-    }
-    if (b.src == nullptr) continue;
-    if (qb.norm != 0.f) {
-      store_q8_block<false>(b.src + o, qb, b.codes + o, 16, nullptr, qb, nullptr, m, key, first + o);
-    } else {
-      std::memset(b.codes + o, 0, m);
-    }
+    const Q8Block qb = q8_block_of(b.src + o, m);
+    b.scales[k] = qb.scale;
+    store_q8_block<true>(a.src + o, qa, a.codes + o, shift, b.src + o, qb, b.codes + o, m, key, first + o);
   }
 }
 

@@ -83,11 +83,10 @@ inline void load_q8_block(const int8_t* src, float scale, float* dst, int64_t n)
   for (; i < n; ++i) dst[i] = q8_decode(static_cast<uint8_t>(src[i]), unsigned_map) * mag;
 }
 
-// The codes of the `n` values at a (one block, stored as `qa` with codes:
-// qa.norm > 0), rounded with the draws of element `first` on of the stream
-// `key` shifted right by `shift` (q8_store of each); with Pair, also those
-// of b (stored as `qb`, qb.norm > 0) with the draws' high halves (NOTE
-// [paired draws]: one draw for both).
+// The codes of the `n` values at a (one block, stored as `qa`), rounded
+// with the draws of element `first` on of the stream `key` shifted right by
+// `shift` (q8_store of each); with Pair, also those of b (stored as `qb`)
+// with the draws' high halves (NOTE [paired draws]: one draw for both).
 template <bool Pair>
 inline void store_q8_block(const float* a, const Q8Block& qa, int8_t* da, int shift, const float* b,
                            const Q8Block& qb, int8_t* db, int64_t n, uint32_t key, int64_t first) {
@@ -95,21 +94,23 @@ inline void store_q8_block(const float* a, const Q8Block& qa, int8_t* da, int sh
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
   const __m256 na = _mm256_set1_ps(qa.norm), nb = _mm256_set1_ps(qb.norm);
+  // A block stored as zeros (norm 0) keeps no code.
+  const __m256i keep_a = _mm256_set1_epi32(qa.norm != 0.f ? -1 : 0), keep_b = _mm256_set1_epi32(qb.norm != 0.f ? -1 : 0);
   const __m128i vshift = _mm_cvtsi32_si128(shift);
   for (; i + 8 <= n && one_high_word(first + i); i += 8) {
     const __m256i r = rounding_bits_lanes(key, first + i);
-    store_code_bytes(q8_encode_lanes(_mm256_mul_ps(_mm256_loadu_ps(a + i), na), _mm256_srl_epi32(r, vshift), ma),
-                     da + i);
+    const __m256i ca = q8_encode_lanes(_mm256_mul_ps(_mm256_loadu_ps(a + i), na), _mm256_srl_epi32(r, vshift), ma);
+    store_code_bytes(_mm256_and_si256(ca, keep_a), da + i);
     if constexpr (Pair) {
-      store_code_bytes(q8_encode_lanes(_mm256_mul_ps(_mm256_loadu_ps(b + i), nb), _mm256_srli_epi32(r, 16), mb),
-                       db + i);
+      const __m256i cb = q8_encode_lanes(_mm256_mul_ps(_mm256_loadu_ps(b + i), nb), _mm256_srli_epi32(r, 16), mb);
+      store_code_bytes(_mm256_and_si256(cb, keep_b), db + i);
     }
   }
 #endif
   for (; i < n; ++i) {
     const uint32_t r = rounding_bits(key, first + i);
-    da[i] = static_cast<int8_t>(q8_encode(a[i] * qa.norm, ma, r >> shift));
-    if constexpr (Pair) db[i] = static_cast<int8_t>(q8_encode(b[i] * qb.norm, mb, r >> 16));
+    da[i] = static_cast<int8_t>(q8_store(a[i], qa, r >> shift));
+    if constexpr (Pair) db[i] = static_cast<int8_t>(q8_store(b[i], qb, r >> 16));
   }
 }
 

@@ -101,6 +101,27 @@ TEST(Q8Lanes, PairEncodesBothSlotsFromOneDraw) {
   }
 }
 
+TEST(Q8Lanes, ABlockStoredAsZerosKeepsNoCode) {
+  // A block without a norm (all zero, non-finite, or below the smallest normal) writes code 0 for
+  // every value, negative zeros and NaNs included, beside a partner that rounds as usual.
+  const int64_t n = 37;
+  const std::vector<float> a = block_values(n, true, 11u);
+  std::vector<float> b(n, -0.f);
+  b[3] = NAN;
+  b[9] = -1e-39f;
+  const uint32_t key = rounding_key(2.f, 1, 1);
+  const Q8Block qa = q8_block(1.25f, true, true);
+  for (const Q8Block qb : {q8_block(0.f, false, true), q8_block(1e-39f, true, true), q8_block(1.f, true, false)}) {
+    ASSERT_EQ(qb.norm, 0.f);
+    std::vector<int8_t> ca(n), cb(n, 1);
+    store_q8_block<true>(a.data(), qa, ca.data(), 0, b.data(), qb, cb.data(), n, key, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(cb[i], 0) << i;
+      ASSERT_EQ(static_cast<uint8_t>(ca[i]), q8_store(a[i], qa, rounding_bits(key, i))) << i;
+    }
+  }
+}
+
 TEST(Q8Lanes, EncodeThenDecodeIsUnbiased) {
   // The codes of one value over many draws average to the value (NOTE
   // [8-bit state]'s stochastic rounding), in the normal and the linear range.
