@@ -71,15 +71,6 @@ void with_flags(bool a, bool b, bool c, F&& f) {
 template <typename P>
 using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
 
-// The bfloat16 form of each of `n` values, rounded stochastically with the
-// stream `key` from element `first` on (NOTE [lean state]).
-inline void store_stochastic(const float* src, at::BFloat16* dst, int64_t n, uint32_t key, int64_t first) {
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const int c = static_cast<int>(std::min<int64_t>(kLanes, n - i));
-    store_bf16(VecF::loadu(src + i, c), dst + i, c, key, first + i);
-  }
-}
-
 // The values of `n` codes from element `first` (a block boundary) of a state
 // whose blocks of `block` elements have the scales `scales` (q8_load).
 inline void load_q8(const int8_t* src, const float* scales, float* dst, int64_t n, int64_t first, int64_t block) {
@@ -199,7 +190,7 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
   alignas(64) float pb[kBlock];
   alignas(64) C gb[kBlock];
   alignas(64) float eb[kBlock];
-  alignas(64) C sb[3][kQ8 ? kBlock : 1];
+  alignas(64) C sb[3][kQ8 || kBf16State ? kBlock : 1];
   constexpr int64_t VS = Vec::size();
   // Whether the update runs on the param's own storage.
   constexpr bool kInPlace = std::is_same_v<P, C>;
@@ -231,14 +222,17 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
       gw = gb;
     }
     // The state the vector loop reads and writes as C: in place (C state),
-    // decoded into a block buffer (8-bit state); bfloat16 state goes lane by lane.
+    // decoded into a block buffer (8-bit state); bfloat16 state is widened
+    // in the loop and written to a block buffer (NOTE [bf16 lanes]).
     C* ms[3] = {nullptr, nullptr, nullptr};
     for (int k = 0; k < 3; ++k) {
       if (s[k] == nullptr) continue;
       if constexpr (kQ8) {
         load_q8(s[k] + off, scales[k], sb[k], m, it.begin + off, qblock);
         ms[k] = sb[k];
-      } else if constexpr (!kBf16State) {
+      } else if constexpr (kBf16State) {
+        ms[k] = sb[k];
+      } else {
         ms[k] = s[k] + off;
       }
     }
@@ -264,20 +258,19 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
         if constexpr (H2) r2 = load_state(1, i, c);
         if constexpr (H3) r3 = load_state(2, i, c);
         apply_update<K>(p, g, H1 ? &r1 : nullptr, H2 ? &r2 : nullptr, H3 ? &r3 : nullptr, co);
-        if constexpr (kBf16State) {
-          // NOTE [paired draws]: slots 1 and 2 from stream 1's draws, slot 3 from stream 3's.
-          const int64_t first = it.begin + off + i;
-          if constexpr (H1 || H2) {
-            store_bf16_pair<H1, H2>(r1, H1 ? s[0] + off + i : nullptr, r2, H2 ? s[1] + off + i : nullptr, c,
-                                    pair_key, first);
-          }
-          if constexpr (H3) store_bf16(r3, s[2] + off + i, c, key3, first);
-        } else {
-          if constexpr (H1) r1.store(ms[0] + i, c);
-          if constexpr (H2) r2.store(ms[1] + i, c);
-          if constexpr (H3) r3.store(ms[2] + i, c);
-        }
+        if constexpr (H1) r1.store(ms[0] + i, c);
+        if constexpr (H2) r2.store(ms[1] + i, c);
+        if constexpr (H3) r3.store(ms[2] + i, c);
         p.store(pw + i, c);
+      }
+      if constexpr (kBf16State) {
+        // NOTE [paired draws]: slots 1 and 2 from stream 1's draws, slot 3 from stream 3's.
+        const int64_t at = it.begin + off;
+        if constexpr (H1 || H2) {
+          store_bf16_pair_block<H1, H2>(sb[0], H1 ? s[0] + off : nullptr, sb[1], H2 ? s[1] + off : nullptr, m,
+                                        pair_key, at);
+        }
+        if constexpr (H3) store_bf16_pair_block<true, false>(sb[2], s[2] + off, nullptr, nullptr, m, key3, at);
       }
     });
     if constexpr (kQ8) {
@@ -297,7 +290,8 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
     }
     if constexpr (kBf16Param) {
       if (stochastic) {
-        store_stochastic(pw, param + off, m, rounding_key(step, t, 0), it.begin + off);
+        store_bf16_pair_block<true, false>(pw, param + off, nullptr, nullptr, m, rounding_key(step, t, 0),
+                                           it.begin + off);
       } else {
         store_block(pw, param + off, rem != nullptr ? rem + off : nullptr, m);
       }

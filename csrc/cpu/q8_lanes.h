@@ -7,7 +7,7 @@
 // magnitude first). Both directions are integer operations on the fp32 bits
 // (q8_decode, q8_encode), which AVX2 does eight lanes at a time: the decode
 // computes both of a map's forms and picks one per lane, instead of a table
-// lookup per element; the encode normalises, draws (rounding_bits_lanes, one
+// lookup per element; the encode normalises, draws (DrawLanes, one
 // draw for the first two slots), encodes and packs the eight codes into bytes
 // in registers. Lanes give the same bits as the scalar functions, which the
 // tails and the CUDA kernels use.
@@ -97,13 +97,16 @@ inline void store_q8_block(const float* a, const Q8Block& qa, int8_t* da, int sh
   // A block stored as zeros (norm 0) keeps no code.
   const __m256i keep_a = _mm256_set1_epi32(qa.norm != 0.f ? -1 : 0), keep_b = _mm256_set1_epi32(qb.norm != 0.f ? -1 : 0);
   const __m128i vshift = _mm_cvtsi32_si128(shift);
-  for (; i + 8 <= n && one_high_word(first + i); i += 8) {
-    const __m256i r = rounding_bits_lanes(key, first + i);
-    const __m256i ca = q8_encode_lanes(_mm256_mul_ps(_mm256_loadu_ps(a + i), na), _mm256_srl_epi32(r, vshift), ma);
-    store_code_bytes(_mm256_and_si256(ca, keep_a), da + i);
-    if constexpr (Pair) {
-      const __m256i cb = q8_encode_lanes(_mm256_mul_ps(_mm256_loadu_ps(b + i), nb), _mm256_srli_epi32(r, 16), mb);
-      store_code_bytes(_mm256_and_si256(cb, keep_b), db + i);
+  if (one_high_word(first, n)) {
+    DrawLanes draws(key, first);
+    for (; i + 8 <= n; i += 8) {
+      const __m256i r = draws.next();
+      const __m256i ca = q8_encode_lanes(_mm256_mul_ps(_mm256_loadu_ps(a + i), na), _mm256_srl_epi32(r, vshift), ma);
+      store_code_bytes(_mm256_and_si256(ca, keep_a), da + i);
+      if constexpr (Pair) {
+        const __m256i cb = q8_encode_lanes(_mm256_mul_ps(_mm256_loadu_ps(b + i), nb), _mm256_srli_epi32(r, 16), mb);
+        store_code_bytes(_mm256_and_si256(cb, keep_b), db + i);
+      }
     }
   }
 #endif

@@ -1,8 +1,8 @@
 // The vector forms of csrc/cpu/bf16_lanes.h (NOTE [bf16 lanes]) against the
 // scalar functions of csrc/common/lean_state.h that the CUDA kernels and the
-// tails use: the same bits for every lane, every vector length, the values
+// tails use: the same bits for every lane, every block length, the values
 // whose rounding is special (NaN payloads, infinities, the largest finite
-// value) and indices whose vector crosses a multiple of 2^32. Compiled with
+// value) and indices whose block crosses a multiple of 2^32. Compiled with
 // the CPU kernels' flags (CMakeLists.txt), so it checks the AVX2 forms where
 // they are built.
 #include <gtest/gtest.h>
@@ -53,24 +53,26 @@ TEST(Bf16Lanes, LoadWidensEveryLength) {
   }
 }
 
-TEST(Bf16Lanes, PairedStoresAreTheScalarRoundings) {
-  const int64_t firsts[] = {0, 7, 12345, (int64_t(1) << 32) - kLanes, (int64_t(1) << 32) - 3,
-                            (int64_t(1) << 32) + 1, (int64_t(5) << 33) - 1};
+TEST(Bf16Lanes, PairedBlockStoresAreTheScalarRoundings) {
+  // Every length up to three vectors and a tail, from indices whose run
+  // stays below, ends at or crosses a multiple of 2^32.
+  const int64_t firsts[] = {0, 7, 12345, (int64_t(1) << 32) - 3 * kLanes - 3, (int64_t(1) << 32) - kLanes,
+                            (int64_t(1) << 32) - 3, (int64_t(1) << 32) + 1, (int64_t(5) << 33) - 1};
   const uint32_t key = rounding_key(17.f, 3, 1);
+  constexpr int kMax = 3 * kLanes + 3;
   for (int64_t first : firsts) {
-    for (int c = 1; c <= kLanes; ++c) {
-      for (uint32_t seed = 0; seed < 64; ++seed) {
-        const std::vector<float> a = values(kLanes, 2 * seed + 11), b = values(kLanes, 2 * seed + 12);
-        at::BFloat16 da[kLanes], db[kLanes], only_a[kLanes], only_b[kLanes];
-        const VecF va = VecF::loadu(a.data(), c), vb = VecF::loadu(b.data(), c);
-        store_bf16_pair<true, true>(va, da, vb, db, c, key, first);
-        store_bf16_pair<true, false>(va, only_a, vb, nullptr, c, key, first);
-        store_bf16_pair<false, true>(va, nullptr, vb, only_b, c, key, first);
-        for (int j = 0; j < c; ++j) {
+    for (int n = 1; n <= kMax; ++n) {
+      for (uint32_t seed = 0; seed < 16; ++seed) {
+        const std::vector<float> a = values(kMax, 2 * seed + 11), b = values(kMax, 2 * seed + 12);
+        at::BFloat16 da[kMax], db[kMax], only_a[kMax], only_b[kMax];
+        store_bf16_pair_block<true, true>(a.data(), da, b.data(), db, n, key, first);
+        store_bf16_pair_block<true, false>(a.data(), only_a, nullptr, nullptr, n, key, first);
+        store_bf16_pair_block<false, true>(nullptr, nullptr, b.data(), only_b, n, key, first);
+        for (int j = 0; j < n; ++j) {
           const uint32_t r = rounding_bits(key, first + j);
           const uint16_t want_a = stochastic_bf16_bits(a[j], r), want_b = stochastic_bf16_bits(b[j], r >> 16);
-          ASSERT_EQ(da[j].x, want_a) << first << " " << c << " " << j << " " << a[j];
-          ASSERT_EQ(db[j].x, want_b) << first << " " << c << " " << j << " " << b[j];
+          ASSERT_EQ(da[j].x, want_a) << first << " " << n << " " << j << " " << a[j];
+          ASSERT_EQ(db[j].x, want_b) << first << " " << n << " " << j << " " << b[j];
           ASSERT_EQ(only_a[j].x, want_a);
           ASSERT_EQ(only_b[j].x, want_b);
         }
@@ -87,7 +89,7 @@ TEST(Bf16Lanes, SpecialValuesRoundAsTheScalarForm) {
                            std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(), 0.f, -0.f};
   for (int64_t first = 0; first < 4096; first += kLanes) {
     at::BFloat16 d[kLanes];
-    store_bf16(VecF::loadu(x), d, kLanes, 99u, first);
+    store_bf16_pair_block<true, false>(x, d, nullptr, nullptr, kLanes, 99u, first);
     for (int j = 0; j < kLanes; ++j) ASSERT_EQ(d[j].x, stochastic_bf16_bits(x[j], rounding_bits(99u, first + j)));
     EXPECT_TRUE(std::isinf(static_cast<float>(d[0])) && std::isinf(static_cast<float>(d[1])));
     EXPECT_TRUE(std::isnan(static_cast<float>(d[2])) && std::isnan(static_cast<float>(d[3])));
