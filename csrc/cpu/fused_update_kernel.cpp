@@ -145,8 +145,8 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
                  bool has_ema, int64_t* stalled) {
   using C = Compute<P>;
   using Vec = at::vec::Vectorized<C>;
-  // Whether the state is stored in bfloat16 (NOTE [lean state]): its lanes
-  // are widened and rounded back in the vector loop (NOTE [bf16 lanes]).
+  // Whether the state is stored in bfloat16 (NOTE [lean state]): the vector
+  // loop widens its lanes, a pass over the block rounds them back (NOTE [bf16 lanes]).
   constexpr bool kBf16State = std::is_same_v<S, at::BFloat16>;
   constexpr bool kQ8 = std::is_same_v<S, int8_t>;
   const int64_t t = it.tensor;
