@@ -90,9 +90,9 @@ inline void load_q8_block(const int8_t* src, float scale, float* dst, int64_t n)
 template <bool Pair>
 inline void store_q8_block(const float* a, const Q8Block& qa, int8_t* da, int shift, const float* b,
                            const Q8Block& qb, int8_t* db, int64_t n, uint32_t key, int64_t first) {
-  const Q8Map ma = q8_map(qa.unsigned_map), mb = q8_map(qb.unsigned_map);
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
+  const Q8Map ma = q8_map(qa.unsigned_map), mb = q8_map(qb.unsigned_map);
   const __m256 na = _mm256_set1_ps(qa.norm), nb = _mm256_set1_ps(qb.norm);
   // A block stored as zeros (norm 0) keeps no code.
   const __m256i keep_a = _mm256_set1_epi32(qa.norm != 0.f ? -1 : 0), keep_b = _mm256_set1_epi32(qb.norm != 0.f ? -1 : 0);
