@@ -14,9 +14,9 @@
 // registers for the constants, which the compiler then rebuilds in every
 // iteration (twice the instructions a vector): with the pass, an AdamW step
 // with bfloat16 moments takes 0.67-0.80 of the time (AMD EPYC, 1 thread).
-// A block whose indices cross a multiple of 2^32
-// (the high word of the index would differ between lanes) and the tail
-// past the last whole vector take the scalar functions.
+// A block whose indices cross a multiple of 2^32 (the high word of the
+// index would differ between lanes) and the tail past the last whole vector
+// take the scalar functions.
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
