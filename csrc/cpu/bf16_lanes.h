@@ -20,7 +20,6 @@
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
-#include <c10/macros/Macros.h>
 #include <c10/util/BFloat16.h>
 
 #if defined(CPU_CAPABILITY_AVX2)

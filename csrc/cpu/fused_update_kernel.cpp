@@ -227,10 +227,8 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
     C* ms[3] = {nullptr, nullptr, nullptr};
     for (int k = 0; k < 3; ++k) {
       if (s[k] == nullptr) continue;
-      if constexpr (kQ8) {
-        load_q8(s[k] + off, scales[k], sb[k], m, it.begin + off, qblock);
-        ms[k] = sb[k];
-      } else if constexpr (kBf16State) {
+      if constexpr (kQ8 || kBf16State) {
+        if constexpr (kQ8) load_q8(s[k] + off, scales[k], sb[k], m, it.begin + off, qblock);
         ms[k] = sb[k];
       } else {
         ms[k] = s[k] + off;
