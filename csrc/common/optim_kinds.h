@@ -45,9 +45,11 @@ FT_HD void apply_update(V& p, V g, V* r1, V* r2, V* r3, const Co& c) {
 // a pointer that may be null (a group without that state: Adam's
 // max_exp_avg_sq, SGD's momentum buffer, RMSprop's momentum buffer and
 // grad_avg, the direction's weights); every other slot it uses is always
-// present. The CUDA kernel instantiates its vector loop for each combination
-// of the optional slots, so that no register array is reached through a
-// pointer chosen at run time (which would put it in local memory).
+// present. The kernels instantiate their vector loops for each combination
+// of the optional slots only (with_states): no per-element branch on a slot,
+// no register array reached through a pointer chosen at run time (which CUDA
+// would put in local memory), and no loop compiled for a combination that
+// cannot occur.
 template <OptimKind K>
 constexpr bool state_may_be_absent(int slot) {
   return (K == OptimKind::Adam && slot == 3) || (K == OptimKind::SGD && slot == 1) ||
@@ -61,6 +63,55 @@ constexpr bool slot_used(int slot) {
   if constexpr (K == OptimKind::Adadelta || K == OptimKind::RAdam || K == OptimKind::NAdam) return slot <= 2;
   if constexpr (K == OptimKind::Apply) return false;
   return true;
+}
+
+// Whether the kernels take kind K with bfloat16 or int8 state (NOTE [lean
+// state]): the element-wise kinds.
+template <OptimKind K>
+constexpr bool lean_state_kind() {
+  return K != OptimKind::Direction && K != OptimKind::Apply;
+}
+
+// NOTE [kernel grads]: the update kernels are compiled for grads of the
+// param's dtype, or float32 for float16/bfloat16 params; the op converts any
+// other grads of a launch to float32 first (a copy, with the values the
+// kernel would have widened them to). Mixed grads are rare, and every grad
+// dtype compiled for every param dtype would multiply the kernels' build time.
+template <typename P, typename G>
+constexpr bool kernel_grad() {
+  return std::is_same_v<G, P> || (std::is_same_v<G, float> && !std::is_same_v<P, double>);
+}
+
+// f(std::true_type) when state slot Slot is present, f(std::false_type) when
+// absent; only the slots that may be absent branch (NOTE [optional states]),
+// and a slot the kind never reads is absent.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
+template <OptimKind K, int Slot, class F>
+FT_HD void with_state(bool present, F&& f) {
+  if constexpr (!slot_used<K>(Slot)) {
+    f(std::false_type{});
+  } else if constexpr (state_may_be_absent<K>(Slot)) {
+    if (present) {
+      f(std::true_type{});
+    } else {
+      f(std::false_type{});
+    }
+  } else {
+    f(std::true_type{});
+  }
+}
+
+// f(has1, has2, has3): with_state for the three slots at once.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
+template <OptimKind K, class F>
+FT_HD void with_states(bool present1, bool present2, bool present3, F&& f) {
+  with_state<K, 1>(present1, [&](auto h1) {
+    with_state<K, 2>(present2, [&](auto h2) { with_state<K, 3>(present3, [&](auto h3) { f(h1, h2, h3); }); });
+  });
 }
 
 // The tensor scalar after a step's increment of `step` (NOTE [tensor scalars]):

@@ -54,19 +54,6 @@ constexpr int64_t kBlock = 512;    // elements per L1-resident block
 
 const float* scalar_ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
 
-// Calls f(bool_constant<a>, bool_constant<b>, bool_constant<c>).
-template <class F>
-void with_flags(bool a, bool b, bool c, F&& f) {
-  using T = std::true_type;
-  using N = std::false_type;
-  if (a) {
-    if (b) return c ? f(T{}, T{}, T{}) : f(T{}, T{}, N{});
-    return c ? f(T{}, N{}, T{}) : f(T{}, N{}, N{});
-  }
-  if (b) return c ? f(N{}, T{}, T{}) : f(N{}, T{}, N{});
-  return c ? f(N{}, N{}, T{}) : f(N{}, N{}, N{});
-}
-
 // The precision of the update: double for float64 params, else float.
 template <typename P>
 using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;
@@ -234,10 +221,9 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
         ms[k] = s[k] + off;
       }
     }
-    // NOTE [state presence]: which state lists a group uses is decided once
-    // per block (the inner loop is compiled for each combination) so that the
-    // per-vector loop holds no branch on it.
-    with_flags(s[0] != nullptr, s[1] != nullptr, s[2] != nullptr, [&](auto has1, auto has2, auto has3) {
+    // NOTE [optional states]: which state lists a group uses is decided once
+    // per block, so that the per-vector loop holds no branch on it.
+    with_states<K>(s[0] != nullptr, s[1] != nullptr, s[2] != nullptr, [&](auto has1, auto has2, auto has3) {
       constexpr bool H1 = decltype(has1)::value, H2 = decltype(has2)::value, H3 = decltype(has3)::value;
       const auto load_state = [&](int k, int64_t i, int c) {
         if constexpr (kBf16State) {
@@ -345,11 +331,16 @@ void update_dispatch_kind(const UpdateLists& l, const OptimHyper& h, float lr, f
     constexpr OptimKind K = decltype(kind)::value;
     if constexpr (std::is_same_v<P, double>) {
       update_bucket<K, P, G, double>(l, h, lr, gmul, ema_w, has_ema, stalled);
-    } else if (sd == at::kChar) {
-      update_bucket<K, P, G, int8_t>(l, h, lr, gmul, ema_w, has_ema, stalled);
-    } else if (sd == at::kBFloat16) {
-      update_bucket<K, P, G, at::BFloat16>(l, h, lr, gmul, ema_w, has_ema, stalled);
+    } else if constexpr (lean_state_kind<K>()) {
+      if (sd == at::kChar) {
+        update_bucket<K, P, G, int8_t>(l, h, lr, gmul, ema_w, has_ema, stalled);
+      } else if (sd == at::kBFloat16) {
+        update_bucket<K, P, G, at::BFloat16>(l, h, lr, gmul, ema_w, has_ema, stalled);
+      } else {
+        update_bucket<K, P, G, float>(l, h, lr, gmul, ema_w, has_ema, stalled);
+      }
     } else {
+      TORCH_INTERNAL_ASSERT(sd == at::kFloat, "fused optimizer: lean state for this kind (the op checks)");
       update_bucket<K, P, G, float>(l, h, lr, gmul, ema_w, has_ema, stalled);
     }
   });
@@ -392,8 +383,8 @@ void fused_update_cpu(const UpdateLists& l, const OptimHyper& launch, const Upda
     using P = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gt, "fused_update_cpu_grad", [&] {
       using G = scalar_t;
-      if constexpr (std::is_same_v<P, double> != std::is_same_v<G, double>) {
-        TORCH_INTERNAL_ASSERT(false, "fused optimizer: float64 params need float64 grads (checked by the op)");
+      if constexpr (!kernel_grad<P, G>()) {
+        TORCH_INTERNAL_ASSERT(false, "fused optimizer: grads of another dtype than the param's (the op converts them)");
       } else {
         update_dispatch_kind<P, G>(l, h, lr, gmul, ema_w, has_ema,
                                    s.stalled.defined() ? s.stalled.data_ptr<int64_t>() : nullptr);

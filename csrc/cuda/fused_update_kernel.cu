@@ -194,11 +194,8 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocks<S>) fused_update_ker
   int64_t vec_end = 0;
   if (aligned) {
     vec_end = len - len % kILP;
-    with_state<K, 1>(s1 != nullptr, [&](auto h1) {
-      with_state<K, 2>(s2 != nullptr, [&](auto h2) {
-        with_state<K, 3>(s3 != nullptr, [&](auto h3) { update_vectors(vec_end, h1, h2, h3); });
-      });
-    });
+    with_states<K>(s1 != nullptr, s2 != nullptr, s3 != nullptr,
+                [&](auto h1, auto h2, auto h3) { update_vectors(vec_end, h1, h2, h3); });
   }
   for (int64_t i = vec_end + threadIdx.x; i < len; i += kBlockThreads) {
     C p = load_param(i);
@@ -267,8 +264,8 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
     using P = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, l.grads[0].scalar_type(), "fused_update_cuda_g", [&] {
       using G = scalar_t;
-      if constexpr (std::is_same_v<P, double> != std::is_same_v<G, double>) {
-        TORCH_INTERNAL_ASSERT(false, "fused optimizer: float64 params need float64 grads (checked by the op)");
+      if constexpr (!kernel_grad<P, G>()) {
+        TORCH_INTERNAL_ASSERT(false, "fused optimizer: grads of another dtype than the param's (the op converts them)");
       } else {
         dispatch_kind(h.kind, [&](auto kind) {
           constexpr OptimKind K = decltype(kind)::value;
@@ -279,14 +276,9 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
               C10_CUDA_KERNEL_LAUNCH_CHECK();
             });
           };
-          // NOTE [lean kernels]: bfloat16 and int8 state are compiled for
-          // the element-wise kinds with grads of the param's dtype or float32
-          // (the op layer converts other grads of a lean group).
-          constexpr bool kLeanKind = K != OptimKind::Direction && K != OptimKind::Apply;
-          constexpr bool kLeanGrad = std::is_same_v<G, P> || std::is_same_v<G, float>;
           if constexpr (std::is_same_v<P, double>) {
             launch_with(double{});
-          } else if constexpr (kLeanKind && kLeanGrad) {
+          } else if constexpr (lean_state_kind<K>()) {
             if (q8) {
               launch_q8_update(l, h, a, ema_rem, stream);
             } else if (lean) {
@@ -295,7 +287,7 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
               launch_with(float{});
             }
           } else {
-            TORCH_INTERNAL_ASSERT(!lean && !q8, "fused optimizer: lean state for this kind or grad dtype (the op checks)");
+            TORCH_INTERNAL_ASSERT(!lean && !q8, "fused optimizer: lean state for this kind (the op checks)");
             launch_with(float{});
           }
         });

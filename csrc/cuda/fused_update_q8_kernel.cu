@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
   const unsigned group_mask = group == 32 ? 0xFFFFFFFFu : ((1u << group) - 1u) << (lane & ~(group - 1));
 
   // NOTE [optional states]: H1..H3 say at compile time which states are
-  // present (with_state), so r stays in registers and no check is per element.
+  // present (with_states), so r stays in registers and no check is per element.
   auto update_lanes = [&](auto has1, auto has2, auto has3) {
     constexpr bool H1 = decltype(has1)::value, H2 = decltype(has2)::value, H3 = decltype(has3)::value;
     constexpr bool present[3] = {H1, H2, H3};
@@ -252,11 +252,8 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
       }
     }
   };
-  with_state<K, 1>(codes[0] != nullptr, [&](auto h1) {
-    with_state<K, 2>(codes[1] != nullptr, [&](auto h2) {
-      with_state<K, 3>(codes[2] != nullptr, [&](auto h3) { update_lanes(h1, h2, h3); });
-    });
-  });
+  with_states<K>(codes[0] != nullptr, codes[1] != nullptr, codes[2] != nullptr,
+                [&](auto h1, auto h2, auto h3) { update_lanes(h1, h2, h3); });
   if (count) add_stalled(a.stalled, n_stalled);
 }
 
@@ -275,9 +272,7 @@ void launch_q8_update(const UpdateLists& l, const OptimHyper& h, const KernelArg
       using G = scalar_t;
       dispatch_kind(h.kind, [&](auto kind) {
         constexpr OptimKind K = decltype(kind)::value;
-        // NOTE [lean kernels] (fused_update_kernel.cu): the element-wise kinds, grads of the param's dtype or float32.
-        constexpr bool kLean = K != OptimKind::Direction && K != OptimKind::Apply && !std::is_same_v<P, double> &&
-                               (std::is_same_v<G, P> || std::is_same_v<G, float>);
+        constexpr bool kLean = lean_state_kind<K>() && !std::is_same_v<P, double> && kernel_grad<P, G>();
         if constexpr (kLean) {
           cuda::multi_tensor_apply<Q8Meta>(lists, l.steps, l.aux, [&](const Q8Meta& meta, int blocks) {
             fused_update_q8_kernel<K, P, G><<<blocks, kBlockThreads, 0, stream>>>(meta, a, block);

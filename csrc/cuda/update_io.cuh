@@ -52,24 +52,6 @@ __device__ __forceinline__ const OptimHyper& block_hyper(const KernelArgs& a) {
   return h;
 }
 
-// f(std::true_type) when state slot Slot is present, f(std::false_type) when
-// absent; only the slots that may be absent branch (NOTE [optional states]),
-// and a slot the kind never reads is absent.
-template <OptimKind K, int Slot, class F>
-__device__ __forceinline__ void with_state(bool present, F&& f) {
-  if constexpr (!slot_used<K>(Slot)) {
-    f(std::false_type{});
-  } else if constexpr (state_may_be_absent<K>(Slot)) {
-    if (present) {
-      f(std::true_type{});
-    } else {
-      f(std::false_type{});
-    }
-  } else {
-    f(std::true_type{});
-  }
-}
-
 // The precision of the update: double for float64 params, else float.
 template <typename P>
 using Compute = std::conditional_t<std::is_same_v<P, double>, double, float>;

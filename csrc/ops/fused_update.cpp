@@ -12,6 +12,7 @@
 #include <map>
 #include <utility>
 
+#include "../common/optim_kinds.h"
 #include "../common/update_args.h"
 
 namespace fusetrain {
@@ -133,6 +134,26 @@ int64_t state_block_size(const char* op, const UpdateLists& l, size_t i, const a
   return block;
 }
 
+bool takes_lean_state(OptimKind kind) {
+  bool lean = false;
+  dispatch_kind(kind, [&](auto k) { lean = lean_state_kind<decltype(k)::value>(); });
+  return lean;
+}
+
+// The kernels read the state slots of NOTE [optional states]: each slot the
+// kind always uses is given, and none it never reads (the op files build the
+// lists, so a mismatch is a bug there, not a user's input).
+void check_state_slots(const char* op, OptimKind kind, std::array<bool, 3> given) {
+  dispatch_kind(kind, [&](auto k) {
+    constexpr OptimKind K = decltype(k)::value;
+    for (int slot = 1; slot <= 3; ++slot) {
+      const bool ok = given[slot - 1] ? slot_used<K>(slot) : !slot_used<K>(slot) || state_may_be_absent<K>(slot);
+      TORCH_INTERNAL_ASSERT(ok, op, ": state list ", slot, given[slot - 1] ? " given" : " missing",
+                            " for this optimizer kind");
+    }
+  });
+}
+
 void check_list_size(const char* op, const char* list, const std::vector<at::Tensor>& v, size_t n) {
   TORCH_CHECK(v.empty() || v.size() == n, op, ": ", list, " must be empty or have one tensor per param (",
               n, "), got ", v.size());
@@ -154,6 +175,7 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
   check_list_size(op, "ema remainders", lists.ema_rem, n);
   TORCH_CHECK(scalars.lr.defined(), op, ": lr is required");
   if (n == 0) return;
+  check_state_slots(op, hyper.kind, {!lists.state1.empty(), !lists.state2.empty(), !lists.state3.empty()});
 
   const at::Device dev = lists.params[0].device();
   TORCH_CHECK(dev.is_cpu() || dev.is_cuda(), op, ": params must be on CPU or CUDA, got ", dev);
@@ -248,13 +270,11 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
                   r.device());
     }
     const at::ScalarType sd = state_type(lists, i);
-    TORCH_CHECK(sd == at::kFloat || sd == at::kDouble || (hyper.kind != OptimKind::Direction &&
-                                                           hyper.kind != OptimKind::Apply),
+    TORCH_CHECK(sd == at::kFloat || sd == at::kDouble || takes_lean_state(hyper.kind),
                 op, ": ", dtype_name(sd), " state is for the element-wise optimizers (NOTE [lean state])");
     const int64_t block = sd == at::kChar ? state_block_size(op, lists, i, pp) : 0;
-    if ((sd == at::kBFloat16 || sd == at::kChar) && g0.scalar_type() != pp.scalar_type() &&
-        g0.scalar_type() != at::kFloat) {
-      // NOTE [lean kernels] in csrc/cuda/fused_update_kernel.cu: such a group reads float32 grads.
+    if (g0.scalar_type() != pp.scalar_type() && g0.scalar_type() != at::kFloat) {
+      // NOTE [kernel grads] in csrc/common/optim_kinds.h.
       g = (g.defined() ? g : g0).to(at::kFloat);
     }
     if (p.defined() || g.defined()) replaced[i] = {pp, g.defined() ? g : g0};
