@@ -232,9 +232,16 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
                 g0.device());
     TORCH_CHECK(g0.sizes() == pp.sizes(), op, ": grads[", i, "] has shape ", g0.sizes(), " but params[", i,
                 "] has shape ", pp.sizes());
+    // The grads the kernels read (NOTE [kernel grads] in csrc/common/optim_kinds.h):
+    // the param's dtype or float32; other dtypes are converted to float32.
+    const at::ScalarType gt = g0.scalar_type() == pp.scalar_type() || g0.scalar_type() == at::kFloat
+                                  ? g0.scalar_type()
+                                  : at::kFloat;
     if (g0.strides() != pp.strides()) {
       // Read-only: a copy with the parameter's layout keeps the kernels linear.
-      g = at::empty_strided(pp.sizes(), pp.strides(), g0.options()).copy_(g0);
+      g = at::empty_strided(pp.sizes(), pp.strides(), g0.options().dtype(gt)).copy_(g0);
+    } else if (gt != g0.scalar_type()) {
+      g = g0.to(gt);
     }
     const at::Tensor& s = lists.steps[i];
     TORCH_CHECK(s.defined() && s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": state_steps[", i,
@@ -273,10 +280,6 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
     TORCH_CHECK(sd == at::kFloat || sd == at::kDouble || takes_lean_state(hyper.kind),
                 op, ": ", dtype_name(sd), " state is for the element-wise optimizers (NOTE [lean state])");
     const int64_t block = sd == at::kChar ? state_block_size(op, lists, i, pp) : 0;
-    if (g0.scalar_type() != pp.scalar_type() && g0.scalar_type() != at::kFloat) {
-      // NOTE [kernel grads] in csrc/common/optim_kinds.h.
-      g = (g.defined() ? g : g0).to(at::kFloat);
-    }
     if (p.defined() || g.defined()) replaced[i] = {pp, g.defined() ? g : g0};
     keys.push_back(family(pp, g.defined() ? g : g0, sd,
                           lists.master.empty() ? at::kFloat : lists.master[i].scalar_type(), block, ema_rem));
