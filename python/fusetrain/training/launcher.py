@@ -8,6 +8,7 @@ rank that failed first."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import signal
@@ -69,9 +70,16 @@ class _Stopped:
         self.message = message
 
 
-def _call_pickled(blob: bytes) -> Any:
+# NOTE [worker start method]: the workers are spawned, which makes "spawn" the
+# default start method inside them, so a DataLoader with workers (and no
+# multiprocessing_context of its own) would start each loader worker as a new
+# interpreter importing torch (seconds each, every epoch unless persistent).
+# A worker takes the launching process's start method instead ("fork" on Linux
+# before Python 3.14), as a worker started by torchrun has.
+def _call_pickled(blob: bytes, start_method: str) -> Any:
     from .triggers import TrainingInterrupted
 
+    multiprocessing.set_start_method(start_method, force=True)
     fn, args = pickle.loads(blob)
     try:
         return fn(*args)
@@ -114,7 +122,9 @@ def launch(fn: Callable[..., Any], args: Sequence[Any], nprocs: int, payload_nam
     # containers often limit (a small /dev/shm); plain pickling copies them.
     blob = pickle.dumps((fn, tuple(args)))
     try:
-        results = elastic_launch(config, _call_pickled)(blob)
+        # The caller's start method, or the platform's default ("the first is the default"), read without fixing it.
+        start_method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+        results = elastic_launch(config, _call_pickled)(blob, start_method)
     except ChildFailedError as exc:
         raise _launch_error(exc) from exc
     except SignalException as exc:  # passed on to the workers, which stop with a checkpoint

@@ -9,6 +9,7 @@ refused."""
 
 import glob
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -51,7 +52,8 @@ class Numbered(Dataset):
 
 
 class RecordSamples(Callback):
-    """Appends each trained batch's sample indices, with the epoch, to ``<dir>/<tag>.samples.jsonl``."""
+    """Appends each trained batch's sample indices, with the epoch and the process's start method, to
+    ``<dir>/<tag>.samples.jsonl``."""
 
     def __init__(self, directory, tag):
         self.directory, self.tag = directory, tag
@@ -59,7 +61,8 @@ class RecordSamples(Callback):
     def on_train_batch_end(self, state):
         idx = state.batch[2][0].tolist()
         with open(os.path.join(self.directory, f"{self.tag}.samples.jsonl"), "a") as f:
-            f.write(json.dumps({"epoch": state.epoch, "rank": int(os.environ.get("RANK", 0)), "idx": idx}) + "\n")
+            f.write(json.dumps({"epoch": state.epoch, "rank": int(os.environ.get("RANK", 0)), "idx": idx,
+                                "start_method": multiprocessing.get_start_method(allow_none=True)}) + "\n")
 
 
 class SignalAtStep(Callback):
@@ -101,6 +104,10 @@ def samples(root, tags):
             for line in f:
                 row = json.loads(line)
                 seen.setdefault(row["epoch"], []).extend(row["idx"])
+                if row["rank"] > 0:
+                    # NOTE [worker start method]: a launched worker starts its loader's workers as this process would.
+                    assert row["start_method"] == (multiprocessing.get_start_method(allow_none=True)
+                                                   or multiprocessing.get_all_start_methods()[0]), row
     return seen
 
 
