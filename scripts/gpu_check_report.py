@@ -13,6 +13,8 @@ library: it runs under whatever Python calls it.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import re
@@ -107,6 +109,40 @@ def ncu_metrics(text: str) -> Dict[str, str]:
     return found
 
 
+def ncu_source_hotspots(text: str, top: int = 20) -> List[Dict[str, object]]:
+    """The instructions with the most warp-stall samples in an ncu source page
+    (``ncu -i REPORT --page source --csv``): address, instruction and share of
+    all samples, most first. The header is the first row naming a column
+    "...Warp Stall Sampling (All Samples)..." (else "...Sampling..."); rows
+    before it (ncu's own lines) are skipped. Empty when there is none."""
+    rows = list(csv.reader(io.StringIO(text)))
+    for h, header in enumerate(rows):
+        sampled = [i for i, c in enumerate(header) if "Warp Stall Sampling (All" in c] or \
+                  [i for i, c in enumerate(header) if "Sampling" in c]
+        if sampled:
+            break
+    else:
+        return []
+    col = sampled[0]
+    named = {c.strip().lower(): i for i, c in enumerate(header)}
+    where = named.get("address", 0)
+    what = next((named[k] for k in ("source", "sass", "instruction") if k in named), None)
+    found = []
+    for row in rows[h + 1:]:
+        try:
+            samples = float(row[col].replace(",", ""))
+        except (IndexError, ValueError):
+            continue
+        found.append({"address": row[where] if where < len(row) else "",
+                      "instruction": row[what].strip() if what is not None and what < len(row) else "",
+                      "samples": samples})
+    total = sum(f["samples"] for f in found)
+    found.sort(key=lambda f: -f["samples"])
+    for f in found:
+        f["share_pct"] = round(100.0 * f["samples"] / total, 2) if total else 0.0
+    return found[:top]
+
+
 def _read(path: str) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -146,6 +182,10 @@ def build_report(logs: str, final: bool) -> Dict[str, object]:
             item["sanitizer"] = sanitizer_findings(text)
         elif kind == "profile":
             item["profile"] = ncu_metrics(text)
+            # A profile saved per instruction (ncu_update_int8_source) leaves <name>.csv beside its log.
+            source = _read(os.path.join(logs, f"{name}.csv"))
+            if source:
+                item["hotspots"] = ncu_source_hotspots(source)
         elif kind == "bench":
             item["result_file"] = result
             # Only a report this run wrote (an item cut off leaves an older one in place).
@@ -188,6 +228,9 @@ def summary_lines(report: Dict[str, object]) -> List[str]:
             extra = f"targets met: {item.get('all_targets_met')}"
         if item.get("profile"):
             extra = "; ".join(f"{k} {v}" for k, v in item["profile"].items())
+        if item.get("hotspots"):
+            extra += "; most stalled: " + ", ".join(f"{h['address']} {h['instruction']} {h['share_pct']}%"
+                                                    for h in item["hotspots"][:5])
         lines.append(f"{item['stage']:9s} {item['name']:26s} {item['status']:18s} {item['seconds'] or 0:4d}s  {extra}")
     t = report["tests"]
     lines.append(f"tests: passed {t['passed']} failed {t['failed'] + t['error']} skipped {t['skipped']}; "

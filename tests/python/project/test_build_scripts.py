@@ -207,6 +207,29 @@ def test_profile_items_keep_the_kernels_headline_figures():
     assert report.ncu_metrics("==ERROR== Failed to initialize the profiler\n") == {}
 
 
+def test_source_profile_names_the_most_stalled_instructions(tmp_path):
+    page = ('==PROF== Disconnected from process 4242\n'
+            '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'
+            '"0x7f00","LDG.E.128 R4, desc[UR6][R2.64]","1,200","900"\n'
+            '"0x7f10","IMAD R5, R4, 0x7feb352d, RZ","300","100"\n'
+            '"0x7f20","MUFU.RSQ R7, R6","500","400"\n'
+            '"0x7f30","NOP","",""\n')
+    hot = report.ncu_source_hotspots(page, top=2)
+    assert [(h["address"], h["instruction"], h["share_pct"]) for h in hot] == [
+        ("0x7f00", "LDG.E.128 R4, desc[UR6][R2.64]", 60.0), ("0x7f20", "MUFU.RSQ R7, R6", 25.0)]
+    assert report.ncu_source_hotspots("==ERROR== no report\n") == []
+    # In a run's logs the item's CSV lands in its report, and its summary line names the top ones.
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "info.json").write_text(json.dumps({"device": "NVIDIA H200", "versions": {}}))
+    (logs / "items.tsv").write_text("profile\tncu_update_int8_source\tprofile\tok\t0\t20\t60\t\n")
+    (logs / "ncu_update_int8_source.log").write_text("    Duration                         us       217.60\n")
+    (logs / "ncu_update_int8_source.csv").write_text(page)
+    built = report.build_report(str(logs), final=True)
+    assert built["stages"][0]["hotspots"][0]["share_pct"] == 60.0
+    assert "most stalled: 0x7f00 LDG.E.128" in report.summary_lines(built)[1]
+
+
 @pytest.mark.parametrize("name, slug", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
                                         ("NVIDIA A100-SXM4-80GB", "a100"), (None, "cpu")])
 def test_device_slug(name, slug):
