@@ -39,7 +39,7 @@ def _png(tmp_path, name):
 
 
 # Seven rows, each in a process of its own: on a GPU machine running 16 test workers the quick run takes
-# longer than the other tests' 90 s (the subprocess's own limit).
+# longer than scripts/gpu-check's 90-s per-test limit; its own limit is the subprocess's (300 s).
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("device", DEVICES)
 def test_seed_mnist_amp_quick_run(tmp_path, device):
