@@ -45,6 +45,39 @@ def test_split_and_join_are_inverse_and_round_to_nearest():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_remainder_step_splits_every_value_as_the_split_does(device):
+    """A step that leaves the value as it is (lr 0, zero grads) joins and splits every element, in whole
+    vectors and in tails: ties, infinities, the largest finites, subnormals and NaN (a quiet NaN with
+    remainder 0) come back as the split gives them."""
+    g = torch.Generator().manual_seed(3)
+    special = torch.tensor([0.0, -0.0, 3.4028235e38, -3.4028235e38, float("inf"), -float("inf"), 1e-45, -1e-40,
+                            float("nan"), 1.0 + 2.0 ** -8, -(1.0 + 3 * 2.0 ** -8)])  # the last two are ties
+    values = []
+    for n in (1031, 8, 5):
+        x = torch.randn(n, generator=g) * 10 ** torch.randint(-30, 30, (n,), generator=g).float()
+        x[torch.randint(0, n, (min(n, len(special)),), generator=g)] = special[:min(n, len(special))]
+        values.append(x)
+    params = [nn.Parameter(torch.zeros(len(x), dtype=torch.bfloat16, device=device)) for x in values]
+    opt = fo.SGD(params, lr=0.0, master_weights="remainder")
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p, x in zip(params, values):
+        hi, rem = _split_remainder(x)
+        with torch.no_grad():
+            p.copy_(hi)
+        opt.state[p]["master_remainder"].copy_(rem)
+    opt.step()
+    for p, x in zip(params, values):
+        hi, rem = _split_remainder(x)
+        got_rem = opt.state[p]["master_remainder"].cpu()
+        nan = x.isnan()
+        assert torch.equal(p.detach().cpu()[~nan].view(torch.int16), hi[~nan].view(torch.int16))
+        assert torch.equal(got_rem[~nan], rem[~nan])
+        assert p.detach().cpu()[nan].isnan().all() and (got_rem[nan] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls,kw", LEAN, ids=LEAN_IDS)
 def test_remainder_is_the_float32_master_bit_for_bit(device, cls, kw):
     full = _params(device)
