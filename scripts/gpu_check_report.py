@@ -2,13 +2,19 @@
 run's log folder, rewritten after every stage so that a run cut short still
 leaves one.
 
-    python3 scripts/gpu_check_report.py LOGS OUT_DIR [--final]
+    python3 scripts/gpu_check_report.py LOGS [LOGS ...] OUT_DIR [--final]
 
 LOGS holds what gpu-check writes: info.json (device and versions), items.tsv
 (one line per item: stage, name, kind, status, rc, seconds, cap, result file)
 and <name>.log per item. Counts come from the logs as they are, so an item
 cut off by its limit still reports the tests it finished. Only the standard
 library: it runs under whatever Python calls it.
+
+Several LOGS folders are the calls of one session on one machine, in the
+order they ran (each call's gpu-check.tar.gz unpacked in a folder of its
+own: LOGS is its build/gpu-check-logs, and a benchmark's report is found
+under that folder's root): one report lists every call's items, and an item
+that a later call ran again keeps its earlier entry as <name>_call<N>.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import json
 import os
 import re
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Union
 
 _OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 _PYTEST_LINE = re.compile(r"^(?:\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (\S+::\S+)"
@@ -159,10 +165,19 @@ def device_slug(name: Optional[str]) -> str:
     return (m.group(1) if m else re.sub(r"[^A-Za-z0-9]+", "_", name)).lower()
 
 
-def build_report(logs: str, final: bool) -> Dict[str, object]:
-    info_text = _read(os.path.join(logs, "info.json"))
-    info = json.loads(info_text) if info_text else {}
-    started = os.path.getmtime(os.path.join(logs, "info.json")) if info_text else 0.0
+def _result_path(logs: str, result: str) -> str:
+    """A benchmark's report as items.tsv names it: relative to the run's root, which is this folder or, for
+    a call's unpacked tarball, the folder two levels above its logs."""
+    if not result or os.path.isabs(result):
+        return result
+    unpacked = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(logs))), result)
+    return unpacked if os.path.exists(unpacked) else result
+
+
+def _call_items(logs: str) -> List[Dict[str, object]]:
+    """The items of one call's logs, in the order they ran."""
+    info_path = os.path.join(logs, "info.json")
+    started = os.path.getmtime(info_path) if os.path.exists(info_path) else 0.0
     items: List[Dict[str, object]] = []
     for line in _read(os.path.join(logs, "items.tsv")).splitlines():
         stage, name, kind, status, rc, seconds, cap, result = (line.split("\t") + [""] * 8)[:8]
@@ -189,9 +204,27 @@ def build_report(logs: str, final: bool) -> Dict[str, object]:
         elif kind == "bench":
             item["result_file"] = result
             # Only a report this run wrote (an item cut off leaves an older one in place).
-            if result and os.path.exists(result) and os.path.getmtime(result) >= started:
-                item.update(benchmark_targets(result))
+            path = _result_path(logs, result)
+            if path and os.path.exists(path) and os.path.getmtime(path) >= started:
+                item.update(benchmark_targets(path))
         items.append(item)
+    return items
+
+
+def build_report(logs: Union[str, Sequence[str]], final: bool) -> Dict[str, object]:
+    calls = [logs] if isinstance(logs, str) else list(logs)
+    infos = [_read(os.path.join(c, "info.json")) for c in calls]
+    info = next((json.loads(t) for t in infos if t), {})
+    items: List[Dict[str, object]] = []
+    for n, call in enumerate(calls, 1):
+        for item in _call_items(call):
+            if len(calls) > 1:
+                item["call"] = n
+            items.append(item)
+    last = {item["name"]: k for k, item in enumerate(items)}
+    for k, item in enumerate(items):
+        if last[item["name"]] != k:
+            item["name"] = f"{item['name']}_call{item.get('call', 1)}"
     totals = {k: 0 for k in ("passed", "failed", "error", "skipped")}
     for item in items:
         if item["kind"] in ("pytest", "gtest") and "tests" in item:
@@ -201,10 +234,11 @@ def build_report(logs: str, final: bool) -> Dict[str, object]:
     return {
         "device": info.get("device"),
         "device_slug": device_slug(info.get("device")),
-        "rehearsal": info.get("rehearsal", False),
+        "rehearsal": any(json.loads(t).get("rehearsal", False) for t in infos if t),
         "versions": info.get("versions", {}),
         "wheel": info.get("wheel"),
         "started_utc": info.get("started_utc"),
+        "calls": len(calls),
         "complete": final,
         "stages": items,
         "tests": totals,
@@ -242,10 +276,10 @@ def main(argv=None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     final = "--final" in args
     args = [a for a in args if a != "--final"]
-    if len(args) != 2:
+    if len(args) < 2:
         print(__doc__, file=sys.stderr)
         return 2
-    logs, out_dir = args
+    logs, out_dir = args[:-1], args[-1]
     report = build_report(logs, final)
     path = os.path.join(out_dir, f"gpu_check_{report['device_slug']}.json")
     with open(path + ".tmp", "w") as f:

@@ -290,6 +290,39 @@ def test_a_wheel_without_the_native_core_is_refused(tmp_path):
     assert "_build_config" not in r.stderr
 
 
+def test_report_merges_the_calls_of_one_session(tmp_path):
+    """Two calls' tarballs unpacked side by side: one report, the second call's rerun of an item under its
+    own name, the first call's cut-off try as <name>_call1, each benchmark report read from its own call."""
+    def call(n, lines, results):
+        root = tmp_path / f"call{n}"
+        logs = root / "build" / "gpu-check-logs"
+        logs.mkdir(parents=True)
+        (logs / "info.json").write_text(json.dumps({"device": "NVIDIA H200", "versions": {"torch": "2.11.0"},
+                                                    "started_utc": f"2026-11-28T1{n}:00:00Z"}))
+        (logs / "items.tsv").write_text("".join("\t".join(line) + "\n" for line in lines))
+        (root / "benchmarks" / "results").mkdir(parents=True)
+        for name, body in results.items():
+            (root / "benchmarks" / "results" / name).write_text(json.dumps(body))
+        return str(logs)
+
+    result = "benchmarks/results/optim_memory_cuda.json"
+    first = call(1, [["tests", "pytest_cuda_lean", "pytest", "ok", "0", "30", "60", ""],
+                     ["bench", "optim_memory", "bench", "TIMEOUT after 40s", "124", "40", "40", result]], {})
+    (tmp_path / "call1" / "build" / "gpu-check-logs" / "pytest_cuda_lean.log").write_text(
+        "===== 65 passed in 30.00s =====\n")
+    second = call(2, [["bench", "optim_memory", "bench", "ok", "0", "70", "90", result]],
+                  {"optim_memory_cuda.json": {"all_targets_met": False}})
+    out = tmp_path / "out"
+    out.mkdir()
+    assert report.main([first, second, str(out), "--final"]) == 0
+    merged = json.loads((out / "gpu_check_h200.json").read_text())
+    assert merged["calls"] == 2 and merged["started_utc"] == "2026-11-28T11:00:00Z"
+    assert [(i["name"], i["call"], i["status"]) for i in merged["stages"]] == [
+        ("pytest_cuda_lean", 1, "ok"), ("optim_memory_call1", 1, "TIMEOUT after 40s"), ("optim_memory", 2, "ok")]
+    assert merged["tests"]["passed"] == 65
+    assert merged["benchmarks_all_targets_met"] == {"optim_memory_call1": None, "optim_memory": False}
+
+
 def test_report_reads_only_benchmark_reports_written_by_this_run(tmp_path):
     logs, results = tmp_path / "logs", tmp_path / "results"
     logs.mkdir()
