@@ -22,10 +22,11 @@ against ``fp32`` with the thresholds of ``TARGETS``.
 The report (``--out``, default benchmarks/results/lean_accuracy_<cpu|cuda>.json)
 holds one entry per recipe under ``recipes``; with ``--merge`` the entries of
 the other recipes already in the file are kept, and so are this recipe's
-finished runs that the sweep would repeat exactly (same configuration, seed,
-overrides, ``--max-epochs`` and device): they are not run again (``kept_runs``
-counts them; the header and ``elapsed_s`` describe this invocation), so more
-seeds can be added to a sweep. Every run is recorded with its exact
+finished runs of the same settings (overrides of their configuration,
+``--max-epochs`` and device): those the sweep would repeat are not run
+again, and those of other seeds or configurations stay in the entry beside
+the sweep's (``kept_runs`` counts both; the header and ``elapsed_s`` describe
+this invocation), so a sweep of new seeds adds them to the earlier ones. Every run is recorded with its exact
 command, wall time and exit status, and the report is rewritten after each
 run, so an interrupted sweep keeps what it finished.
 """
@@ -164,6 +165,11 @@ def reusable_runs(entry: Optional[Mapping[str, Any]], max_epochs: Optional[int],
             if r.get("final") is not None and old.get("overrides", {}).get(r["config"]) == overrides.get(r["config"])}
 
 
+def run_order(run: Mapping[str, Any]) -> Any:
+    """Runs seed by seed, the configurations in CONFIGS' order."""
+    return run["seed"], list(CONFIGS).index(run["config"]) if run["config"] in CONFIGS else len(CONFIGS)
+
+
 def pts(x: Optional[float]) -> Optional[float]:
     return None if x is None else 100.0 * x
 
@@ -272,7 +278,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     common = [f"training_params.device={args.device}"]
     if args.max_epochs is not None:
         common.append(f"training_params.max_epochs={args.max_epochs}")
-    overrides = {cfg: recipe_overrides(args.recipe, CONFIGS[cfg][1]) for cfg in configs}
+    all_overrides = {cfg: recipe_overrides(args.recipe, CONFIGS[cfg][1]) for cfg in CONFIGS}
+    overrides = {cfg: all_overrides[cfg] for cfg in configs}
 
     report: Dict[str, Any] = C.run_header(BENCHMARK, device, with_loadavg=True)
     recipes: Dict[str, Any] = {}
@@ -280,11 +287,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if args.merge and os.path.exists(out):
         with open(out) as f:
             recipes = json.load(f).get("recipes", {})
-        kept = reusable_runs(recipes.pop(args.recipe, None), args.max_epochs, args.device, overrides)
+        kept = reusable_runs(recipes.pop(args.recipe, None), args.max_epochs, args.device, all_overrides)
+    # The earlier entry's runs outside this sweep stay, first, so that an interrupted sweep keeps them too.
+    others = sorted((r for (c, s), r in kept.items() if c not in configs or s not in seeds), key=run_order)
+    configs_all = [c for c in CONFIGS if c in configs or any(r["config"] == c for r in others)]
+    seeds_all = sorted(set(seeds) | {r["seed"] for r in others})
     entry: Dict[str, Any] = {
-        "config": {"seeds": seeds, "configs": configs, "max_epochs": args.max_epochs, "device": args.device,
-                   "overrides": overrides, "descriptions": {c: CONFIGS[c][0] for c in configs}},
-        "runs": [],
+        "config": {"seeds": seeds_all, "configs": configs_all, "max_epochs": args.max_epochs, "device": args.device,
+                   "overrides": {c: all_overrides[c] for c in configs_all},
+                   "descriptions": {c: CONFIGS[c][0] for c in configs_all}},
+        "runs": list(others),
     }
     recipes[args.recipe] = entry
     report["recipes"] = recipes
@@ -306,12 +318,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             print(f"  seed {seed} {cfg:<27} {status}  {rec['wall_s']:.0f} s{kept_note}", flush=True)
             if reused:
                 continue
-            entry["summary"] = summarize(entry["runs"], configs)
+            entry["summary"] = summarize(entry["runs"], configs_all)
             report["elapsed_s"] = time.perf_counter() - t_start
             C.write_report(report, out)
     entry["metric"] = metric
+    entry["runs"].sort(key=run_order)
     entry["kept_runs"] = sum(1 for r in entry["runs"] if kept.get((r["config"], r["seed"])) is r)
-    entry["summary"] = summarize(entry["runs"], configs)
+    entry["summary"] = summarize(entry["runs"], configs_all)
     print_table(args.recipe, metric, entry["summary"])
     entry["targets"] = targets(device.type, args.recipe, entry["summary"])
     failed = [f"{r['config']}/seed {r['seed']}" for r in entry["runs"] if r.get("final") is None]

@@ -75,6 +75,38 @@ def test_reusable_runs_need_the_same_sweep_settings():
     assert mod.reusable_runs(None, None, "cpu", ov) == {}
 
 
+def test_merge_keeps_the_earlier_runs_outside_the_sweep(tmp_path, monkeypatch):
+    """A --merge sweep of seeds and configurations that are all in the file runs nothing, and the file's
+    other finished runs of the same settings (another seed, another configuration) stay in its entry."""
+    mod = load_script("lean_accuracy")
+
+    def run(cfg, seed, final):
+        return {"recipe": "default", "config": cfg, "seed": seed, "returncode": 0, "wall_s": 1.0,
+                "metric": "accuracy", "final": final, "final_epoch": 1, "best": final, "best_epoch": 1,
+                "final_valid": {"valid_loss": 0.5, "valid_accuracy": final}}
+
+    overrides = {c: mod.recipe_overrides("default", mod.CONFIGS[c][1]) for c in mod.CONFIGS}
+    earlier = [run("fp32", 0, 0.90), run("bf16_remainder_bf16state", 0, 0.88), run("fp32", 1, 0.92),
+               {"recipe": "default", "config": "fp32", "seed": 2, "returncode": 1, "final": None}]
+    other = {"config": {}, "runs": []}
+    out = tmp_path / "lean_accuracy.json"
+    out.write_text(json.dumps({"recipes": {"digits_detection": other, "default": {
+        "config": {"max_epochs": 1, "device": "cpu", "overrides": overrides}, "runs": earlier}}}))
+    monkeypatch.setattr(mod, "run_one", lambda *a, **k: pytest.fail("a kept run was run again"))
+    monkeypatch.setattr(sys, "argv", ["lean_accuracy.py", "--device", "cpu", "--max-epochs", "1", "--seeds", "1",
+                                      "--configs", "fp32", "--merge", "--out", str(out)])
+    mod.main()
+    report = json.loads(out.read_text())
+    entry = report["recipes"]["default"]
+    assert report["recipes"]["digits_detection"] == other
+    assert [(r["config"], r["seed"]) for r in entry["runs"]] == [
+        ("fp32", 0), ("bf16_remainder_bf16state", 0), ("fp32", 1)]  # the failed run is not kept
+    assert entry["kept_runs"] == 3
+    assert entry["config"]["seeds"] == [0, 1] and entry["config"]["configs"] == ["fp32", "bf16_remainder_bf16state"]
+    assert entry["summary"]["fp32"]["n"] == 2
+    assert entry["summary"]["bf16_remainder_bf16state"]["final_diff_vs_fp32"] == pytest.approx(-2.0)
+
+
 @pytest.mark.slow
 @pytest.mark.bench
 def test_one_epoch_run_writes_report(tmp_path):
@@ -97,12 +129,14 @@ def test_one_epoch_run_writes_report(tmp_path):
     assert entry["summary"]["bf16_remainder_bf16state"]["final_diff_vs_fp32"] == pytest.approx(
         100 * (entry["runs"][1]["final"] - entry["runs"][0]["final"]))
 
-    # A second sweep with --merge keeps the finished fp32 run of seed 3 and runs seed 4 only.
+    # A second sweep with --merge keeps the finished runs of seed 3 (the fp32 one without running it again)
+    # and runs seed 4 only.
     proc = subprocess.run([sys.executable, script_path("lean_accuracy"), "--device", "cpu", "--max-epochs", "1",
                            "--seeds", "3,4", "--configs", "fp32", "--merge", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("(kept from") == 1
     again = json.loads(out.read_text())["recipes"]["default"]
-    assert again["runs"][0] == entry["runs"][0] and again["kept_runs"] == 1
-    assert [(r["config"], r["seed"]) for r in again["runs"]] == [("fp32", 3), ("fp32", 4)]
+    assert again["runs"][:2] == entry["runs"] and again["kept_runs"] == 2
+    assert [(r["config"], r["seed"]) for r in again["runs"]] == [
+        ("fp32", 3), ("bf16_remainder_bf16state", 3), ("fp32", 4)]
