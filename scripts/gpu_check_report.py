@@ -221,16 +221,21 @@ def build_report(logs: Union[str, Sequence[str]], final: bool) -> Dict[str, obje
             if len(calls) > 1:
                 item["call"] = n
             items.append(item)
+    # An item that a later call ran again: its earlier try keeps its own name and leaves the totals.
     last = {item["name"]: k for k, item in enumerate(items)}
+    latest = []
     for k, item in enumerate(items):
         if last[item["name"]] != k:
             item["name"] = f"{item['name']}_call{item.get('call', 1)}"
+            item["superseded"] = True
+        else:
+            latest.append(item)
     totals = {k: 0 for k in ("passed", "failed", "error", "skipped")}
-    for item in items:
+    for item in latest:
         if item["kind"] in ("pytest", "gtest") and "tests" in item:
             for k in totals:
                 totals[k] += int(item["tests"].get(k, 0))
-    sanitized = [i["sanitizer"]["findings"] for i in items if "sanitizer" in i]  # the items that ran
+    sanitized = [i["sanitizer"]["findings"] for i in latest if "sanitizer" in i]  # the items that ran
     return {
         "device": info.get("device"),
         "device_slug": device_slug(info.get("device")),

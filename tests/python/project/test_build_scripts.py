@@ -307,19 +307,26 @@ def test_report_merges_the_calls_of_one_session(tmp_path):
 
     result = "benchmarks/results/optim_memory_cuda.json"
     first = call(1, [["tests", "pytest_cuda_lean", "pytest", "ok", "0", "30", "60", ""],
+                     ["sanitize", "memcheck_ops", "sanitize-pytest", "TIMEOUT after 40s", "124", "40", "40", ""],
                      ["bench", "optim_memory", "bench", "TIMEOUT after 40s", "124", "40", "40", result]], {})
-    (tmp_path / "call1" / "build" / "gpu-check-logs" / "pytest_cuda_lean.log").write_text(
-        "===== 65 passed in 30.00s =====\n")
-    second = call(2, [["bench", "optim_memory", "bench", "ok", "0", "70", "90", result]],
+    logs1 = tmp_path / "call1" / "build" / "gpu-check-logs"
+    (logs1 / "pytest_cuda_lean.log").write_text("===== 65 passed in 30.00s =====\n")
+    (logs1 / "memcheck_ops.log").write_text("killed before the end\n")
+    second = call(2, [["sanitize", "memcheck_ops", "sanitize-pytest", "ok", "0", "50", "60", ""],
+                      ["bench", "optim_memory", "bench", "ok", "0", "70", "90", result]],
                   {"optim_memory_cuda.json": {"all_targets_met": False}})
+    (tmp_path / "call2" / "build" / "gpu-check-logs" / "memcheck_ops.log").write_text(
+        "========= ERROR SUMMARY: 0 errors\n")
     out = tmp_path / "out"
     out.mkdir()
     assert report.main([first, second, str(out), "--final"]) == 0
     merged = json.loads((out / "gpu_check_h200.json").read_text())
     assert merged["calls"] == 2 and merged["started_utc"] == "2026-11-28T11:00:00Z"
     assert [(i["name"], i["call"], i["status"]) for i in merged["stages"]] == [
-        ("pytest_cuda_lean", 1, "ok"), ("optim_memory_call1", 1, "TIMEOUT after 40s"), ("optim_memory", 2, "ok")]
+        ("pytest_cuda_lean", 1, "ok"), ("memcheck_ops_call1", 1, "TIMEOUT after 40s"),
+        ("optim_memory_call1", 1, "TIMEOUT after 40s"), ("memcheck_ops", 2, "ok"), ("optim_memory", 2, "ok")]
     assert merged["tests"]["passed"] == 65
+    assert merged["sanitizer_findings"] == 0  # the cut first try (no summary) is superseded
     assert merged["benchmarks_all_targets_met"] == {"optim_memory_call1": None, "optim_memory": False}
 
 
