@@ -26,9 +26,10 @@ finished runs of the same settings (overrides of their configuration,
 ``--max-epochs`` and device): those the sweep would repeat are not run
 again, and those of other seeds or configurations stay in the entry beside
 the sweep's (``kept_runs`` counts both; the header and ``elapsed_s`` describe
-this invocation), so a sweep of new seeds adds them to the earlier ones. Every run is recorded with its exact
-command, wall time and exit status, and the report is rewritten after each
-run, so an interrupted sweep keeps what it finished.
+this invocation), so a sweep of new seeds adds them to the earlier ones.
+Every run is recorded with its exact command, wall time and exit status, and
+the report is rewritten after each run, so an interrupted sweep keeps what it
+finished.
 """
 
 from __future__ import annotations

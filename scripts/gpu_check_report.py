@@ -285,6 +285,11 @@ def main(argv=None) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     logs, out_dir = args[:-1], args[-1]
+    missing = [d for d in logs if not os.path.isdir(d)]
+    if missing or not os.path.isdir(out_dir):
+        print(f"gpu_check_report.py: no such folder: {', '.join(missing or [out_dir])} "
+              "(LOGS: a run's build/gpu-check-logs; OUT_DIR: where the report goes)", file=sys.stderr)
+        return 2
     report = build_report(logs, final)
     path = os.path.join(out_dir, f"gpu_check_{report['device_slug']}.json")
     with open(path + ".tmp", "w") as f:
