@@ -213,8 +213,8 @@ def _call_items(logs: str) -> List[Dict[str, object]]:
 
 def build_report(logs: Union[str, Sequence[str]], final: bool) -> Dict[str, object]:
     calls = [logs] if isinstance(logs, str) else list(logs)
-    infos = [_read(os.path.join(c, "info.json")) for c in calls]
-    info = next((json.loads(t) for t in infos if t), {})
+    infos = [json.loads(t) for t in (_read(os.path.join(c, "info.json")) for c in calls) if t]
+    info = infos[0] if infos else {}
     items: List[Dict[str, object]] = []
     for n, call in enumerate(calls, 1):
         for item in _call_items(call):
@@ -239,7 +239,7 @@ def build_report(logs: Union[str, Sequence[str]], final: bool) -> Dict[str, obje
     return {
         "device": info.get("device"),
         "device_slug": device_slug(info.get("device")),
-        "rehearsal": any(json.loads(t).get("rehearsal", False) for t in infos if t),
+        "rehearsal": any(i.get("rehearsal", False) for i in infos),
         "versions": info.get("versions", {}),
         "wheel": info.get("wheel"),
         "started_utc": info.get("started_utc"),
