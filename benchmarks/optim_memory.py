@@ -9,7 +9,9 @@ optimizer step alone (no forward, no backward). Per configuration it reports:
 - bytes per param counted from the tensors: the params, every tensor in
   ``optimizer.state`` (a tensor subclass counted by its inner tensors, a
   tensor held twice counted once) and, with ``--ema``, an EMA copy of the
-  params, divided by the number of params. The bytes per element
+  params (with ``--ema-remainders``, the bfloat16 rows' EMA with an int16
+  remainder per element, as ``ModelEMA`` keeps it), divided by the number of
+  params. The bytes per element
   (``bytes_per_elem`` in the JSON) leave out the state tensors not shaped
   like their param (the 0-d step counters) and are compared with the
   configuration's expected layout (the TARGET lines); the int8-moment rows,
@@ -46,7 +48,7 @@ lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.01; EMA decay 0.999
 update it in the step through ``attach_ema``).
 
 Usage:
-    python benchmarks/optim_memory.py [--device cpu|cuda] [--d-model D] [--blocks L] [--ema]
+    python benchmarks/optim_memory.py [--device cpu|cuda] [--d-model D] [--blocks L] [--ema] [--ema-remainders]
         [--configs NAME,...] [--repeats N] [--steps N] [--warmup N] [--threads N] [--quick] [--out PATH]
 Defaults: CPU 9 repeats x 3 steps after 2 warm-up steps; GPU 10 x 10 after 3.
 The table goes to stdout; the JSON to benchmarks/results/optim_memory_<cpu|cuda>.json
@@ -165,10 +167,10 @@ def tensor_bytes(t: Tensor, seen: Set[Tuple[int, int, torch.dtype]]) -> int:
 
 
 def count_bytes(params: Sequence[Tensor], state: Mapping[Tensor, Mapping[str, Any]],
-                ema: Sequence[Tensor]) -> Dict[str, Any]:
-    """Bytes held by ``params``, every tensor of ``state`` (per key) and
-    ``ema``; ``other`` sums the state tensors with another element count
-    than their param (the 0-d step counters)."""
+                ema: Sequence[Tensor], ema_remainders: Sequence[Tensor] = ()) -> Dict[str, Any]:
+    """Bytes held by ``params``, every tensor of ``state`` (per key), ``ema``
+    and its ``ema_remainders``; ``other`` sums the state tensors with another
+    element count than their param (the 0-d step counters)."""
     seen: Set[Tuple[int, int, torch.dtype]] = set()
     by_key: Dict[str, int] = {"param": sum(tensor_bytes(p.detach(), seen) for p in params)}
     dtypes: Dict[str, str] = {"param": str(params[0].dtype).replace("torch.", "")}
@@ -186,6 +188,9 @@ def count_bytes(params: Sequence[Tensor], state: Mapping[Tensor, Mapping[str, An
     if ema:
         by_key["ema"] = sum(tensor_bytes(e, seen) for e in ema)
         dtypes["ema"] = str(ema[0].dtype).replace("torch.", "")
+    if ema_remainders:
+        by_key["ema_remainder"] = sum(tensor_bytes(r, seen) for r in ema_remainders)
+        dtypes["ema_remainder"] = str(ema_remainders[0].dtype).replace("torch.", "")
     return {"by_key": by_key, "dtypes": dtypes, "total": sum(by_key.values()), "other": other}
 
 
@@ -200,13 +205,14 @@ class Row:
         self.optimizer: Any = None
         self.params: List[Tensor] = []
         self.ema: List[Tensor] = []
+        self.ema_remainders: List[Tensor] = []
         self.peak_bytes: Optional[int] = None
         self.times_ms: List[float] = []
 
     def drop(self, status: str, exc: BaseException) -> None:
         self.status = status
         self.error = f"{type(exc).__name__}: {exc}"
-        self.step, self.optimizer, self.params, self.ema = None, None, [], []
+        self.step, self.optimizer, self.params, self.ema, self.ema_remainders = None, None, [], [], []
 
 
 def _torch_adamw_kwargs(device: torch.device) -> Dict[str, bool]:
@@ -234,6 +240,16 @@ def _make_optimizer(config: Config, params: List[Tensor], device: torch.device):
     raise ValueError(f"config {config.name}: unknown impl {config.impl!r}")
 
 
+def ema_remainders(config: Config, args) -> bool:
+    """Whether the row's EMA keeps int16 remainders (``--ema-remainders``: fusetrain's bfloat16 rows)."""
+    return bool(args.ema_remainders) and config.impl == "fusetrain" and config.param_dtype == BF16
+
+
+def ema_bytes(config: Config, args) -> int:
+    """The EMA's bytes per element of the row: its dtype's, and 2 for a remainder."""
+    return (config.param_dtype.itemsize + 2 * ema_remainders(config, args)) if args.ema else 0
+
+
 def build_row(config: Config, base: Sequence[Tensor], grads: Mapping[torch.dtype, List[Tensor]],
               device: torch.device, args, timer: Timer) -> Row:
     """The row's params (``base`` cast to its dtype, the shared gradients of
@@ -256,7 +272,10 @@ def build_row(config: Config, base: Sequence[Tensor], grads: Mapping[torch.dtype
             row.ema = [p.detach().clone() for p in params]
         if config.impl == "fusetrain":
             if args.ema:
-                opt.attach_ema(dict(zip(params, row.ema)), torch.full((), EMA_DECAY, dtype=F32, device=device))
+                if ema_remainders(config, args):
+                    row.ema_remainders = [torch.zeros_like(p, dtype=torch.int16) for p in params]
+                opt.attach_ema(dict(zip(params, row.ema)), torch.full((), EMA_DECAY, dtype=F32, device=device),
+                               remainders=dict(zip(params, row.ema_remainders)) or None)
             row.step = opt.step
         elif args.ema:
             detached = [p.detach() for p in params]
@@ -314,15 +333,14 @@ def run(configs: Sequence[Config], device: torch.device, args, timer: Timer) -> 
         c = r.config
         entry: Dict[str, Any] = {"label": c.label, "impl": c.impl, "param_dtype": str(c.param_dtype).replace(
             "torch.", ""), "options": _options_text(c.options), "reference_tag": c.ref, "status": r.status}
-        expected = None if c.expected is None else c.expected + (c.param_dtype.itemsize if args.ema else 0)
+        expected = None if c.expected is None else c.expected + ema_bytes(c, args)
         entry["expected_bytes_per_elem"] = expected
-        entry["at_most_bytes_per_param"] = None if c.at_most is None else \
-            c.at_most + (c.param_dtype.itemsize if args.ema else 0)
+        entry["at_most_bytes_per_param"] = None if c.at_most is None else c.at_most + ema_bytes(c, args)
         if r.step is None:
             entry["error"] = r.error
             results[c.name] = entry
             continue
-        counted = count_bytes(r.params, r.optimizer.state, r.ema)
+        counted = count_bytes(r.params, r.optimizer.state, r.ema, r.ema_remainders)
         entry.update({
             "bytes": counted["by_key"], "state_dtypes": counted["dtypes"], "total_bytes": counted["total"],
             "other_state_bytes": counted["other"],
@@ -414,6 +432,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--d-model", type=int, default=None, help="width D of the blocks (default cpu 768, cuda 1024)")
     ap.add_argument("--blocks", type=int, default=None, help="number of blocks (default cpu 4, cuda 8)")
     ap.add_argument("--ema", action="store_true", help="keep an EMA copy of the params (counted, updated each step)")
+    ap.add_argument("--ema-remainders", action="store_true",
+                    help="with --ema: the bfloat16 rows' EMA keeps an int16 remainder per element, as ModelEMA does")
     ap.add_argument("--configs", default=",".join(c.name for c in CONFIGS),
                     help="comma-separated subset of the configurations (default: all)")
     ap.add_argument("--repeats", type=int, default=None,
@@ -430,6 +450,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   {"d_model": 768, "blocks": 4, "repeats": 9, "steps": 3, "warmup": 2})
     if args.d_model < 1 or args.blocks < 1 or args.repeats < 1 or args.steps < 1 or args.warmup < 1:
         ap.error("--d-model, --blocks, --repeats, --steps and --warmup must be >= 1")
+    if args.ema_remainders and not args.ema:
+        ap.error("--ema-remainders is a form of the EMA: give --ema too")
     if args.threads is not None:
         if args.threads < 1:
             ap.error(f"--threads must be >= 1, got {args.threads}")
@@ -443,7 +465,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results, n, tensors = run(configs, device, args, timer)
     meta["config"] = {
         "quick": bool(args.quick), "d_model": args.d_model, "blocks": args.blocks, "num_params": n,
-        "num_tensors": tensors, "ema": bool(args.ema), "steps": args.steps, "repeats": args.repeats,
+        "num_tensors": tensors, "ema": bool(args.ema), "ema_remainders": bool(args.ema_remainders),
+        "steps": args.steps, "repeats": args.repeats,
         "warmup": args.warmup, "lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY,
         "ema_decay": EMA_DECAY, "timer": "cuda.Event" if on_gpu else "perf_counter",
         "statistic": "median over repeats of per-step time", "references": REFERENCES,

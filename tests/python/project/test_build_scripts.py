@@ -109,7 +109,7 @@ def test_list_names_every_stage_in_order_with_the_limits_given():
     assert {row[1] for row in rows} >= {"seed_mnist_amp", "seed_compile_table_ddrnet", "trainer_overhead", "pytest_cuda",
                                         "cpp_tests", "memcheck_ops", "memcheck_captured_steps", "optim_step",
                                         "step_host_time", "amp_ema_step", "optim_family", "ncu_update_int8",
-                                        "ncu_update_bf16", "ncu_update_fp32", "optim_memory_host"}
+                                        "ncu_update_bf16", "ncu_update_fp32", "optim_memory_host", "optim_memory_ema"}
     assert ["optim_step", "33s"] == [row for row in rows if row[1] == "optim_step"][0][1:3]
 
 

@@ -31,11 +31,13 @@ def test_quick_model_and_byte_count():
     assert counted["total"] == 124 and counted["other"] == 4
 
 
-@pytest.mark.parametrize("ema", [False, True], ids=["no_ema", "ema"])
+@pytest.mark.parametrize("ema, ema_rem", [(False, False), (True, False), (True, True)],
+                         ids=["no_ema", "ema", "ema_remainders"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_optim_memory_quick_run_counts_bytes(tmp_path, device, ema):
+def test_optim_memory_quick_run_counts_bytes(tmp_path, device, ema, ema_rem):
     mod = load_script("optim_memory")
-    _, report = quick_run("optim_memory", tmp_path, device, *(["--ema"] if ema else []))
+    flags = ["--ema"] * ema + ["--ema-remainders"] * ema_rem
+    _, report = quick_run("optim_memory", tmp_path, device, *flags)
 
     for key in ("device_kind", "device_name", "torch_version", "fusetrain_version", "num_threads", "loadavg_start",
                 "config", "results", "targets", "all_targets_met"):
@@ -43,22 +45,26 @@ def test_optim_memory_quick_run_counts_bytes(tmp_path, device, ema):
     assert report["device_kind"] == device and report["torch_version"] == torch.__version__
     cfg = report["config"]
     assert cfg["num_params"] == N and cfg["num_tensors"] == TENSORS and cfg["ema"] is ema
+    assert cfg["ema_remainders"] is ema_rem
     results = report["results"]
     assert list(results) == [c.name for c in mod.CONFIGS]
 
     # By hand: fp32 AdamW holds param + exp_avg + exp_avg_sq, 4 bytes each per element, and a 0-d float32
-    # step per tensor; bf16 params with an fp32 master hold 2 + 4 + 4 + 4. An EMA is one more param copy.
+    # step per tensor; bf16 params with an fp32 master hold 2 + 4 + 4 + 4. An EMA is one more param copy, with
+    # --ema-remainders and bf16 params an int16 remainder beside it.
     hand = {
         "torch_fp32": {"param": 4 * N, "exp_avg": 4 * N, "exp_avg_sq": 4 * N, "step": 4 * TENSORS},
         "bf16_master_fp32": {"param": 2 * N, "master_param": 4 * N, "exp_avg": 4 * N, "exp_avg_sq": 4 * N,
                              "step": 4 * TENSORS},
     }
-    per_elem = {"torch_fp32": 12 + 4 * ema, "bf16_master_fp32": 14 + 2 * ema}
+    per_elem = {"torch_fp32": 12 + 4 * ema, "bf16_master_fp32": 14 + 2 * ema + 2 * ema_rem}
     for name, by_key in hand.items():
         e = results[name]
         assert e["status"] == "ok", e
         if ema:
             by_key = dict(by_key, ema=by_key["param"])
+        if ema_rem and name == "bf16_master_fp32":
+            by_key = dict(by_key, ema_remainder=2 * N)
         assert e["bytes"] == by_key
         assert e["total_bytes"] == sum(by_key.values()) and e["other_state_bytes"] == 4 * TENSORS
         assert e["bytes_per_param"] == pytest.approx(sum(by_key.values()) / N)
@@ -66,7 +72,7 @@ def test_optim_memory_quick_run_counts_bytes(tmp_path, device, ema):
     assert results["bf16_master_fp32"]["state_dtypes"]["master_param"] == "float32"
     assert results["torch_fp32"]["vs"]["a"]["bytes_per_param"] == pytest.approx(1.0)
     assert results["bf16_master_fp32"]["vs"]["a"]["bytes_per_param"] == pytest.approx(
-        (14 * N + 4 * TENSORS + 2 * N * ema) / (12 * N + 4 * TENSORS + 4 * N * ema))
+        (14 * N + 4 * TENSORS + 2 * N * ema + 2 * N * ema_rem) / (12 * N + 4 * TENSORS + 4 * N * ema))
     assert results["torch_fp32"]["vs"]["b"]["median_ms"] == pytest.approx(
         results["torch_fp32"]["median_ms"] / results["bf16_master_fp32"]["median_ms"])
     if device == "cuda":
@@ -94,3 +100,10 @@ def test_optim_memory_quick_run_counts_bytes(tmp_path, device, ema):
             assert "master_param" not in e["bytes"] and "master_remainder" not in e["bytes"]
         if options.get("state_dtype") == "bfloat16":
             assert e["state_dtypes"]["exp_avg"] == e["state_dtypes"]["exp_avg_sq"] == "bfloat16"
+
+
+def test_ema_remainders_need_the_ema(capsys):
+    mod = load_script("optim_memory")
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--quick", "--ema-remainders"])
+    assert exc.value.code == 2 and "--ema-remainders is a form of the EMA: give --ema too" in capsys.readouterr().err
