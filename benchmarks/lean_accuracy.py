@@ -28,8 +28,9 @@ again, and those of other seeds or configurations stay in the entry beside
 the sweep's (``kept_runs`` counts both; the header and ``elapsed_s`` describe
 this invocation), so a sweep of new seeds adds them to the earlier ones.
 Every run is recorded with its exact command, wall time and exit status, and
-the report is rewritten after each run, so an interrupted sweep keeps what it
-finished.
+the report is rewritten after each run with the entry's summary and targets
+so far, so an interrupted sweep keeps what it finished (``complete`` false
+until the sweep's last run; ``config.seeds`` names the seeds asked for).
 """
 
 from __future__ import annotations
@@ -235,15 +236,33 @@ def print_table(recipe: str, metric: str, summary: Mapping[str, Any]) -> None:
               f"{loss:>10} {row['wall_s_mean']:>7.0f}")
 
 
-def targets(device_kind: str, recipe: str, summary: Mapping[str, Any]) -> Dict[str, Any]:
+def targets(summary: Mapping[str, Any]) -> Dict[str, Any]:
+    """Each target's verdict: the mean final difference against fp32 over the same seeds and its threshold."""
     out = {}
     for cfg, limit in TARGETS.items():
         d = summary.get(cfg, {}).get("final_diff_vs_fp32")
-        met = None if d is None else d >= -limit
-        C.print_target(device_kind, recipe, f"{cfg} final vs fp32", fmt(d, True) + " pts", ">=", f"-{limit}",
-                       C.verdict(met), "mean over the same seeds")
-        out[cfg] = {"diff_points": d, "threshold_points": -limit, "met": met}
+        out[cfg] = {"diff_points": d, "threshold_points": -limit, "met": None if d is None else d >= -limit}
     return out
+
+
+def print_targets(device_kind: str, recipe: str, verdicts: Mapping[str, Any]) -> None:
+    for cfg, v in verdicts.items():
+        C.print_target(device_kind, recipe, f"{cfg} final vs fp32", fmt(v["diff_points"], True) + " pts", ">=",
+                       f"{v['threshold_points']}", C.verdict(v["met"]), "mean over the same seeds")
+
+
+def settle(entry: Dict[str, Any], kept: Mapping[Any, Any], configs: Sequence[str], metric: str,
+           complete: bool) -> None:
+    """The fields of a recipe's entry that follow from its runs so far, rewritten after every run so that an
+    interrupted sweep leaves a whole entry (``complete`` false): the runs in order, how many were kept from
+    the file, the summary, the targets' verdicts and the failed runs."""
+    entry["metric"] = metric
+    entry["runs"].sort(key=run_order)
+    entry["kept_runs"] = sum(1 for r in entry["runs"] if kept.get((r["config"], r["seed"])) is r)
+    entry["summary"] = summarize(entry["runs"], configs)
+    entry["targets"] = targets(entry["summary"])
+    entry["failed_runs"] = [f"{r['config']}/seed {r['seed']}" for r in entry["runs"] if r.get("final") is None]
+    entry["complete"] = complete
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -319,22 +338,17 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             print(f"  seed {seed} {cfg:<27} {status}  {rec['wall_s']:.0f} s{kept_note}", flush=True)
             if reused:
                 continue
-            entry["summary"] = summarize(entry["runs"], configs_all)
+            settle(entry, kept, configs_all, metric, complete=False)
             report["elapsed_s"] = time.perf_counter() - t_start
             C.write_report(report, out)
-    entry["metric"] = metric
-    entry["runs"].sort(key=run_order)
-    entry["kept_runs"] = sum(1 for r in entry["runs"] if kept.get((r["config"], r["seed"])) is r)
-    entry["summary"] = summarize(entry["runs"], configs_all)
+    settle(entry, kept, configs_all, metric, complete=True)
     print_table(args.recipe, metric, entry["summary"])
-    entry["targets"] = targets(device.type, args.recipe, entry["summary"])
-    failed = [f"{r['config']}/seed {r['seed']}" for r in entry["runs"] if r.get("final") is None]
-    entry["failed_runs"] = failed
+    print_targets(device.type, args.recipe, entry["targets"])
     report["loadavg_end"] = C.loadavg()
     report["elapsed_s"] = time.perf_counter() - t_start
     C.write_report(report, out)
-    if failed:
-        print(f"failed runs: {', '.join(failed)}", file=sys.stderr)
+    if entry["failed_runs"]:
+        print(f"failed runs: {', '.join(entry['failed_runs'])}", file=sys.stderr)
         sys.exit(1)
     return report
 

@@ -105,6 +105,34 @@ def test_merge_keeps_the_earlier_runs_outside_the_sweep(tmp_path, monkeypatch):
     assert entry["config"]["seeds"] == [0, 1] and entry["config"]["configs"] == ["fp32", "bf16_remainder_bf16state"]
     assert entry["summary"]["fp32"]["n"] == 2
     assert entry["summary"]["bf16_remainder_bf16state"]["final_diff_vs_fp32"] == pytest.approx(-2.0)
+    assert entry["complete"] is True and entry["targets"]["bf16_remainder_bf16state"]["met"] is False
+
+
+def test_an_interrupted_sweep_leaves_a_whole_entry(tmp_path, monkeypatch):
+    """The report written after each run holds the entry's summary, targets and counts so far: a sweep cut off
+    after its first run (here by a KeyboardInterrupt in the second) leaves an entry a reader can use."""
+    mod = load_script("lean_accuracy")
+    done = []
+
+    def run_one(recipe, cfg, seed, *a, **k):
+        if done:
+            raise KeyboardInterrupt
+        done.append(cfg)
+        return {"recipe": recipe, "config": cfg, "seed": seed, "returncode": 0, "wall_s": 1.0, "metric": "accuracy",
+                "final": 0.9, "final_epoch": 1, "best": 0.9, "best_epoch": 1,
+                "final_valid": {"valid_loss": 0.5, "valid_accuracy": 0.9}}
+
+    out = tmp_path / "lean_accuracy.json"
+    monkeypatch.setattr(mod, "run_one", run_one)
+    monkeypatch.setattr(sys, "argv", ["lean_accuracy.py", "--device", "cpu", "--max-epochs", "1", "--seeds", "5,6",
+                                      "--configs", "fp32,bf16_remainder_bf16state", "--out", str(out)])
+    with pytest.raises(KeyboardInterrupt):
+        mod.main()
+    entry = json.loads(out.read_text())["recipes"]["default"]
+    assert entry["complete"] is False and entry["config"]["seeds"] == [5, 6]
+    assert [(r["config"], r["seed"]) for r in entry["runs"]] == [("fp32", 5)]
+    assert entry["metric"] == "accuracy" and entry["kept_runs"] == 0 and entry["failed_runs"] == []
+    assert entry["summary"]["fp32"]["n"] == 1 and entry["targets"]["bf16_remainder_bf16state"]["met"] is None
 
 
 @pytest.mark.slow
