@@ -1,4 +1,5 @@
-// The vector forms of csrc/cpu/bf16_lanes.h (NOTE [bf16 lanes]) against the
+// The vector forms of csrc/cpu/bf16_lanes.h (NOTE [bf16 lanes]) and of the
+// remainder blocks of csrc/cpu/blocks.h against the
 // scalar functions of csrc/common/lean_state.h that the CUDA kernels and the
 // tails use: the same bits for every lane, every block length, the values
 // whose rounding is special (NaN payloads, infinities, the largest finite
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "../../csrc/cpu/bf16_lanes.h"
+#include "../../csrc/cpu/blocks.h"
 
 namespace {
 
@@ -94,6 +96,30 @@ TEST(Bf16Lanes, SpecialValuesRoundAsTheScalarForm) {
     EXPECT_TRUE(std::isinf(static_cast<float>(d[0])) && std::isinf(static_cast<float>(d[1])));
     EXPECT_TRUE(std::isnan(static_cast<float>(d[2])) && std::isnan(static_cast<float>(d[3])));
     EXPECT_EQ(d[3].x & 0x8000u, 0x8000u);
+  }
+}
+
+TEST(Bf16Lanes, RemainderBlocksAreTheScalarSplitAndJoin) {
+  // Every length up to three vectors and a tail, random bits of every kind
+  // (NaN payloads of both signs among them) and the special values.
+  std::mt19937 gen(7);
+  for (int n = 0; n <= 3 * kLanes + 3; ++n) {
+    std::vector<float> v = values(n, 10 + n);
+    for (int j = 0; j < n; j += 3) v[j] = from_bits(gen() | 0x7F800001u);  // NaN, either sign
+    std::vector<at::BFloat16> p(n);
+    std::vector<int16_t> rem(n);
+    store_block(v.data(), p.data(), rem.data(), n);
+    std::vector<float> back(n);
+    load_block(p.data(), rem.data(), back.data(), n);
+    for (int j = 0; j < n; ++j) {
+      uint16_t want_p;
+      int16_t want_r;
+      split_remainder(v[j], want_p, want_r);
+      ASSERT_EQ(p[j].x, want_p) << n << " " << j;
+      ASSERT_EQ(rem[j], want_r) << n << " " << j;
+      const float want = join_remainder(want_p, want_r);
+      ASSERT_EQ(std::memcmp(&back[j], &want, sizeof(float)), 0) << n << " " << j;
+    }
   }
 }
 
