@@ -17,7 +17,10 @@ optimizer step alone (no forward, no backward). Per configuration it reports:
   configuration's expected layout (the TARGET lines); the int8-moment rows,
   whose block scales and small tensors' float32 state are not one layout,
   have their bytes per param compared with a bound instead (6.1 with a
-  remainder, 4.1 with stochastic rounding);
+  remainder, 4.1 with stochastic rounding); the rows ending in ``_forms`` are
+  the int8 rows again with ``FUSETRAIN_Q8_FORMS=1`` set around their steps
+  (the CUDA 8-bit kernel's fixed forms, NOTE [q8 forms]; on the CPU the same
+  kernel as their rows without it);
 - on CUDA, the peak of ``torch.cuda.max_memory_allocated`` while the
   configuration is built and takes its warm-up steps, less what was allocated
   before (params, state, EMA and the step's temporaries; the gradients, shared
@@ -57,10 +60,11 @@ The table goes to stdout; the JSON to benchmarks/results/optim_memory_<cpu|cuda>
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -92,7 +96,8 @@ class Config(NamedTuple):
     moments; None: not checked); ``at_most`` a bound on the bytes per param
     of everything it holds without EMA (int8 moments: block scales and the
     float32 state of small tensors included); ``ref`` tags a reference row
-    ("a", "b", "c")."""
+    ("a", "b", "c"); ``env`` holds environment variables set while the
+    row's steps run (the CUDA 8-bit kernel's fixed forms, NOTE [q8 forms])."""
 
     name: str
     label: str
@@ -102,7 +107,10 @@ class Config(NamedTuple):
     expected: Optional[int] = None
     ref: Optional[str] = None
     at_most: Optional[float] = None
+    env: Mapping[str, str] = {}
 
+
+Q8_FORMS = {"FUSETRAIN_Q8_FORMS": "1"}
 
 # NOTE [optim_memory rows]: one line per configuration; the references come
 # first, and a new state layout (int8 moments, say) is one more line here.
@@ -126,6 +134,10 @@ CONFIGS: Tuple[Config, ...] = (
            {"master_weights": "remainder", "state_dtype": "int8"}, at_most=6.1),
     Config("bf16_stochastic_int8", "bf16 stochastic, int8 moments", "fusetrain", BF16,
            {"master_weights": "stochastic", "state_dtype": "int8"}, at_most=4.1),
+    Config("bf16_remainder_int8_forms", "bf16 + remainder, int8 moments, fixed forms", "fusetrain", BF16,
+           {"master_weights": "remainder", "state_dtype": "int8"}, at_most=6.1, env=Q8_FORMS),
+    Config("bf16_stochastic_int8_forms", "bf16 stochastic, int8 moments, fixed forms", "fusetrain", BF16,
+           {"master_weights": "stochastic", "state_dtype": "int8"}, at_most=4.1, env=Q8_FORMS),
 )
 REFERENCES = {c.ref: c.name for c in CONFIGS if c.ref}
 
@@ -195,6 +207,21 @@ def count_bytes(params: Sequence[Tensor], state: Mapping[Tensor, Mapping[str, An
 
 
 # ---------------------------------------------------------------- building a row
+
+@contextlib.contextmanager
+def row_env(config: Config) -> Iterator[None]:
+    """The row's environment variables set for the duration (and restored)."""
+    saved = {k: os.environ.get(k) for k in config.env}
+    os.environ.update(config.env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
 
 class Row:
     def __init__(self, config: Config):
@@ -287,7 +314,7 @@ def build_row(config: Config, base: Sequence[Tensor], grads: Mapping[torch.dtype
             row.step = step_with_ema
         else:
             row.step = opt.step
-        with torch.no_grad():
+        with torch.no_grad(), row_env(config):
             for _ in range(max(1, args.warmup)):  # the first step makes the state
                 row.step()
         timer.sync()
@@ -326,13 +353,15 @@ def run(configs: Sequence[Config], device: torch.device, args, timer: Timer) -> 
     with torch.no_grad():
         for rep in range(args.repeats):
             for r in rotated(live, rep):
-                r.times_ms.append(timer.per_step_ms(r.step, args.steps))
+                with row_env(r.config):
+                    r.times_ms.append(timer.per_step_ms(r.step, args.steps))
 
     results: Dict[str, Any] = {}
     for r in rows:
         c = r.config
         entry: Dict[str, Any] = {"label": c.label, "impl": c.impl, "param_dtype": str(c.param_dtype).replace(
-            "torch.", ""), "options": _options_text(c.options), "reference_tag": c.ref, "status": r.status}
+            "torch.", ""), "options": _options_text(c.options), "reference_tag": c.ref, "env": dict(c.env),
+            "status": r.status}
         expected = None if c.expected is None else c.expected + ema_bytes(c, args)
         entry["expected_bytes_per_elem"] = expected
         entry["at_most_bytes_per_param"] = None if c.at_most is None else c.at_most + ema_bytes(c, args)
@@ -406,17 +435,18 @@ def print_table(results: Mapping[str, Any], targets: List[Dict[str, Any]], meta:
           "below 1: leaner / faster")
     cuda = meta["device_kind"] == "cuda"
     peak = f" {'peak B/p':>8} {'/(a)':>5}" if cuda else ""
-    hdr = (f"{'config':<22} {'B/param':>7} {'/(a)':>5} {'/(b)':>5} {'/(c)':>5}{peak} {'median ms':>10} {'min ms':>9} "
+    w = max([22] + [len(name) for name in results])  # the configuration column
+    hdr = (f"{'config':<{w}} {'B/param':>7} {'/(a)':>5} {'/(b)':>5} {'/(c)':>5}{peak} {'median ms':>10} {'min ms':>9} "
            f"{'t/(a)':>6} {'t/(b)':>6} {'t/(c)':>6}")
     print_header_row(hdr)
     for name, e in results.items():
         if e["status"] != "ok":
             err = (e["error"] or "").splitlines()[0][:110]
-            print(f"{name:<22} {e['status']}: {err}")
+            print(f"{name:<{w}} {e['status']}: {err}")
             continue
         vs = {t: e["vs"].get(t, {}) for t in ("a", "b", "c")}
         pk = f" {_fmt(e['peak_bytes_per_param'], '8.2f')} {_fmt(vs['a'].get('peak_bytes'), '5.2f')}" if cuda else ""
-        print(f"{name:<22} {e['bytes_per_param']:>7.2f} {_fmt(vs['a'].get('bytes_per_param'), '5.2f')} "
+        print(f"{name:<{w}} {e['bytes_per_param']:>7.2f} {_fmt(vs['a'].get('bytes_per_param'), '5.2f')} "
               f"{_fmt(vs['b'].get('bytes_per_param'), '5.2f')} {_fmt(vs['c'].get('bytes_per_param'), '5.2f')}{pk} "
               f"{e['median_ms']:>10.2f} {e['min_ms']:>9.2f} {_fmt(vs['a'].get('median_ms'), '6.2f')} "
               f"{_fmt(vs['b'].get('median_ms'), '6.2f')} {_fmt(vs['c'].get('median_ms'), '6.2f')}")

@@ -5,6 +5,10 @@
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
 #include "update_io.cuh"
 
 namespace fusetrain {
@@ -30,6 +34,27 @@ constexpr int kWarps = kBlockThreads / 32;
 // EMA, masters and unaligned tails together.
 constexpr int kLaneElems = 8;
 constexpr int kWarpElems = 32 * kLaneElems;
+
+// NOTE [q8 forms]: the general instance decides per chunk whether a param has
+// an fp32 master, a remainder or neither, whether an EMA (with its remainder)
+// follows it and whether each lane's eight elements are whole and aligned, and
+// holds the registers of every case: 128 a thread on sm_90, with spills. The
+// fixed forms decide all of that at compile time for the lean layouts of
+// bfloat16 params with bfloat16 grads and no fp32 master (`remainder` without
+// an EMA or with one kept with remainders, and a param alone, rounded
+// stochastically or to nearest), over tensors whose every lane is whole: a
+// length that is a multiple of 8 and addresses aligned for the eight-element
+// accesses (a launch splits its tensors into those and the rest, which the
+// general instance takes). An empty lane past a chunk's end reads the chunk's
+// first eight elements (a chunk's length is then a multiple of 8) and stores
+// nothing. A fixed form fits 64 registers (sm_90a, ptxas -v: AdamW's remainder
+// form without spills, with an EMA 16 bytes of spills, a param alone 8), so
+// two blocks of 512 share an SM; RMSprop's keep 128 (its three states spill
+// 126 bytes at 64). FUSETRAIN_Q8_FORMS=1 turns the fixed forms on (read at
+// each launch); they are off by default until a GPU run has checked and timed
+// them against the general instance (benchmarks/optim_memory.py's _forms
+// rows).
+enum class Q8Form { General, Remainder, RemainderEma, Plain };
 
 // Eight neighbouring elements of T as one value (aligned for one access of
 // up to 16 bytes).
@@ -72,10 +97,21 @@ __device__ __forceinline__ void store8(T* dst, const Eight<T>& e, int n, bool wh
 // NOTE [8-bit state] (csrc/common/lean_state.h): int8 states with block
 // scales, laid out over the lanes as NOTE [q8 lanes on CUDA] says. `block`
 // is 64, 128 or 256 and divides kChunkSize.
-template <OptimKind K, typename P, typename G>
-__global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta meta, KernelArgs a, int block) {
+// Blocks of kBlockThreads an SM must hold (NOTE [q8 forms]).
+template <OptimKind K, Q8Form F>
+constexpr int q8_min_blocks() {
+  return F != Q8Form::General && K != OptimKind::RMSprop ? 2 : 1;
+}
+
+template <OptimKind K, typename P, typename G, Q8Form F>
+__global__ void __launch_bounds__(kBlockThreads, q8_min_blocks<K, F>())
+    fused_update_q8_kernel(Q8Meta meta, KernelArgs a, int block) {
   using C = float;
   constexpr bool kBf16 = std::is_same_v<P, at::BFloat16>;
+  // NOTE [q8 forms]: what a fixed form knows at compile time.
+  constexpr bool kFixed = F != Q8Form::General;
+  constexpr bool kFixedRem = F == Q8Form::Remainder || F == Q8Form::RemainderEma;
+  static_assert(!kFixed || (kBf16 && std::is_same_v<G, P>), "the fixed q8 forms take bfloat16 params and grads");
   if (a.found_inf != nullptr && *a.found_inf != 0.f) return;
   // The normalised value of every code of both maps (q8_decode), so that a
   // decode is a lookup and a multiply (block_hyper below syncs the block).
@@ -95,7 +131,12 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
   const ParamIO<P, C> io(meta.addrs[0][t], meta.addrs[5][t], a.remainder, a.hyper, step, tensor, start);
   const G* grad = static_cast<const G*>(meta.addrs[1][t]) + start;
   const EmaIO<P, C> eio(meta.addrs[6][t], meta.addrs[7][t], start);
-  const bool count = a.stalled != nullptr && !io.full();  // NOTE [stalled updates]
+  const bool has_master = !kFixed && io.master != nullptr;
+  const bool has_rem = kFixed ? kFixedRem : io.rem != nullptr;
+  const bool has_ema = kFixed ? F == Q8Form::RemainderEma : eio.ema != nullptr;
+  const bool has_ema_rem = kFixed ? F == Q8Form::RemainderEma : eio.rem != nullptr;
+  const bool full = has_master || has_rem;
+  const bool count = a.stalled != nullptr && !full;  // NOTE [stalled updates]
   int n_stalled = 0;
   int8_t* codes[3];
   float* scales[3];
@@ -106,9 +147,9 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
   }
   // NOTE [paired draws]: slots 1 and 2 round with stream 1's draws, slot 3 with stream 3's.
   const uint32_t key_pair = rounding_key(step, tensor, 1), key_third = rounding_key(step, tensor, 3);
-  const bool aligned = eight_aligned(io.param) && eight_aligned(io.master) && eight_aligned(io.rem) &&
-                       eight_aligned(grad) && eight_aligned(eio.ema) && eight_aligned(eio.rem) &&
-                       eight_aligned(codes[0]) && eight_aligned(codes[1]) && eight_aligned(codes[2]);
+  const bool aligned = kFixed || (eight_aligned(io.param) && eight_aligned(io.master) && eight_aligned(io.rem) &&
+                                  eight_aligned(grad) && eight_aligned(eio.ema) && eight_aligned(eio.rem) &&
+                                  eight_aligned(codes[0]) && eight_aligned(codes[1]) && eight_aligned(codes[2]));
   const int lane = threadIdx.x % 32;
   const int group = block / kLaneElems;  // the lanes of one block: 8, 16 or 32
   const int block_shift = __ffs(block) - 1;
@@ -123,31 +164,34 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
     for (int base = (threadIdx.x / 32) * kWarpElems; base < len; base += kWarps * kWarpElems) {
       const int i = base + lane * kLaneElems;
       const int n = len - i < 0 ? 0 : (len - i < kLaneElems ? len - i : kLaneElems);
-      const bool whole = aligned && n == kLaneElems;
+      const bool whole = kFixed || (aligned && n == kLaneElems);
+      // Where the lane reads: an empty lane of a fixed form at the chunk's start (NOTE [q8 forms]).
+      const int at = kFixed && n == 0 ? 0 : i;
+      const bool put = !kFixed || n > 0;  // whether the lane stores
       // Every load first: they are in flight together.
       Eight<int8_t> cv[3];
       float scale[3];
 #pragma unroll
       for (int k = 0; k < 3; ++k) {
         if (!present[k]) continue;
-        cv[k] = load8(codes[k] + i, n, whole);
+        cv[k] = load8(codes[k] + at, n, whole);
         scale[k] = n > 0 ? scales[k][i >> block_shift] : 0.f;
       }
-      const Eight<G> gv = load8(grad + i, n, whole);
+      const Eight<G> gv = load8(grad + at, n, whole);
       Eight<float> mv;
       Eight<P> pv;
       Eight<int16_t> rv;
-      if (io.master) {
-        mv = load8(io.master + i, n, whole);
+      if (has_master) {
+        mv = load8(io.master + at, n, whole);
       } else {
-        pv = load8(io.param + i, n, whole);
-        if (io.rem) rv = load8(io.rem + i, n, whole);
+        pv = load8(io.param + at, n, whole);
+        if (has_rem) rv = load8(io.rem + at, n, whole);
       }
       Eight<P> ev;
       Eight<int16_t> erv;
-      if (eio.ema) {
-        ev = load8(eio.ema + i, n, whole);
-        if (eio.rem) erv = load8(eio.rem + i, n, whole);
+      if (has_ema) {
+        ev = load8(eio.ema + at, n, whole);
+        if (has_ema_rem) erv = load8(eio.rem + at, n, whole);
       }
 
       // Element by element: the update, then the param's forms and the EMA
@@ -156,9 +200,9 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
 #pragma unroll
       for (int j = 0; j < kLaneElems; ++j) {
         C p;
-        if (io.master) {
+        if (has_master) {
           p = mv.v[j];
-        } else if (kBf16 && io.rem) {
+        } else if (kBf16 && has_rem) {
           if constexpr (kBf16) p = join_remainder(pv.v[j].x, rv.v[j]);
         } else {
           p = static_cast<C>(pv.v[j]);
@@ -173,27 +217,27 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
           r[k][j] = present[k] ? decoded[c] * bits_float(sb & 0x7FFFFFFFu) : 0.f;
         }
         apply_update<K>(p, gj, H1 ? &r[0][j] : nullptr, H2 ? &r[1][j] : nullptr, H3 ? &r[2][j] : nullptr, co);
-        if (kBf16 && io.rem) {
+        if (kBf16 && has_rem) {
           if constexpr (kBf16) {
             uint16_t bits;
             split_remainder(p, bits, rv.v[j]);
             pv.v[j] = P(bits, P::from_bits());
           }
         } else {
-          if (io.master) mv.v[j] = p;
+          if (has_master) mv.v[j] = p;
           const P stored = store_value<P>(p, io.stochastic, io.key, start + i + j);
           if (count && j < n) n_stalled += stalled_update(stored, static_cast<C>(pv.v[j]), p);
           pv.v[j] = stored;
         }
-        if (eio.ema) {
+        if (has_ema) {
           C e = static_cast<C>(ev.v[j]);
           if constexpr (kBf16) {
-            if (eio.rem) e = join_remainder(ev.v[j].x, erv.v[j]);
+            if (has_ema_rem) e = join_remainder(ev.v[j].x, erv.v[j]);
           }
-          e = lerp_small_weight(e, io.full() ? p : static_cast<C>(pv.v[j]), ema_w);
+          e = lerp_small_weight(e, full ? p : static_cast<C>(pv.v[j]), ema_w);
           ev.v[j] = static_cast<P>(e);
           if constexpr (kBf16) {
-            if (eio.rem) {
+            if (has_ema_rem) {
               uint16_t bits;
               split_remainder(e, bits, erv.v[j]);
               ev.v[j] = P(bits, P::from_bits());
@@ -201,12 +245,14 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
           }
         }
       }
-      store8(io.param + i, pv, n, whole);
-      if (io.master) store8(io.master + i, mv, n, whole);
-      if (io.rem) store8(io.rem + i, rv, n, whole);
-      if (eio.ema) {
-        store8(eio.ema + i, ev, n, whole);
-        if (eio.rem) store8(eio.rem + i, erv, n, whole);
+      if (put) {
+        store8(io.param + i, pv, n, whole);
+        if (has_master) store8(io.master + i, mv, n, whole);
+        if (has_rem) store8(io.rem + i, rv, n, whole);
+        if (has_ema) {
+          store8(eio.ema + i, ev, n, whole);
+          if (has_ema_rem) store8(eio.rem + i, erv, n, whole);
+        }
       }
 
       // The states' blocks: the largest magnitude over the block's lanes, the
@@ -248,13 +294,48 @@ __global__ void __launch_bounds__(kBlockThreads) fused_update_q8_kernel(Q8Meta m
       }
 #pragma unroll
       for (int k = 0; k < 3; ++k) {
-        if (present[k]) store8(codes[k] + i, out[k], n, whole);
+        if (present[k] && put) store8(codes[k] + i, out[k], n, whole);
       }
     }
   };
   with_states<K>(codes[0] != nullptr, codes[1] != nullptr, codes[2] != nullptr,
                 [&](auto h1, auto h2, auto h3) { update_lanes(h1, h2, h3); });
   if (count) add_stalled(a.stalled, n_stalled);
+}
+
+// The fixed form (NOTE [q8 forms]) for a bucket's layout, or General.
+Q8Form q8_form(const UpdateLists& l, const KernelArgs& a, const std::vector<at::Tensor>& ema_rem) {
+  const char* env = std::getenv("FUSETRAIN_Q8_FORMS");
+  const std::string on = env == nullptr ? "" : env;
+  if (on != "1") {
+    // A warning, not an error: the step's counters have advanced by now.
+    if (!on.empty() && on != "0") {
+      TORCH_WARN_ONCE("FUSETRAIN_Q8_FORMS='", on, "' is neither 0 nor 1: the 8-bit kernel's fixed forms stay off");
+    }
+    return Q8Form::General;
+  }
+  if (l.params[0].scalar_type() != at::kBFloat16 || l.grads[0].scalar_type() != at::kBFloat16) return Q8Form::General;
+  const bool ema = !l.ema.empty();
+  if (!l.master.empty()) {
+    if (!a.remainder) return Q8Form::General;
+    if (!ema) return Q8Form::Remainder;
+    return ema_rem.empty() ? Q8Form::General : Q8Form::RemainderEma;
+  }
+  return ema ? Q8Form::General : Q8Form::Plain;
+}
+
+// Whether every lane of tensor i is whole in all of `lists` (NOTE [q8
+// forms]): its length a multiple of 8 and each address aligned for eight
+// elements (16 bytes at most); the scales (lists 8..10) are read one by one.
+bool whole_lanes(const std::vector<const std::vector<at::Tensor>*>& lists, size_t i) {
+  if ((*lists[0])[i].numel() % kLaneElems != 0) return false;
+  for (size_t d = 0; d < 8; ++d) {
+    if (lists[d]->empty()) continue;
+    const at::Tensor& x = (*lists[d])[i];
+    const auto alignment = static_cast<uintptr_t>(std::min<int64_t>(16, x.element_size() * kLaneElems));
+    if (reinterpret_cast<uintptr_t>(x.const_data_ptr()) % alignment != 0) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -266,6 +347,14 @@ void launch_q8_update(const UpdateLists& l, const OptimHyper& h, const KernelArg
       &l.scales[0], &l.scales[1], &l.scales[2]};
   const int block = static_cast<int>(l.state_block);
   TORCH_INTERNAL_ASSERT(block == 64 || block == 128 || block == 256, "int8 state block ", block);
+  const Q8Form form = q8_form(l, a, ema_rem);
+  // The tensors of the fixed form and the rest (NOTE [q8 forms]).
+  std::vector<bool> fixed, rest;
+  if (form != Q8Form::General) {
+    for (size_t i = 0; i < l.params.size(); ++i) fixed.push_back(whole_lanes(lists, i));
+    rest.assign(fixed.size(), false);
+    for (size_t i = 0; i < fixed.size(); ++i) rest[i] = !fixed[i];
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, l.params[0].scalar_type(), "launch_q8_update", [&] {
     using P = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, l.grads[0].scalar_type(), "launch_q8_update_g", [&] {
@@ -274,10 +363,27 @@ void launch_q8_update(const UpdateLists& l, const OptimHyper& h, const KernelArg
         constexpr OptimKind K = decltype(kind)::value;
         constexpr bool kLean = lean_state_kind<K>() && !std::is_same_v<P, double> && kernel_grad<P, G>();
         if constexpr (kLean) {
-          cuda::multi_tensor_apply<Q8Meta>(lists, l.steps, l.aux, [&](const Q8Meta& meta, int blocks) {
-            fused_update_q8_kernel<K, P, G><<<blocks, kBlockThreads, 0, stream>>>(meta, a, block);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
-          });
+          const auto launch = [&](auto f, const std::vector<bool>& include) {
+            constexpr Q8Form F = decltype(f)::value;
+            cuda::multi_tensor_apply<Q8Meta>(
+                lists, l.steps, l.aux,
+                [&](const Q8Meta& meta, int blocks) {
+                  fused_update_q8_kernel<K, P, G, F><<<blocks, kBlockThreads, 0, stream>>>(meta, a, block);
+                  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                },
+                include);
+          };
+          using General = std::integral_constant<Q8Form, Q8Form::General>;
+          if constexpr (std::is_same_v<P, at::BFloat16> && std::is_same_v<G, P>) {
+            if (form == Q8Form::Remainder) {
+              launch(std::integral_constant<Q8Form, Q8Form::Remainder>{}, fixed);
+            } else if (form == Q8Form::RemainderEma) {
+              launch(std::integral_constant<Q8Form, Q8Form::RemainderEma>{}, fixed);
+            } else if (form == Q8Form::Plain) {
+              launch(std::integral_constant<Q8Form, Q8Form::Plain>{}, fixed);
+            }
+          }
+          launch(General{}, rest);  // every tensor where no fixed form launched
         } else {
           TORCH_INTERNAL_ASSERT(false, "fused optimizer: int8 state for this kind or grad dtype (the op checks)");
         }

@@ -64,17 +64,19 @@ struct TensorListMeta {
 
 // lists: Depth lists; an empty list means "absent" (its addresses are null).
 // steps, aux: one float32 scalar per tensor, or empty. launch(meta, num_blocks).
+// include: which tensors the launches take (empty: all); a tensor keeps its
+// position in the lists as its index either way.
 template <class Meta, class Launch>
 int64_t multi_tensor_apply(const std::vector<const std::vector<at::Tensor>*>& lists,
                            const std::vector<at::Tensor>& steps, const std::vector<at::Tensor>& aux,
-                           Launch&& launch) {
+                           Launch&& launch, const std::vector<bool>& include = {}) {
   static_assert(fits_kernel_params<Meta>(), "multi-tensor metadata above the kernel-argument limit");
   TORCH_INTERNAL_ASSERT(static_cast<int>(lists.size()) == Meta::kDepth);
   check_driver_supports_large_params();
   const std::vector<at::Tensor>& first = *lists[0];
   std::vector<size_t> nonempty;
   for (size_t i = 0; i < first.size(); ++i) {
-    if (first[i].numel() > 0) nonempty.push_back(i);
+    if (first[i].numel() > 0 && (include.empty() || include[i])) nonempty.push_back(i);
   }
   Meta meta;
   meta.block_offset = 0;

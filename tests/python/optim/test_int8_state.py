@@ -337,6 +337,78 @@ def test_cuda_int8_lanes_on_unaligned_views_match_aligned_params(master):
                 assert torch.equal(v, b.state[q][name]), name
 
 
+def _q8_kernel_names(step):
+    """The names of the 8-bit update kernels that ``step()`` launches."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "fused_update_q8_kernel" in e.name}
+
+
+@CUDA
+@pytest.mark.parametrize("layout", ["remainder", "remainder_ema", "stochastic", "nearest"])
+@pytest.mark.parametrize("cls,kw", LEAN, ids=LEAN_IDS)
+def test_cuda_int8_fixed_forms_match_the_general_instance(cls, kw, layout, monkeypatch):
+    # NOTE [q8 forms]: with FUSETRAIN_Q8_FORMS=1, the tensors whose lanes are all whole take a fixed form
+    # (lengths that are multiples of 8: a second chunk of 136 elements, whose last warp has empty lanes and
+    # whose second block of 128 has one lane; a chunk ending on a warp; one with a single lane in its last
+    # warp) and the rest the general instance (odd lengths, a view at an odd offset; the small tensor keeps
+    # float32 state): every bit as the general instance alone writes it, over steps that clip and count.
+    flat = torch.randn(3 + 8200, device="cuda").bfloat16()
+    shapes = [(65536 + 136,), (4096,), (4104,), (70001,), (65, 131), (100,)]
+    g = torch.Generator().manual_seed(7)
+    runs, names = [], []
+    for forms in (False, True):
+        if forms:
+            monkeypatch.setenv("FUSETRAIN_Q8_FORMS", "1")
+        else:
+            monkeypatch.delenv("FUSETRAIN_Q8_FORMS", raising=False)
+        g.manual_seed(7)
+        ps = [nn.Parameter((torch.randn(s, generator=g) * 0.5).bfloat16().cuda()) for s in shapes]
+        ps.append(nn.Parameter(flat.clone()[3:]))  # 8200 elements at an odd offset
+        master = {"remainder": "remainder", "remainder_ema": "remainder", "stochastic": "stochastic",
+                  "nearest": False}[layout]
+        opt = cls(ps, **kw, master_weights=master, state_dtype="int8", state_block_size=128, max_grad_norm=2.0)
+        ema, rems = [], []
+        if layout == "remainder_ema":
+            ema = [p.detach().clone() for p in ps]
+            rems = [torch.zeros_like(p, dtype=torch.int16) for p in ps]
+            opt.attach_ema(dict(zip(ps, ema)), torch.tensor(0.9, device="cuda"), remainders=dict(zip(ps, rems)))
+        stalled = opt.track_stalled_updates() if master in ("stochastic", False) else None
+        for k in range(3):
+            for p, gr in zip(ps, _grads(ps, 60 + k)):
+                p.grad = gr
+            if k < 2:
+                opt.step()
+            else:
+                names.append(_q8_kernel_names(opt.step))
+        runs.append((opt, ps, ema, rems, stalled))
+    (a, pa, ea, ra, sa), (b, pb, eb, rb, sb) = runs
+    for p, q in zip(pa, pb):
+        assert torch.equal(p, q)
+        for name, v in a.state[p].items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                assert torch.equal(v, b.state[q][name]), name
+    for x, y in zip(ea + ra, eb + rb):
+        assert torch.equal(x, y)
+    if sa is not None:
+        assert torch.equal(sa, sb)
+    assert len(names[0]) == 1 and len(names[1]) == 2, names  # the general instance; a fixed form beside it
+
+
+@CUDA
+def test_cuda_int8_fixed_forms_switch_with_another_value_warns_and_stays_off(monkeypatch):
+    monkeypatch.setenv("FUSETRAIN_Q8_FORMS", "yes")
+    p = nn.Parameter(torch.randn(4096, device="cuda").bfloat16())
+    p.grad = torch.randn_like(p)
+    opt = fo.AdamW([p], master_weights="remainder", state_dtype="int8")
+    with pytest.warns(UserWarning, match="FUSETRAIN_Q8_FORMS='yes' is neither 0 nor 1"):
+        opt.step()
+        names = _q8_kernel_names(opt.step)
+    assert len(names) == 1  # the general instance alone
+
+
 # ---- bad settings ------------------------------------------------------------------------------------
 def test_bad_int8_settings_are_refused_before_anything_changes():
     p64 = nn.Parameter(torch.randn(5000, dtype=torch.float64))

@@ -125,14 +125,14 @@ def test_list_takes_stages_and_items_and_names_an_unknown_one():
 @pytest.mark.slow
 def test_rehearsal_cut_off_by_its_limits_still_writes_the_report(tmp_path):
     # A limit of 1 s cuts the first items off, the deadline a later one; the report still comes out.
-    env = {"GPU_CHECK_OUT": str(tmp_path), "GPU_CHECK_WHEELS": str(tmp_path / "none"), "GPU_CHECK_SECONDS": "12",
-           "GPU_CHECK_LIMITS": "pytest_cuda_lean=1,pytest_cuda=1"}
+    env = {"GPU_CHECK_OUT": str(tmp_path), "GPU_CHECK_WHEELS": str(tmp_path / "none"), "GPU_CHECK_SECONDS": "20",
+           "GPU_CHECK_LIMITS": "pytest_cuda_lean=1,pytest_cuda_q8_forms=1,pytest_cuda=1"}
     r = run([GPU_CHECK, "--cpu-rehearsal", "tests", "bench"], env=env, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     result = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
     assert result["rehearsal"] and result["complete"] and result["device"] is None
     status = {item["name"]: item["status"] for item in result["stages"]}
-    assert status["pytest_cuda_lean"] == status["pytest_cuda"] == "TIMEOUT after 1s"
+    assert status["pytest_cuda_lean"] == status["pytest_cuda_q8_forms"] == status["pytest_cuda"] == "TIMEOUT after 1s"
     assert status["cpp_tests"] == "SKIPPED (no C++ test binary)"
     assert any(s == "SKIPPED (deadline)" for name, s in status.items() if name in ("optim_family", "amp_ema_step"))
     assert result["stages"][0]["tests"]["complete"] is False
