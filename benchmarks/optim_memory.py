@@ -60,11 +60,11 @@ The table goes to stdout; the JSON to benchmarks/results/optim_memory_<cpu|cuda>
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
+from unittest import mock
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -208,19 +208,9 @@ def count_bytes(params: Sequence[Tensor], state: Mapping[Tensor, Mapping[str, An
 
 # ---------------------------------------------------------------- building a row
 
-@contextlib.contextmanager
-def row_env(config: Config) -> Iterator[None]:
-    """The row's environment variables set for the duration (and restored)."""
-    saved = {k: os.environ.get(k) for k in config.env}
-    os.environ.update(config.env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def row_env(config: Config):
+    """The row's environment variables, set for the duration of a ``with`` and restored after it."""
+    return mock.patch.dict(os.environ, config.env)
 
 
 class Row:

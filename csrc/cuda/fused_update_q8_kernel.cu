@@ -7,7 +7,7 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <string>
+#include <string_view>
 
 #include "update_io.cuh"
 
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kBlockThreads, q8_min_blocks<K, F>())
 // The fixed form (NOTE [q8 forms]) for a bucket's layout, or General.
 Q8Form q8_form(const UpdateLists& l, const KernelArgs& a, const std::vector<at::Tensor>& ema_rem) {
   const char* env = std::getenv("FUSETRAIN_Q8_FORMS");
-  const std::string on = env == nullptr ? "" : env;
+  const std::string_view on = env == nullptr ? "" : env;
   if (on != "1") {
     // A warning, not an error: the step's counters have advanced by now.
     if (!on.empty() && on != "0") {
@@ -352,8 +352,8 @@ void launch_q8_update(const UpdateLists& l, const OptimHyper& h, const KernelArg
   std::vector<bool> fixed, rest;
   if (form != Q8Form::General) {
     for (size_t i = 0; i < l.params.size(); ++i) fixed.push_back(whole_lanes(lists, i));
-    rest.assign(fixed.size(), false);
-    for (size_t i = 0; i < fixed.size(); ++i) rest[i] = !fixed[i];
+    rest = fixed;
+    rest.flip();
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, l.params[0].scalar_type(), "launch_q8_update", [&] {
     using P = scalar_t;

@@ -357,18 +357,17 @@ def test_cuda_int8_fixed_forms_match_the_general_instance(cls, kw, layout, monke
     # float32 state): every bit as the general instance alone writes it, over steps that clip and count.
     flat = torch.randn(3 + 8200, device="cuda").bfloat16()
     shapes = [(65536 + 136,), (4096,), (4104,), (70001,), (65, 131), (100,)]
-    g = torch.Generator().manual_seed(7)
+    master = {"remainder": "remainder", "remainder_ema": "remainder", "stochastic": "stochastic",
+              "nearest": False}[layout]
     runs, names = [], []
     for forms in (False, True):
         if forms:
             monkeypatch.setenv("FUSETRAIN_Q8_FORMS", "1")
         else:
             monkeypatch.delenv("FUSETRAIN_Q8_FORMS", raising=False)
-        g.manual_seed(7)
+        g = torch.Generator().manual_seed(7)
         ps = [nn.Parameter((torch.randn(s, generator=g) * 0.5).bfloat16().cuda()) for s in shapes]
         ps.append(nn.Parameter(flat.clone()[3:]))  # 8200 elements at an odd offset
-        master = {"remainder": "remainder", "remainder_ema": "remainder", "stochastic": "stochastic",
-                  "nearest": False}[layout]
         opt = cls(ps, **kw, master_weights=master, state_dtype="int8", state_block_size=128, max_grad_norm=2.0)
         ema, rems = [], []
         if layout == "remainder_ema":
