@@ -23,7 +23,7 @@ The report (``--out``, default benchmarks/results/lean_accuracy_<cpu|cuda>.json)
 holds one entry per recipe under ``recipes``; with ``--merge`` the entries of
 the other recipes already in the file are kept, and so are this recipe's
 finished runs of the same settings (overrides of their configuration,
-``--max-epochs`` and device): those the sweep would repeat are not run
+``--max-epochs``, ``--max-train-batches`` and device): those the sweep would repeat are not run
 again, and those of other seeds or configurations stay in the entry beside
 the sweep's (``kept_runs`` counts both; the header and ``elapsed_s`` describe
 this invocation), so a sweep of new seeds adds them to the earlier ones.
@@ -154,14 +154,15 @@ def run_one(recipe: str, config: str, seed: int, overrides: Sequence[str], commo
     return rec
 
 
-def reusable_runs(entry: Optional[Mapping[str, Any]], max_epochs: Optional[int], device: str,
+def reusable_runs(entry: Optional[Mapping[str, Any]], limits: Mapping[str, Optional[int]], device: str,
                   overrides: Mapping[str, List[str]]) -> Dict[Any, Dict[str, Any]]:
     """The finished runs of a recipe's earlier entry that this sweep would
-    repeat exactly (same max_epochs, device and overrides), by (config, seed)."""
+    repeat exactly (same ``limits``: max_epochs and max_train_batches, device
+    and overrides), by (config, seed)."""
     if not entry:
         return {}
     old = entry.get("config", {})
-    if old.get("max_epochs") != max_epochs or old.get("device") != device:
+    if any(old.get(k) != v for k, v in limits.items()) or old.get("device") != device:
         return {}
     return {(r["config"], r["seed"]): r for r in entry.get("runs", [])
             if r.get("final") is not None and old.get("overrides", {}).get(r["config"]) == overrides.get(r["config"])}
@@ -271,6 +272,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {list(CONFIGS)}")
     ap.add_argument("--max-epochs", type=int, default=None, help="override the recipe's max_epochs (smoke runs)")
+    ap.add_argument("--max-train-batches", type=int, default=None,
+                    help="override the recipe's max_train_batches, the batches of an epoch (smoke runs)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is stopped")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other recipes' entries already in --out and this recipe's finished runs that "
@@ -290,14 +293,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         ap.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
     if not seeds:
         ap.error("--seeds: no seed given")
-    if args.max_epochs is not None and args.max_epochs < 1:
-        ap.error(f"--max-epochs: expected an integer >= 1, got {args.max_epochs}")
+    limits = {"max_epochs": args.max_epochs, "max_train_batches": args.max_train_batches}
+    for key, value in limits.items():
+        if value is not None and value < 1:
+            ap.error(f"--{key.replace('_', '-')}: expected an integer >= 1, got {value}")
     device = torch.device(args.device)
     out = C.out_path(args, BENCHMARK, device.type)
 
     common = [f"training_params.device={args.device}"]
-    if args.max_epochs is not None:
-        common.append(f"training_params.max_epochs={args.max_epochs}")
+    common += recipe_overrides(args.recipe, {k: v for k, v in limits.items() if v is not None})
     all_overrides = {cfg: recipe_overrides(args.recipe, CONFIGS[cfg][1]) for cfg in CONFIGS}
     overrides = {cfg: all_overrides[cfg] for cfg in configs}
 
@@ -307,13 +311,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if args.merge and os.path.exists(out):
         with open(out) as f:
             recipes = json.load(f).get("recipes", {})
-        kept = reusable_runs(recipes.pop(args.recipe, None), args.max_epochs, args.device, all_overrides)
+        kept = reusable_runs(recipes.pop(args.recipe, None), limits, args.device, all_overrides)
     # The earlier entry's runs outside this sweep stay, first, so that an interrupted sweep keeps them too.
     others = sorted((r for (c, s), r in kept.items() if c not in configs or s not in seeds), key=run_order)
     configs_all = [c for c in CONFIGS if c in configs or any(r["config"] == c for r in others)]
     seeds_all = sorted(set(seeds) | {r["seed"] for r in others})
     entry: Dict[str, Any] = {
-        "config": {"seeds": seeds_all, "configs": configs_all, "max_epochs": args.max_epochs, "device": args.device,
+        "config": {"seeds": seeds_all, "configs": configs_all, **limits, "device": args.device,
                    "overrides": {c: all_overrides[c] for c in configs_all},
                    "descriptions": {c: CONFIGS[c][0] for c in configs_all}},
         "runs": list(others),

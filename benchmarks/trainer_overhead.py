@@ -601,7 +601,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, device = parse(ap, argv, "trainer_overhead", "a few tiny epochs: a smoke run")
     on_gpu = device.type == "cuda"
     if args.quick:
-        fill_defaults(args, {"images": 8, "batch": 4, "epochs": 2, "rounds": 1, "num_workers": 0})
+        fill_defaults(args, {"images": 4, "batch": 2, "epochs": 2, "rounds": 1, "num_workers": 0})
     defaults = ({"images": 60000, "batch": 256, "epochs": 5, "rounds": 2, "num_workers": 2, "interleave": "run"}
                 if on_gpu else
                 {"images": 4096, "batch": 64, "epochs": 5, "rounds": 1, "num_workers": 0, "interleave": "step"})

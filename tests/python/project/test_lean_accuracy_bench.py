@@ -65,14 +65,16 @@ def test_reusable_runs_need_the_same_sweep_settings():
     mod = load_script("lean_accuracy")
     ov = {"fp32": [], "fp32w_bf16state": ["+training_params.optimizer_params.state_dtype=bfloat16"]}
     done = {"config": "fp32", "seed": 0, "final": 0.9}
-    entry = {"config": {"max_epochs": None, "device": "cpu", "overrides": ov},
+    entry = {"config": {"max_epochs": None, "device": "cpu", "overrides": ov},  # an entry without max_train_batches
              "runs": [done, {"config": "fp32", "seed": 1, "returncode": 1},
                       {"config": "fp32w_bf16state", "seed": 0, "final": 0.8}]}
-    assert mod.reusable_runs(entry, None, "cpu", ov) == {("fp32", 0): done, ("fp32w_bf16state", 0): entry["runs"][2]}
-    assert mod.reusable_runs(entry, None, "cpu", {"fp32": [], "fp32w_bf16state": []}) == {("fp32", 0): done}
-    assert mod.reusable_runs(entry, 1, "cpu", ov) == {}
-    assert mod.reusable_runs(entry, None, "cuda", ov) == {}
-    assert mod.reusable_runs(None, None, "cpu", ov) == {}
+    whole = {"max_epochs": None, "max_train_batches": None}
+    assert mod.reusable_runs(entry, whole, "cpu", ov) == {("fp32", 0): done, ("fp32w_bf16state", 0): entry["runs"][2]}
+    assert mod.reusable_runs(entry, whole, "cpu", {"fp32": [], "fp32w_bf16state": []}) == {("fp32", 0): done}
+    assert mod.reusable_runs(entry, {**whole, "max_epochs": 1}, "cpu", ov) == {}
+    assert mod.reusable_runs(entry, {**whole, "max_train_batches": 2}, "cpu", ov) == {}
+    assert mod.reusable_runs(entry, whole, "cuda", ov) == {}
+    assert mod.reusable_runs(None, whole, "cpu", ov) == {}
 
 
 def test_merge_keeps_the_earlier_runs_outside_the_sweep(tmp_path, monkeypatch):
@@ -139,7 +141,8 @@ def test_an_interrupted_sweep_leaves_a_whole_entry(tmp_path, monkeypatch):
 @pytest.mark.bench
 def test_one_epoch_run_writes_report(tmp_path):
     out = tmp_path / "lean_accuracy.json"
-    proc = subprocess.run([sys.executable, script_path("lean_accuracy"), "--device", "cpu", "--max-epochs", "1",
+    smoke = ["--device", "cpu", "--max-epochs", "1", "--max-train-batches", "2"]
+    proc = subprocess.run([sys.executable, script_path("lean_accuracy"), *smoke,
                            "--seeds", "3", "--configs", "fp32,bf16_remainder_bf16state", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -153,13 +156,15 @@ def test_one_epoch_run_writes_report(tmp_path):
         assert r["returncode"] == 0 and r["final_epoch"] == 1 and 0 <= r["final"] <= 1
         assert r["final"] == r["final_valid"]["valid_accuracy"] and r["best_epoch"] == 1
         assert "training_params.max_epochs=1" in r["command"] and "training_params.seed=3" in r["command"]
+        assert "training_params.max_train_batches=2" in r["command"]
+    assert entry["config"]["max_epochs"] == 1 and entry["config"]["max_train_batches"] == 2
     assert "+training_params.optimizer_params.state_dtype=bfloat16" in entry["runs"][1]["command"]
     assert entry["summary"]["bf16_remainder_bf16state"]["final_diff_vs_fp32"] == pytest.approx(
         100 * (entry["runs"][1]["final"] - entry["runs"][0]["final"]))
 
     # A second sweep with --merge keeps the finished runs of seed 3 (the fp32 one without running it again)
     # and runs seed 4 only.
-    proc = subprocess.run([sys.executable, script_path("lean_accuracy"), "--device", "cpu", "--max-epochs", "1",
+    proc = subprocess.run([sys.executable, script_path("lean_accuracy"), *smoke,
                            "--seeds", "3,4", "--configs", "fp32", "--merge", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -260,9 +260,9 @@ def test_muon_recipe_is_the_default_with_muon_and_trains(tmp_path):
     default["training_params"].pop("optimizer_params")
     assert muon.pop("experiment_name") == "digits_cnn_muon" and default.pop("experiment_name") == "digits_cnn"
     assert muon == default
-    # Two epochs through the Trainer: the loss falls well below ln(10).
-    recipe = tfr.load_recipe("digits_muon", ["training_params.max_epochs=2", "training_params.progress_bar=false",
-                                             f"ckpt_root_dir={tmp_path}"])
+    # Two epochs of ten batches through the Trainer: the loss falls well below ln(10).
+    recipe = tfr.load_recipe("digits_muon", ["training_params.max_epochs=2", "training_params.max_train_batches=10",
+                                             "training_params.progress_bar=false", f"ckpt_root_dir={tmp_path}"])
     result = tfr.run_recipe(recipe)
     assert result["final"]["epoch"] == 2 and result["final"]["train_loss"] < 2.0
 
