@@ -23,10 +23,11 @@ The report (``--out``, default benchmarks/results/lean_accuracy_<cpu|cuda>.json)
 holds one entry per recipe under ``recipes``; with ``--merge`` the entries of
 the other recipes already in the file are kept, and so are this recipe's
 finished runs of the same settings (overrides of their configuration,
-``--max-epochs``, ``--max-train-batches`` and device): those the sweep would repeat are not run
-again, and those of other seeds or configurations stay in the entry beside
-the sweep's (``kept_runs`` counts both; the header and ``elapsed_s`` describe
-this invocation), so a sweep of new seeds adds them to the earlier ones.
+``--max-epochs``, ``--max-train-batches`` and device): those the sweep
+would repeat are not run again, and those of other seeds or configurations
+stay in the entry beside the sweep's (``kept_runs`` counts both; the header
+and ``elapsed_s`` describe this invocation), so a sweep of new seeds adds
+them to the earlier ones.
 Every run is recorded with its exact command, wall time and exit status, and
 the report is rewritten after each run with the entry's summary and targets
 so far, so an interrupted sweep keeps what it finished (``complete`` false

@@ -25,6 +25,17 @@ def test_overrides_add_missing_keys_and_change_present_ones():
     assert mod.recipe_overrides("default", mod.CONFIGS["fp32"][1]) == []
 
 
+@pytest.mark.parametrize("flag", ["--max-epochs", "--max-train-batches"])
+def test_a_limit_below_one_is_refused_before_any_run(tmp_path, monkeypatch, capsys, flag):
+    mod = load_script("lean_accuracy")
+    monkeypatch.setattr(mod, "run_one", lambda *a, **k: pytest.fail("a run started"))
+    out = tmp_path / "lean_accuracy.json"
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--device", "cpu", flag, "0", "--out", str(out)])
+    assert e.value.code == 2 and f"{flag}: expected an integer >= 1, got 0" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_final_summary_is_the_last_json_object():
     mod = load_script("lean_accuracy")
     last = {"final": {"epoch": 2, "valid_accuracy": 0.5}, "best": {"metric": "accuracy", "value": 0.6, "epoch": 1}}
