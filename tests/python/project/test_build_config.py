@@ -143,6 +143,32 @@ def test_the_build_used_exactly_the_configured_archs():
         assert [f for f in flags if f.startswith("--generate-code")] == expected, name
 
 
+def _cxx_objects(text):
+    """{object: {DEFINES, FLAGS}} of every C++ compile in build.ninja (the precompiled headers' .gch included)."""
+    out = {}
+    for obj, body in re.findall(r"^build (\S+\.(?:o|gch)): CXX_COMPILER[^\n]*\n((?:  .*\n)+)", text, re.M):
+        out[obj] = {k: v.strip() for k, v in re.findall(r"^  (DEFINES|FLAGS) = (.*)$", body, re.M)}
+    return out
+
+
+@pytest.mark.skipif(_build_ninja() is None, reason="needs this checkout built in build/py (scripts/setup)")
+def test_a_precompiled_header_is_used_only_with_the_flags_it_was_built_with():
+    # NOTE [precompiled headers] in CMakeLists.txt: the AVX2 kernels (CPU_CAPABILITY selects ATen's vector
+    # code) and the lanes tests compile with flags of their own and parse torch's headers themselves.
+    objects = _cxx_objects(open(_build_ninja()).read())
+    for target in ("fusetrain_core", "fusetrain_cpp_tests"):
+        pch = objects.get(f"CMakeFiles/{target}.dir/cmake_pch.hxx.gch")
+        assert pch is not None, f"{target}: no precompiled header in build.ninja"
+        include = f"-Winvalid-pch -include {os.path.join(ROOT, 'build', 'py')}/CMakeFiles/{target}.dir/cmake_pch.hxx"
+        built_with = (pch["DEFINES"], pch["FLAGS"].replace(" -x c++-header", "").replace(include, "").strip())
+        files = {o: v for o, v in objects.items() if o.startswith(f"CMakeFiles/{target}.dir/") and o.endswith(".o")}
+        users = [o for o, v in files.items() if include in v["FLAGS"]]
+        assert len(users) >= 5, (target, sorted(files))
+        for obj, v in files.items():
+            same = (v["DEFINES"], v["FLAGS"].replace(include, "").strip()) == built_with
+            assert (obj in users) == same, (obj, v, built_with)
+
+
 def _loaded_fusetrain_libraries():
     with open("/proc/self/maps") as f:
         paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
