@@ -29,13 +29,20 @@ FT_HD float vsign(float x) { return static_cast<float>((x > 0.f) - (x < 0.f)); }
 FT_HD double vsqrt(double x) { return ::sqrt(x); }
 FT_HD double vmax(double a, double b) { return (a > b || a != a) ? a : b; }
 FT_HD double vsign(double x) { return static_cast<double>((x > 0.0) - (x < 0.0)); }
+// a * b + c rounded once, where torch's kernels fuse it (its vectorized lerp,
+// and `add` with an alpha): the CPU kernels fuse nothing else (NOTE [no
+// contraction] in CMakeLists.txt).
+// Vectorized arguments find at::vec::fmadd by argument-dependent lookup.
+FT_HD float fmadd(float a, float b, float c) { return ::fmaf(a, b, c); }
+FT_HD double fmadd(double a, double b, double c) { return ::fma(a, b, c); }
 
 // NOTE [rounded decay]: the decoupled weight decay's product p * (1 - lr * wd)
 // is rounded on its own, as torch's `param.mul_(1 - lr * wd)`. Left to nvcc,
 // the product may fuse with the update's add into one FMA (or not, as the
 // surrounding code changes); the difference of one rounding a step walks a few
 // elements past float32 agreement with torch over hundreds of steps. The CPU
-// kernels' products are rounded on their own anyway.
+// kernels' products are rounded on their own (NOTE [no contraction] in
+// CMakeLists.txt).
 template <typename V>
 FT_HD V mul_rn(V a, V b) {
 #if defined(__CUDA_ARCH__)
@@ -86,16 +93,17 @@ struct LionCoeffs {
   bool has_decay;
 };
 
-// torch.lerp's formula: exact at both ends, used for the first moment and EMA.
+// torch.lerp's formula: exact at both ends, used for the first moment and
+// EMA, with one rounding of the product and sum as torch's vectorized lerp.
 template <typename V, typename T>
 FT_HD V lerp_small_weight(V self, V end, T w) {
   // Every weight we pass is in [0, 0.5): 1 - beta1 and 1 - decay.
-  return self + V(w) * (end - self);
+  return fmadd(V(w), end - self, self);
 }
 template <typename V, typename T>
 FT_HD V lerp_weight(V self, V end, T w) {
-  if (w < T(0.5)) return self + V(w) * (end - self);
-  return end - (end - self) * V(T(1) - w);
+  if (w < T(0.5)) return fmadd(V(w), end - self, self);
+  return fmadd(V(w - T(1)), end - self, end);  // w - 1 is exact for w in [0.5, 1]
 }
 
 // NOTE [update order]: the grad arriving here is already unscaled, clipped and
@@ -139,18 +147,19 @@ FT_HD void radam_update(V& p, V g, V& m, V& v, const RAdamCoeffs<T>& c) {
   }
 }
 
+// torch.optim.SGD's steps, each `add(x, alpha=a)` one fused multiply-add.
 template <typename V, typename T>
 FT_HD void sgd_update(V& p, V g, V* buf, const SGDCoeffs<T>& c) {
-  if (c.weight_decay != T(0)) g = g + V(c.weight_decay) * p;
+  if (c.weight_decay != T(0)) g = fmadd(V(c.weight_decay), p, g);
   if (buf != nullptr) {
     if (c.first_step) {
       *buf = g;
     } else {
-      *buf = *buf * V(c.momentum) + V(c.one_minus_dampening) * g;
+      *buf = fmadd(V(c.one_minus_dampening), g, *buf * V(c.momentum));
     }
-    g = c.nesterov ? g + V(c.momentum) * *buf : *buf;
+    g = c.nesterov ? fmadd(V(c.momentum), *buf, g) : *buf;
   }
-  p = p + V(c.neg_lr) * g;
+  p = fmadd(V(c.neg_lr), g, p);
 }
 
 // NAdam (torch.optim.NAdam): the momentum schedule mu_t and the running

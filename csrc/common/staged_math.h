@@ -78,7 +78,7 @@ struct ApplyCoeffs {
 template <typename V, typename T>
 FT_HD void apply_pass_update(V& p, V g, const ApplyCoeffs<T>& c) {
   if (c.has_decay) p = mul_rn(p, V(c.decay_mul));
-  p = p + V(c.neg_lr) * g;
+  p = fmadd(V(c.neg_lr), g, p);  // torch's param.add_(update, alpha=-lr)
 }
 
 template <typename T>

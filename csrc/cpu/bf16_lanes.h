@@ -4,22 +4,19 @@
 //
 // NOTE [bf16 lanes]: a lean update on the CPU is bound by arithmetic, not
 // memory: the draws and the roundings cost more than the bytes they save.
-// The update's vector loop widens the bfloat16 state as it loads it and
-// writes its results to a block buffer in L1; a second pass over the block
-// rounds them back with AVX2 forms of rounding_bits and stochastic_bf16_bits
-// (the same bits lane for lane), with the stream's key, the lanes' indices
-// and the constants held in registers across the pass (DrawLanes). Rounding
-// inside the update's loop instead lengthens each iteration's dependency
-// chain behind the square root and the division and leaves too few vector
-// registers for the constants, which the compiler then rebuilds in every
-// iteration (twice the instructions a vector): with the pass, an AdamW step
-// with bfloat16 moments takes 0.67-0.80 of the time (AMD EPYC, 1 thread).
-// The other way, a bfloat16 param joined with its remainder (and bfloat16
-// grads widened) inside the loop instead of in passes of their own, measures
-// no faster in interleaved runs.
-// A block whose indices cross a multiple of 2^32 (the high word of the
-// index would differ between lanes) and the tail past the last whole vector
-// take the scalar functions.
+// The update's vector loop widens the bfloat16 state and grads as it loads
+// them and writes its results to a block buffer in L1; a second pass over
+// the block rounds them back with AVX2 forms of rounding_bits and
+// stochastic_bf16_bits (the same bits lane for lane; the draws in a pass of
+// their own, NOTE [draw pass]), which move 16-bit halves with byte shuffles
+// rather than shifts and packs. Rounding inside the update's loop instead
+// lengthens each iteration's dependency chain behind the square root and
+// the division and leaves too few vector registers for the constants, which
+// the compiler then rebuilds in every iteration (twice the instructions a
+// vector): with the pass, an AdamW step with bfloat16 moments takes
+// 0.67-0.80 of the time (AMD EPYC, 1 thread). A bfloat16 param joined with
+// its remainder inside the loop instead of in a pass of its own measures no
+// faster. The tail past the last whole vector takes the scalar functions.
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
@@ -87,45 +84,94 @@ class DrawLanes {
   __m256i key_, high_, index_;
 };
 
-// stochastic_bf16_bits lane by lane (the low 16 bits of `rnd`), then stored.
-inline void store_stochastic_lanes(__m256 x, __m256i rnd, at::BFloat16* dst) {
+// Per 128-bit half of a vector of 32-bit lanes: the bytes of their four low
+// halves, then those of their four high halves.
+inline __m256i halves_apart() {
+  return _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,  //
+                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+}
+
+// stochastic_bf16_bits lane by lane with the random bits `r16` (each below
+// 2^16), in the high half of each lane.
+inline __m256i stochastic_lanes(__m256 x, __m256i r16) {
   const __m256i b = _mm256_castps_si256(x);
-  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000));
-  const __m256i rounded = _mm256_add_epi32(b, _mm256_and_si256(rnd, _mm256_set1_epi32(0xFFFF)));
-  const __m256i quiet = _mm256_or_si256(b, _mm256_set1_epi32(0x00400000));
+  const __m256i nan =
+      _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
   // An infinity takes the rounded branch: its low 16 bits are zero, and an
   // addition below 2^16 leaves its upper half as it is.
-  const __m256i bits = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+  return _mm256_blendv_epi8(_mm256_add_epi32(b, r16), _mm256_or_si256(b, _mm256_set1_epi32(0x00400000)), nan);
+}
+
+// Stores the eight low halves of `v`'s lanes at lo and, where hi is given,
+// the eight high halves at hi (byte shuffles; no shifts or lane crossings
+// but one extraction).
+inline void store_halves(__m256i v, uint16_t* lo, uint16_t* hi) {
+  const __m256i s = _mm256_shuffle_epi8(v, halves_apart());
+  const __m128i first = _mm256_castsi256_si128(s), second = _mm256_extracti128_si256(s, 1);
+  if (lo != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm_unpacklo_epi64(first, second));
+  if (hi != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm_unpackhi_epi64(first, second));
 }
 #endif
+
+// NOTE [draw pass]: the draws of a run of elements are hashed in a pass of
+// their own into a buffer in L1, and the roundings read them from it. A hash
+// is a chain of dependent operations (two 32-bit multiplies among them);
+// inside the rounding loop its chain and the rounding's constants leave the
+// out-of-order core too few registers and scheduler entries to overlap the
+// iterations, while the hash alone keeps its constants and the lanes'
+// indices in registers and its iterations overlap.
+constexpr int64_t kDrawRun = 256;
+
+// rounding_bits(key, first + j) into out[j] for j < n (n <= kDrawRun): AVX2
+// lanes for the whole vectors of a run whose indices share a high word, the
+// scalar function for the rest (the same bits).
+inline void fill_draws(uint32_t key, int64_t first, int64_t n, uint32_t* out) {
+  int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if (one_high_word(first, n)) {
+    DrawLanes draws(key, first);
+    for (; j + kLanes <= n; j += kLanes) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), draws.next());
+  }
+#endif
+  for (; j < n; ++j) out[j] = rounding_bits(key, first + j);
+}
 
 // The `n` values at a and b rounded stochastically into da and db from one
 // draw of the stream `key` per element, from element `first` on (NOTE
 // [paired draws]): `a` takes its low half, `b` its high half. A and B say
-// which of them exist. Whole vectors whose indices share a high word take
-// the AVX2 lanes, the rest the scalar functions (the same bits).
+// which of them exist. Whole vectors take the AVX2 lanes, the tail the
+// scalar function (the same bits).
 template <bool A, bool B>
 inline void store_bf16_pair_block(const float* a, at::BFloat16* da, const float* b, at::BFloat16* db, int64_t n,
                                   uint32_t key, int64_t first) {
   static_assert(A || B, "store_bf16_pair_block needs values to store");
-  int64_t i = 0;
+  alignas(32) uint32_t rnd[kDrawRun];
+  for (int64_t o = 0; o < n; o += kDrawRun) {
+    const int64_t m = n - o < kDrawRun ? n - o : kDrawRun;
+    fill_draws(key, first + o, m, rnd);
+    int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
-  if (one_high_word(first, n)) {
-    DrawLanes draws(key, first);
-    for (; i + kLanes <= n; i += kLanes) {
-      const __m256i r = draws.next();
-      if constexpr (A) store_stochastic_lanes(_mm256_loadu_ps(a + i), r, da + i);
-      if constexpr (B) store_stochastic_lanes(_mm256_loadu_ps(b + i), _mm256_srli_epi32(r, 16), db + i);
+    for (; i + kLanes <= m; i += kLanes) {
+      const __m256i r = _mm256_load_si256(reinterpret_cast<const __m256i*>(rnd + i));
+      const int64_t e = o + i;
+      // The rounded bits are each lane's high half; a pair puts slot a's in
+      // the low halves and b's in the high halves of one vector.
+      if constexpr (A && B) {
+        const __m256i va = stochastic_lanes(_mm256_loadu_ps(a + e), _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)));
+        const __m256i vb = stochastic_lanes(_mm256_loadu_ps(b + e), _mm256_srli_epi32(r, 16));
+        store_halves(_mm256_blend_epi16(_mm256_srli_epi32(va, 16), vb, 0xAA), &da[e].x, &db[e].x);
+      } else if constexpr (A) {
+        const __m256i va = stochastic_lanes(_mm256_loadu_ps(a + e), _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)));
+        store_halves(va, nullptr, &da[e].x);
+      } else {
+        store_halves(stochastic_lanes(_mm256_loadu_ps(b + e), _mm256_srli_epi32(r, 16)), nullptr, &db[e].x);
+      }
     }
-  }
 #endif
-  for (; i < n; ++i) {
-    const uint32_t r = rounding_bits(key, first + i);
-    if constexpr (A) da[i].x = stochastic_bf16_bits(a[i], r);
-    if constexpr (B) db[i].x = stochastic_bf16_bits(b[i], r >> 16);
+    for (; i < m; ++i) {
+      if constexpr (A) da[o + i].x = stochastic_bf16_bits(a[o + i], rnd[i]);
+      if constexpr (B) db[o + i].x = stochastic_bf16_bits(b[o + i], rnd[i] >> 16);
+    }
   }
 }
 

@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "../common/lean_state.h"
+#include "bf16_lanes.h"
 
 namespace fusetrain {
 namespace detail {
@@ -38,10 +39,14 @@ inline void load_block(const P* src, const int16_t* rem, float* dst, int64_t n) 
     if (rem != nullptr) {
       int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
+      // join_remainder lane by lane: interleaving the param's bits with
+      // r ^ 0x8000 (= r + 0x8000 in the low half) gives (p << 16) + r + 0x8000.
+      const __m128i flip = _mm_set1_epi16(static_cast<int16_t>(0x8000));
       for (; i + 8 <= n; i += 8) {
-        const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-        const __m256i lo = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rem + i)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_add_epi32(_mm256_slli_epi32(hi, 16), lo));
+        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+        const __m128i lo = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rem + i)), flip);
+        const __m256i w = _mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_sub_epi32(w, _mm256_set1_epi32(0x8000)));
       }
 #endif
       for (; i < n; ++i) dst[i] = join_remainder(src[i].x, rem[i]);
@@ -59,21 +64,19 @@ inline void store_block(const float* src, P* dst, int16_t* rem, int64_t n) {
     if (rem != nullptr) {
       int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
-      // split_remainder lane by lane; packing with saturation leaves the
-      // halves as they are (bits in 0..0xFFFF, remainders in int16's range).
+      // split_remainder lane by lane: with r in [-0x8000, 0x7FFF], the low
+      // half of b + 0x8000 is r + 0x8000, so t = (b + 0x8000) ^ 0x8000 holds
+      // the param's bits in its high half and the remainder in its low half
+      // (a NaN: its quiet bits and 0).
+      const __m256i bias = _mm256_set1_epi32(0x8000);
       for (; i + 8 <= n; i += 8) {
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
         const __m256i nan =
             _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
-        const __m256i hi = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x8000)), 16);
-        const __m256i r = _mm256_sub_epi32(b, _mm256_slli_epi32(hi, 16));
-        const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40));
-        const __m256i bits = _mm256_blendv_epi8(hi, quiet, nan);
-        const __m256i rs = _mm256_andnot_si256(nan, r);
-        const __m256i pb = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
-        const __m256i pr = _mm256_permute4x64_epi64(_mm256_packs_epi32(rs, rs), 0x08);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(pb));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(rem + i), _mm256_castsi256_si128(pr));
+        const __m256i t = _mm256_xor_si256(_mm256_add_epi32(b, bias), bias);
+        const __m256i quiet = _mm256_and_si256(_mm256_or_si256(b, _mm256_set1_epi32(0x00400000)),
+                                               _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+        store_halves(_mm256_blendv_epi8(t, quiet, nan), reinterpret_cast<uint16_t*>(rem + i), &dst[i].x);
       }
 #endif
       for (; i < n; ++i) split_remainder(src[i], dst[i].x, rem[i]);

@@ -13,9 +13,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -66,25 +64,33 @@ inline void load_q8(const int8_t* src, const float* scales, float* dst, int64_t 
   }
 }
 
-// How the block of the `m` values at src is stored (q8_block).
+// How the block of the `m` values at src is stored (q8_block). The largest
+// magnitude is the largest of the values' bits without their sign (as
+// integers they order as the magnitudes do, and a NaN's are above an
+// infinity's): a block holding a NaN or an infinity is not finite, and
+// then neither its largest magnitude nor its sign matters.
 inline Q8Block q8_block_of(const float* src, int64_t m) {
-  using Vec = at::vec::Vectorized<float>;
-  // NaN-propagating: a block with a NaN or an infinity is not finite, and
-  // then neither its largest magnitude nor its sign matters.
-  Vec vmax(0.f), vmin(0.f);
-  for (int64_t i = 0; i < m; i += Vec::size()) {
-    const int c = static_cast<int>(std::min<int64_t>(Vec::size(), m - i));
-    const Vec v = Vec::loadu(src + i, c);  // the lanes past c load as 0
-    vmax = at::vec::maximum(vmax, v.abs());
-    vmin = at::vec::minimum(vmin, v);
+  uint32_t top = 0;
+  bool negative = false;
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  __m256i vtop = _mm256_setzero_si256();
+  __m256 below = _mm256_setzero_ps();
+  for (; i + 8 <= m; i += 8) {
+    const __m256 v = _mm256_loadu_ps(src + i);
+    vtop = _mm256_max_epi32(vtop, _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF)));
+    below = _mm256_or_ps(below, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
   }
-  float absmax = 0.f, least = 0.f;
-  alignas(64) float lanes[Vec::size()];
-  vmax.store(lanes);
-  for (float l : lanes) absmax = std::isnan(l) || std::isnan(absmax) ? NAN : std::max(absmax, l);
-  vmin.store(lanes);
-  for (float l : lanes) least = std::min(least, l);
-  return q8_block(absmax, least < 0.f, absmax <= std::numeric_limits<float>::max());
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), vtop);
+  for (uint32_t l : lanes) top = std::max(top, l);
+  negative = _mm256_movemask_ps(below) != 0;
+#endif
+  for (; i < m; ++i) {
+    top = std::max(top, float_bits(src[i]) & 0x7FFFFFFFu);
+    negative = negative || src[i] < 0.f;
+  }
+  return q8_block(bits_float(top), negative, top < 0x7F800000u);
 }
 
 // One state slot of store_q8: its values (a block buffer), codes and block scales.
@@ -181,7 +187,8 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
   constexpr int64_t VS = Vec::size();
   // Whether the update runs on the param's own storage.
   constexpr bool kInPlace = std::is_same_v<P, C>;
-  const Vec vgmul(static_cast<C>(gmul));
+  // The grad's multiplier, negated for maximize (the same bits as negating the product).
+  const Vec vgmul(static_cast<C>(h.maximize ? -gmul : gmul));
   const C ema_w = static_cast<C>(ema_w_f);
   const int64_t len = it.end - it.begin;
   for (int64_t off = 0; off < len; off += kBlock) {
@@ -201,10 +208,12 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
         pw = pb;
       }
     }
-    const C* gw;
+    // bfloat16 grads are widened in the vector loop, others converted here.
+    constexpr bool kWidenGrad = std::is_same_v<G, at::BFloat16> && std::is_same_v<C, float>;
+    const C* gw = nullptr;
     if constexpr (std::is_same_v<G, C>) {
       gw = reinterpret_cast<const C*>(grad) + off;
-    } else {
+    } else if constexpr (!kWidenGrad) {
       convert_block(grad + off, gb, m);
       gw = gb;
     }
@@ -232,11 +241,16 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
           return Vec::loadu(ms[k] + i, c);
         }
       };
-      for (int64_t i = 0; i < m; i += VS) {
-        const int c = static_cast<int>(std::min<int64_t>(VS, m - i));
+      // The update of the `c` elements from i; whole vectors take it with
+      // a constant count, so that their loads and stores hold no branch.
+      const auto update = [&](int64_t i, int c) {
         Vec p = Vec::loadu(pw + i, c);
-        Vec g = Vec::loadu(gw + i, c) * vgmul;
-        if (h.maximize) g = g.neg();
+        Vec g;
+        if constexpr (kWidenGrad) {
+          g = load_bf16_lanes(grad + off + i, c) * vgmul;
+        } else {
+          g = Vec::loadu(gw + i, c) * vgmul;
+        }
         Vec r1, r2, r3;
         if constexpr (H1) r1 = load_state(0, i, c);
         if constexpr (H2) r2 = load_state(1, i, c);
@@ -246,7 +260,10 @@ void update_item(const UpdateLists& l, const OptimHyper& h, const WorkItem& it, 
         if constexpr (H2) r2.store(ms[1] + i, c);
         if constexpr (H3) r3.store(ms[2] + i, c);
         p.store(pw + i, c);
-      }
+      };
+      int64_t i = 0;
+      for (; i + VS <= m; i += VS) update(i, static_cast<int>(VS));
+      if (i < m) update(i, static_cast<int>(m - i));
       if constexpr (kBf16State) {
         // NOTE [paired draws]: slots 1 and 2 from stream 1's draws, slot 3 from stream 3's.
         const int64_t at = it.begin + off;

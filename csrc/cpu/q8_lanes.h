@@ -7,9 +7,9 @@
 // magnitude first). Both directions are integer operations on the fp32 bits
 // (q8_decode, q8_encode), which AVX2 does eight lanes at a time: the decode
 // computes both of a map's forms and picks one per lane, instead of a table
-// lookup per element; the encode normalises, draws (DrawLanes, one
-// draw for the first two slots), encodes and packs the eight codes into bytes
-// in registers. Lanes give the same bits as the scalar functions, which the
+// lookup per element; the encode normalises, takes the draws (NOTE [draw
+// pass]; one draw for the first two slots), encodes and packs the eight
+// codes into bytes in registers (the two slots' codes together). Lanes give the same bits as the scalar functions, which the
 // tails and the CUDA kernels use. Decoding inside the update's loop, and
 // gathering each block's largest magnitude there, is slower (AdamW, 1
 // thread of an AMD EPYC: about 1.15x the step): that loop is bound by the
@@ -18,6 +18,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #if defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -47,21 +49,22 @@ inline __m256 q8_decode_lanes(const int8_t* src, bool unsigned_map, __m256 mag) 
   return _mm256_mul_ps(v, mag);
 }
 
-// q8_encode of 8 normalised values with the random bits in the low halves
-// of `r`, lane by lane: the codes as int32.
-inline __m256i q8_encode_lanes(__m256 x, __m256i r, const Q8Map& map) {
+// q8_encode of 8 normalised values lane by lane, the 16 random bits of each
+// in bits 4..19 of `r4` (the top of the 20 bits below a code's): the codes
+// as int32. Signed: whether the map has a sign bit.
+template <bool Signed>
+inline __m256i q8_encode_lanes(__m256 x, __m256i r4, const Q8Map& map) {
   const __m256i b = _mm256_castps_si256(x);
-  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i mag = Signed ? _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)) : b;
   const __m256i low = _mm256_set1_epi32(static_cast<int32_t>(map.low));
   const __m256i linear = _mm256_cmpgt_epi32(low, mag);
   const __m256i up = _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(low)));
   const __m256i z = _mm256_blendv_epi8(mag, up, linear);
   const __m256i off = _mm256_add_epi32(_mm256_set1_epi32(map.bias), _mm256_and_si256(linear, _mm256_set1_epi32(8)));
-  const __m256i r16 = _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF));
-  const __m256i shifted = _mm256_srli_epi32(_mm256_add_epi32(z, _mm256_slli_epi32(r16, 4)), kQ8Shift);
+  const __m256i shifted = _mm256_srli_epi32(_mm256_add_epi32(z, r4), kQ8Shift);
   const __m256i code = _mm256_min_epi32(_mm256_sub_epi32(shifted, off), _mm256_set1_epi32(map.top));
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(b, 24), _mm256_set1_epi32(static_cast<int32_t>(map.sign)));
-  return _mm256_or_si256(code, sign);
+  if constexpr (!Signed) return code;
+  return _mm256_or_si256(code, _mm256_and_si256(_mm256_srli_epi32(b, 24), _mm256_set1_epi32(0x80)));
 }
 
 // Stores the low bytes of 8 int32 codes (each in 0..255) at dst.
@@ -70,6 +73,16 @@ inline void store_code_bytes(__m256i codes, int8_t* dst) {
   const __m256i bytes = _mm256_packus_epi16(words, words);    // per half: c0..c3 four times
   const __m256i both = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(both));
+}
+
+// Stores the low bytes of two vectors of 8 int32 codes at da and db.
+inline void store_code_byte_pair(__m256i a, __m256i b, int8_t* da, int8_t* db) {
+  const __m256i words = _mm256_packs_epi32(a, b);            // per 128-bit half: a0..a3 b0..b3
+  const __m256i bytes = _mm256_packus_epi16(words, words);   // per half: a0..a3 b0..b3 twice
+  const __m128i both = _mm256_castsi256_si128(
+      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5)));  // a0..a7 b0..b7
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(da), both);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(db), _mm_unpackhi_epi64(both, both));
 }
 #endif
 
@@ -90,35 +103,58 @@ inline void load_q8_block(const int8_t* src, float scale, float* dst, int64_t n)
 // The codes of the `n` values at a (one block, stored as `qa`), rounded
 // with the draws of element `first` on of the stream `key` shifted right by
 // `shift` (q8_store of each); with Pair, also those of b (stored as `qb`)
-// with the draws' high halves (NOTE [paired draws]: one draw for both).
+// with the draws' high halves (NOTE [paired draws]: one draw for both). The
+// draws come from a pass of their own (NOTE [draw pass]).
 template <bool Pair>
 inline void store_q8_block(const float* a, const Q8Block& qa, int8_t* da, int shift, const float* b,
                            const Q8Block& qb, int8_t* db, int64_t n, uint32_t key, int64_t first) {
-  int64_t i = 0;
+  alignas(32) uint32_t rnd[kDrawRun];
+  for (int64_t o = 0; o < n; o += kDrawRun) {
+    const int64_t m = n - o < kDrawRun ? n - o : kDrawRun;
+    fill_draws(key, first + o, m, rnd);
+    int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
-  const Q8Map ma = q8_map(qa.unsigned_map), mb = q8_map(qb.unsigned_map);
-  const __m256 na = _mm256_set1_ps(qa.norm), nb = _mm256_set1_ps(qb.norm);
-  // A block stored as zeros (norm 0) keeps no code.
-  const __m256i keep_a = _mm256_set1_epi32(qa.norm != 0.f ? -1 : 0), keep_b = _mm256_set1_epi32(qb.norm != 0.f ? -1 : 0);
-  const __m128i vshift = _mm_cvtsi32_si128(shift);
-  if (one_high_word(first, n)) {
-    DrawLanes draws(key, first);
-    for (; i + 8 <= n; i += 8) {
-      const __m256i r = draws.next();
-      const __m256i ca = q8_encode_lanes(_mm256_mul_ps(_mm256_loadu_ps(a + i), na), _mm256_srl_epi32(r, vshift), ma);
-      store_code_bytes(_mm256_and_si256(ca, keep_a), da + i);
-      if constexpr (Pair) {
-        const __m256i cb = q8_encode_lanes(_mm256_mul_ps(_mm256_loadu_ps(b + i), nb), _mm256_srli_epi32(r, 16), mb);
-        store_code_bytes(_mm256_and_si256(cb, keep_b), db + i);
+    // The vector loop for the blocks' maps (whether each has a sign bit): the
+    // elements it stored.
+    const auto lanes = [a, b, da, db, o, m, shift, &qa, &qb, &rnd](auto signed_a, auto signed_b) {
+      constexpr bool SA = decltype(signed_a)::value, SB = decltype(signed_b)::value;
+      const Q8Map ma = q8_map(!SA), mb = q8_map(!SB);
+      const __m256 na = _mm256_set1_ps(qa.norm), nb = _mm256_set1_ps(qb.norm);
+      const __m128i vshift = _mm_cvtsi32_si128(shift);
+      const __m256i bits = _mm256_set1_epi32(0xFFFF0);
+      int64_t i = 0;
+      for (; i + 8 <= m; i += 8) {
+        const int64_t e = o + i;
+        const __m256i r = _mm256_load_si256(reinterpret_cast<const __m256i*>(rnd + i));
+        const __m256i ra = _mm256_and_si256(_mm256_slli_epi32(_mm256_srl_epi32(r, vshift), 4), bits);
+        const __m256i ca = q8_encode_lanes<SA>(_mm256_mul_ps(_mm256_loadu_ps(a + e), na), ra, ma);
+        if constexpr (Pair) {
+          const __m256i rb = _mm256_and_si256(_mm256_srli_epi32(r, 12), bits);
+          const __m256i cb = q8_encode_lanes<SB>(_mm256_mul_ps(_mm256_loadu_ps(b + e), nb), rb, mb);
+          store_code_byte_pair(ca, cb, da + e, db + e);
+        } else {
+          store_code_bytes(ca, da + e);
+        }
       }
+      return i;
+    };
+    using Yes = std::true_type;
+    using No = std::false_type;
+    const bool sb = Pair && !qb.unsigned_map;
+    if (qa.unsigned_map) {
+      i = sb ? lanes(No{}, Yes{}) : lanes(No{}, No{});
+    } else {
+      i = sb ? lanes(Yes{}, Yes{}) : lanes(Yes{}, No{});
+    }
+#endif
+    for (; i < m; ++i) {
+      da[o + i] = static_cast<int8_t>(q8_store(a[o + i], qa, rnd[i] >> shift));
+      if constexpr (Pair) db[o + i] = static_cast<int8_t>(q8_store(b[o + i], qb, rnd[i] >> 16));
     }
   }
-#endif
-  for (; i < n; ++i) {
-    const uint32_t r = rounding_bits(key, first + i);
-    da[i] = static_cast<int8_t>(q8_store(a[i], qa, r >> shift));
-    if constexpr (Pair) db[i] = static_cast<int8_t>(q8_store(b[i], qb, r >> 16));
-  }
+  // A block stored as zeros (norm 0) keeps no code (q8_store).
+  if (qa.norm == 0.f) std::memset(da, 0, n);
+  if (Pair && qb.norm == 0.f) std::memset(db, 0, n);
 }
 
 }  // namespace detail
