@@ -91,12 +91,16 @@ inline __m256i halves_apart() {
                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
 }
 
+// All ones in the lanes whose float bits `b` are a NaN.
+inline __m256i nan_lanes(__m256i b) {
+  return _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+}
+
 // stochastic_bf16_bits lane by lane with the random bits `r16` (each below
 // 2^16), in the high half of each lane.
 inline __m256i stochastic_lanes(__m256 x, __m256i r16) {
   const __m256i b = _mm256_castps_si256(x);
-  const __m256i nan =
-      _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  const __m256i nan = nan_lanes(b);
   // An infinity takes the rounded branch: its low 16 bits are zero, and an
   // addition below 2^16 leaves its upper half as it is.
   return _mm256_blendv_epi8(_mm256_add_epi32(b, r16), _mm256_or_si256(b, _mm256_set1_epi32(0x00400000)), nan);

@@ -71,8 +71,7 @@ inline void store_block(const float* src, P* dst, int16_t* rem, int64_t n) {
       const __m256i bias = _mm256_set1_epi32(0x8000);
       for (; i + 8 <= n; i += 8) {
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-        const __m256i nan =
-            _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+        const __m256i nan = nan_lanes(b);
         const __m256i t = _mm256_xor_si256(_mm256_add_epi32(b, bias), bias);
         const __m256i quiet = _mm256_and_si256(_mm256_or_si256(b, _mm256_set1_epi32(0x00400000)),
                                                _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));

@@ -83,6 +83,23 @@ TEST(Bf16Lanes, PairedBlockStoresAreTheScalarRoundings) {
   }
 }
 
+TEST(Bf16Lanes, PairedStoresLongerThanADrawRunAreTheScalarRoundings) {
+  // NOTE [draw pass]: a block longer than kDrawRun hashes its draws run by run.
+  const uint32_t key = rounding_key(5.f, 1, 1);
+  for (const int64_t n : {kDrawRun + 1, 2 * kDrawRun, 2 * kDrawRun + 13}) {
+    for (const int64_t first : {int64_t(0), int64_t(100), (int64_t(1) << 32) - kDrawRun - 5}) {
+      const std::vector<float> a = values(static_cast<int>(n), 41), b = values(static_cast<int>(n), 42);
+      std::vector<at::BFloat16> da(n), db(n);
+      store_bf16_pair_block<true, true>(a.data(), da.data(), b.data(), db.data(), n, key, first);
+      for (int64_t j = 0; j < n; ++j) {
+        const uint32_t r = rounding_bits(key, first + j);
+        ASSERT_EQ(da[j].x, stochastic_bf16_bits(a[j], r)) << n << " " << first << " " << j;
+        ASSERT_EQ(db[j].x, stochastic_bf16_bits(b[j], r >> 16)) << n << " " << first << " " << j;
+      }
+    }
+  }
+}
+
 TEST(Bf16Lanes, SpecialValuesRoundAsTheScalarForm) {
   // With every draw: a NaN stays a quiet NaN of the same sign, an infinity
   // stays infinite, the largest finite value rounds up to infinity or down.
