@@ -106,14 +106,15 @@ inline __m256i stochastic_lanes(__m256 x, __m256i r16) {
   return _mm256_blendv_epi8(_mm256_add_epi32(b, r16), _mm256_or_si256(b, _mm256_set1_epi32(0x00400000)), nan);
 }
 
-// Stores the eight low halves of `v`'s lanes at lo and, where hi is given,
-// the eight high halves at hi (byte shuffles; no shifts or lane crossings
-// but one extraction).
+// Stores the eight high halves of `v`'s lanes at hi and, with Lo, the eight
+// low halves at lo (byte shuffles; no shifts or lane crossings but one
+// extraction).
+template <bool Lo>
 inline void store_halves(__m256i v, uint16_t* lo, uint16_t* hi) {
   const __m256i s = _mm256_shuffle_epi8(v, halves_apart());
   const __m128i first = _mm256_castsi256_si128(s), second = _mm256_extracti128_si256(s, 1);
-  if (lo != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm_unpacklo_epi64(first, second));
-  if (hi != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm_unpackhi_epi64(first, second));
+  if constexpr (Lo) _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm_unpacklo_epi64(first, second));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm_unpackhi_epi64(first, second));
 }
 #endif
 
@@ -163,12 +164,12 @@ inline void store_bf16_pair_block(const float* a, at::BFloat16* da, const float*
       if constexpr (A && B) {
         const __m256i va = stochastic_lanes(_mm256_loadu_ps(a + e), _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)));
         const __m256i vb = stochastic_lanes(_mm256_loadu_ps(b + e), _mm256_srli_epi32(r, 16));
-        store_halves(_mm256_blend_epi16(_mm256_srli_epi32(va, 16), vb, 0xAA), &da[e].x, &db[e].x);
+        store_halves<true>(_mm256_blend_epi16(_mm256_srli_epi32(va, 16), vb, 0xAA), &da[e].x, &db[e].x);
       } else if constexpr (A) {
         const __m256i va = stochastic_lanes(_mm256_loadu_ps(a + e), _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)));
-        store_halves(va, nullptr, &da[e].x);
+        store_halves<false>(va, nullptr, &da[e].x);
       } else {
-        store_halves(stochastic_lanes(_mm256_loadu_ps(b + e), _mm256_srli_epi32(r, 16)), nullptr, &db[e].x);
+        store_halves<false>(stochastic_lanes(_mm256_loadu_ps(b + e), _mm256_srli_epi32(r, 16)), nullptr, &db[e].x);
       }
     }
 #endif

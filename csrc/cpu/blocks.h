@@ -75,7 +75,7 @@ inline void store_block(const float* src, P* dst, int16_t* rem, int64_t n) {
         const __m256i t = _mm256_xor_si256(_mm256_add_epi32(b, bias), bias);
         const __m256i quiet = _mm256_and_si256(_mm256_or_si256(b, _mm256_set1_epi32(0x00400000)),
                                                _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
-        store_halves(_mm256_blendv_epi8(t, quiet, nan), reinterpret_cast<uint16_t*>(rem + i), &dst[i].x);
+        store_halves<true>(_mm256_blendv_epi8(t, quiet, nan), reinterpret_cast<uint16_t*>(rem + i), &dst[i].x);
       }
 #endif
       for (; i < n; ++i) split_remainder(src[i], dst[i].x, rem[i]);

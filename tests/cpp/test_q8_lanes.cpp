@@ -14,6 +14,10 @@
 #include <random>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 #include "../../csrc/cpu/q8_lanes.h"
 
 namespace {
@@ -81,6 +85,78 @@ TEST(Q8Lanes, EncodeIsTheScalarStore) {
     }
   }
 }
+
+// Every 2^-10th fp32 value (by its bits) from 2^-40 of the block's largest
+// to the largest, with draws near 0, near 2^16 and random: the ranges of both
+// maps, their boundaries between the linear and the normal codes, and the
+// roundings there (NOTE [q8 subnormals]).
+std::vector<float> sweep_values(bool negative) {
+  std::vector<float> v;
+  const uint32_t lo = float_bits(std::ldexp(1.f, -40)), hi = float_bits(1.f);
+  for (uint32_t b = lo; b <= hi; b += 1u << 10) {
+    v.push_back(bits_float(b | (negative && (b >> 10) % 3 == 0 ? 0x80000000u : 0u)));
+  }
+  for (uint32_t b = 0; b < 4096; ++b) v.push_back(bits_float(b * 977u));  // fp32 subnormals and tiny normals
+  v.push_back(1.f);
+  return v;
+}
+
+void expect_sweep_encodes_as_the_scalar(const char* where) {
+  for (const bool negative : {false, true}) {
+    const std::vector<float> v = sweep_values(negative);
+    const int64_t n = static_cast<int64_t>(v.size());
+    for (const float absmax : {1.f, 0.75f, 3.0e-20f}) {
+      std::vector<float> y(n);
+      for (int64_t i = 0; i < n; ++i) y[i] = v[i] * absmax;
+      const Q8Block block = q8_block(absmax, negative, true);
+      for (const uint32_t key : {rounding_key(1.f, 0, 1), rounding_key(6.f, 3, 3)}) {
+        std::vector<int8_t> codes(n);
+        store_q8_block<false>(y.data(), block, codes.data(), 0, nullptr, block, nullptr, n, key, 0);
+        for (int64_t i = 0; i < n; ++i) {
+          ASSERT_EQ(static_cast<uint8_t>(codes[i]), q8_store(y[i], block, rounding_bits(key, i)))
+              << where << " " << negative << " " << absmax << " " << i << " " << y[i];
+        }
+      }
+    }
+  }
+}
+
+TEST(Q8Lanes, EncodeIsTheScalarStoreOverBothMapsRanges) { expect_sweep_encodes_as_the_scalar("default flags"); }
+
+#if defined(CPU_CAPABILITY_AVX2)
+TEST(Q8Lanes, FlushFlagsLeaveTheCodesAndAreRestored) {
+  // torch.set_flush_denormal(True) sets both flags: the lanes keep the
+  // subnormals they work on (NOTE [q8 subnormals]) and leave the flags set.
+  const unsigned before = _mm_getcsr();
+  _mm_setcsr(before | 0x8040u);
+  std::vector<int8_t> codes(256);
+  for (size_t c = 0; c < codes.size(); ++c) codes[c] = static_cast<int8_t>(static_cast<uint8_t>(c));
+  std::vector<float> out(codes.size());
+  const unsigned flushing = _mm_getcsr();
+  for (const float scale : {1.f, -1.f, 0.5f}) {
+    load_q8_block(codes.data(), scale, out.data(), static_cast<int64_t>(codes.size()));
+    ASSERT_EQ(_mm_getcsr(), flushing);
+    _mm_setcsr(before);
+    for (size_t c = 0; c < codes.size(); ++c) {
+      const float want = q8_load(static_cast<uint8_t>(c), scale);  // computed without flushing
+      ASSERT_TRUE(same_bits(out[c], want)) << scale << " " << c << ": " << out[c] << " vs " << want;
+    }
+    _mm_setcsr(flushing);
+  }
+  // The scalar reference runs without flushing, the lanes with the flags set.
+  const std::vector<float> v = sweep_values(true);
+  const int64_t n = static_cast<int64_t>(v.size());
+  const Q8Block block = q8_block(1.f, true, true);
+  const uint32_t key = rounding_key(2.f, 1, 1);
+  std::vector<int8_t> got(n);
+  store_q8_block<false>(v.data(), block, got.data(), 0, nullptr, block, nullptr, n, key, 0);
+  ASSERT_EQ(_mm_getcsr(), flushing);
+  _mm_setcsr(before);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(static_cast<uint8_t>(got[i]), q8_store(v[i], block, rounding_bits(key, i))) << i << " " << v[i];
+  }
+}
+#endif
 
 TEST(Q8Lanes, PairEncodesBothSlotsFromOneDraw) {
   // NOTE [paired draws]: slot a takes each draw's low half, slot b its high half.

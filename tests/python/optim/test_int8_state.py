@@ -213,6 +213,36 @@ def test_a_block_below_the_smallest_normal_is_stored_as_zeros():
     assert torch.equal(codes, st["exp_avg_sq"]) and torch.equal(scales, st["exp_avg_sq_scales"])
 
 
+def test_flushing_subnormals_leaves_the_int8_codes():
+    # torch.set_flush_denormal(True) flushes fp32 subnormals in the calling thread; the CPU encode and
+    # decode work on them (NOTE [q8 subnormals]) and keep them, so the codes of the linear range (second
+    # moments 2^-30 of their block's largest and below) are those of a run without flushing.
+    def run(flush):
+        g = torch.Generator().manual_seed(3)
+        p = nn.Parameter(torch.randn(8192, generator=g))
+        opt = fo.Adam([p], lr=1e-3, state_dtype="int8", state_block_size=128)
+        for k in range(3):
+            p.grad = torch.randn(8192, generator=g) * torch.logspace(-9, 0, 8192)[torch.randperm(8192, generator=g)]
+            supported = torch.set_flush_denormal(flush)
+            try:
+                opt.step()
+            finally:
+                torch.set_flush_denormal(False)
+        assert supported, "this CPU has no flush flags"
+        return p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the flags are the kernel's thread's
+    try:
+        kept, flushed = run(False), run(True)
+    finally:
+        torch.set_num_threads(threads)
+    linear = (kept[2] > 0) & (kept[2] < 8)  # codes of the unsigned map's linear range
+    assert linear.sum() > 100
+    for a, b in zip(kept, flushed):
+        assert torch.equal(a, b)
+
+
 def test_int8_state_bytes_per_param():
     params = [nn.Parameter(torch.randn(s).bfloat16()) for s in ((1 << 16,), (256, 300))]
     n = sum(p.numel() for p in params)
