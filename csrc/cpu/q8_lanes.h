@@ -10,11 +10,12 @@
 // draws (NOTE [draw pass]; one draw for the first two slots), encodes and
 // packs the eight codes into bytes in registers (the two slots' codes
 // together). Lanes give the same bits as the scalar functions, which the
-// tails and the CUDA kernels use. Decoding inside the update's loop, and
-// gathering each block's largest magnitude there, is slower (AdamW, 1
-// thread of an AMD EPYC: about 1.15x the step): that loop is bound by the
-// square root and the division, and the decoding's constants leave it too
-// few vector registers.
+// tails and the CUDA kernels use. Decoding inside the update's loop is no
+// faster (AdamW, 1 thread of an AMD EPYC), and decoding there with
+// gathering each block's largest magnitude was slower (about 1.15x the
+// step): that loop is bound by issuing its instructions and by the square
+// root and the division, and the constants leave it too few vector
+// registers.
 #pragma once
 
 #include <cstdint>
