@@ -74,8 +74,11 @@ class DrawLanes {
         high_(_mm256_set1_epi32(static_cast<int32_t>(rounding_high_term(first)))),
         index_(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first)),
                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))) {}
+  // High: whether the indices' high word is not zero (its term is added).
+  template <bool High = true>
   __m256i next() {
-    const __m256i r = mix32_lanes(_mm256_add_epi32(_mm256_xor_si256(index_, key_), high_));
+    const __m256i keyed = _mm256_xor_si256(index_, key_);
+    const __m256i r = mix32_lanes(High ? _mm256_add_epi32(keyed, high_) : keyed);
     index_ = _mm256_add_epi32(index_, _mm256_set1_epi32(kLanes));
     return r;
   }
@@ -135,7 +138,13 @@ inline void fill_draws(uint32_t key, int64_t first, int64_t n, uint32_t* out) {
 #if defined(CPU_CAPABILITY_AVX2)
   if (one_high_word(first, n)) {
     DrawLanes draws(key, first);
-    for (; j + kLanes <= n; j += kLanes) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), draws.next());
+    if (rounding_high_term(first) == 0) {  // tensors below 2^32 elements
+      for (; j + kLanes <= n; j += kLanes) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), draws.next<false>());
+      }
+    } else {
+      for (; j + kLanes <= n; j += kLanes) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), draws.next());
+    }
   }
 #endif
   for (; j < n; ++j) out[j] = rounding_bits(key, first + j);

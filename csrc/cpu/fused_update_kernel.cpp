@@ -64,33 +64,55 @@ inline void load_q8(const int8_t* src, const float* scales, float* dst, int64_t 
   }
 }
 
-// How the block of the `m` values at src is stored (q8_block). The largest
-// magnitude is the largest of the values' bits without their sign (as
-// integers they order as the magnitudes do, and a NaN's are above an
-// infinity's): a block holding a NaN or an infinity is not finite, and
-// then neither its largest magnitude nor its sign matters.
-inline Q8Block q8_block_of(const float* src, int64_t m) {
-  uint32_t top = 0;
-  bool negative = false;
+// How the blocks of the `m` values at a and at b (where b is set) are
+// stored (q8_block). A block's largest magnitude is the largest of its
+// values' bits without their sign (as integers they order as the
+// magnitudes do, and a NaN's are above an infinity's), and a value below
+// zero has bits above -0's as unsigned integers (a negative NaN's too: a
+// block holding a NaN or an infinity is not finite, and then neither its
+// largest magnitude nor its map matters).
+inline void q8_blocks_of(const float* a, const float* b, int64_t m, Q8Block& qa, Q8Block& qb) {
+  uint32_t top[2] = {0, 0}, raw[2] = {0, 0};
+  const float* src[2] = {a, b};
+  const int slots = b != nullptr ? 2 : 1;
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
-  __m256i vtop = _mm256_setzero_si256();
-  __m256 below = _mm256_setzero_ps();
-  for (; i + 8 <= m; i += 8) {
-    const __m256 v = _mm256_loadu_ps(src + i);
-    vtop = _mm256_max_epi32(vtop, _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF)));
-    below = _mm256_or_ps(below, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  __m256i vtop[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  __m256i vraw[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  const auto gather = [&](auto two) {
+    constexpr int kSlots = decltype(two)::value ? 2 : 1;
+    for (; i + 8 <= m; i += 8) {
+      for (int k = 0; k < kSlots; ++k) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[k] + i));
+        vtop[k] = _mm256_max_epi32(vtop[k], _mm256_and_si256(v, magnitude));
+        vraw[k] = _mm256_max_epu32(vraw[k], v);
+      }
+    }
+  };
+  if (slots == 2) {
+    gather(std::true_type{});
+  } else {
+    gather(std::false_type{});
   }
-  alignas(32) uint32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), vtop);
-  for (uint32_t l : lanes) top = std::max(top, l);
-  negative = _mm256_movemask_ps(below) != 0;
+  for (int k = 0; k < slots; ++k) {
+    alignas(32) uint32_t lanes[2][8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), vtop[k]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[1]), vraw[k]);
+    for (int l = 0; l < 8; ++l) {
+      top[k] = std::max(top[k], lanes[0][l]);
+      raw[k] = std::max(raw[k], lanes[1][l]);
+    }
+  }
 #endif
-  for (; i < m; ++i) {
-    top = std::max(top, float_bits(src[i]) & 0x7FFFFFFFu);
-    negative = negative || src[i] < 0.f;
+  for (int k = 0; k < slots; ++k) {
+    for (int64_t j = i; j < m; ++j) {
+      top[k] = std::max(top[k], float_bits(src[k][j]) & 0x7FFFFFFFu);
+      raw[k] = std::max(raw[k], float_bits(src[k][j]));
+    }
   }
-  return q8_block(bits_float(top), negative, top < 0x7F800000u);
+  qa = q8_block(bits_float(top[0]), raw[0] > 0x80000000u, top[0] < 0x7F800000u);
+  if (b != nullptr) qb = q8_block(bits_float(top[1]), raw[1] > 0x80000000u, top[1] < 0x7F800000u);
 }
 
 // One state slot of store_q8: its values (a block buffer), codes and block scales.
@@ -109,13 +131,13 @@ inline void store_q8(Q8Slot a, Q8Slot b, int shift, int64_t n, int64_t first, in
   for (int64_t o = 0; o < n; o += block) {
     const int64_t m = std::min(block, n - o);
     const int64_t k = (first + o) / block;
-    const Q8Block qa = q8_block_of(a.src + o, m);
+    Q8Block qa{}, qb{};
+    q8_blocks_of(a.src + o, b.src != nullptr ? b.src + o : nullptr, m, qa, qb);
     a.scales[k] = qa.scale;
     if (b.src == nullptr) {
       store_q8_block<false>(a.src + o, qa, a.codes + o, shift, nullptr, qa, nullptr, m, key, first + o);
       continue;
     }
-    const Q8Block qb = q8_block_of(b.src + o, m);
     b.scales[k] = qb.scale;
     store_q8_block<true>(a.src + o, qa, a.codes + o, shift, b.src + o, qb, b.codes + o, m, key, first + o);
   }

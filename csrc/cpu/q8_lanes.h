@@ -131,9 +131,9 @@ inline void load_q8_block(const int8_t* src, float scale, float* dst, int64_t n)
 
 // The codes of the `n` values at a (one block, stored as `qa`), rounded
 // with the draws of element `first` on of the stream `key` shifted right by
-// `shift` (q8_store of each); with Pair, also those of b (stored as `qb`)
-// with the draws' high halves (NOTE [paired draws]: one draw for both). The
-// draws come from a pass of their own (NOTE [draw pass]).
+// `shift`, 0 or 16 (q8_store of each); with Pair, also those of b (stored
+// as `qb`) with the draws' high halves (NOTE [paired draws]: one draw for
+// both). The draws come from a pass of their own (NOTE [draw pass]).
 template <bool Pair>
 inline void store_q8_block(const float* a, const Q8Block& qa, int8_t* da, int shift, const float* b,
                            const Q8Block& qb, int8_t* db, int64_t n, uint32_t key, int64_t first) {
@@ -153,13 +153,13 @@ inline void store_q8_block(const float* a, const Q8Block& qa, int8_t* da, int sh
       const Q8Map ma = q8_map(!SA), mb = q8_map(!SB);
       const __m256 na = _mm256_set1_ps(qa.norm), nb = _mm256_set1_ps(qb.norm);
       const __m256 ka = _mm256_set1_ps(q8_code_scale(ma)), kb = _mm256_set1_ps(q8_code_scale(mb));
-      const __m128i vshift = _mm_cvtsi32_si128(shift);
+      const bool high = shift != 0;  // the draws' high half (shift 16)
       const __m256i bits = _mm256_set1_epi32(0xFFFF0);
       int64_t i = 0;
       for (; i + 8 <= m; i += 8) {
         const int64_t e = o + i;
         const __m256i r = _mm256_load_si256(reinterpret_cast<const __m256i*>(rnd + i));
-        const __m256i ra = _mm256_and_si256(_mm256_slli_epi32(_mm256_srl_epi32(r, vshift), 4), bits);
+        const __m256i ra = _mm256_and_si256(high ? _mm256_srli_epi32(r, 12) : _mm256_slli_epi32(r, 4), bits);
         const __m256i ca = q8_encode_lanes<SA>(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(a + e), na), ka), ra, ma);
         if constexpr (Pair) {
           const __m256i rb = _mm256_and_si256(_mm256_srli_epi32(r, 12), bits);

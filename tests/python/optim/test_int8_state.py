@@ -213,6 +213,33 @@ def test_a_block_below_the_smallest_normal_is_stored_as_zeros():
     assert torch.equal(codes, st["exp_avg_sq"]) and torch.equal(scales, st["exp_avg_sq_scales"])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_step_stores_blocks_with_special_values_as_the_code_map_does(device):
+    # Gradients with a NaN, a negative NaN, an infinity of each sign, zeros of both signs and a block of
+    # zeros: the kernel's block scales (a non-finite block's NaN, an all-zero block's -0) and codes are the
+    # code map's of the float32 step's values, and the blocks beside them round as usual.
+    block, n = 64, 72 * 64  # at or above the small-tensor rule
+    g = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    g[3] = float("nan")
+    g[70] = -float("nan")
+    g[140] = float("inf")
+    g[200] = -float("inf")
+    g[260:264] = -0.0
+    g[320:384] = 0.0
+    lean, wide = (nn.Parameter(torch.ones(n, device=device)) for _ in range(2))
+    b = fo.Adam([lean], lr=1e-3, state_dtype="int8", state_block_size=block)
+    a = fo.Adam([wide], lr=1e-3)
+    for opt, p in ((a, wide), (b, lean)):
+        p.grad = g.to(device)
+        opt.step()
+    for slot, name in enumerate(("exp_avg", "exp_avg_sq")):
+        codes, scales = q8.encode(a.state[wide][name].cpu(), block, _state_bits(1, 0, slot, n))
+        assert torch.equal(b.state[lean][name].cpu(), codes), name
+        assert torch.equal(b.state[lean][q8.scales_key(name)].cpu().view(torch.int32), scales.view(torch.int32)), name
+    assert torch.isnan(b.state[lean]["exp_avg_scales"][:4]).all()  # blocks 0..3 hold a NaN or an infinity
+    assert b.state[lean]["exp_avg_sq_scales"][5].item() == 0.0  # the block of zeros
+
+
 def test_flushing_subnormals_leaves_the_int8_codes():
     # torch.set_flush_denormal(True) flushes fp32 subnormals in the calling thread; the CPU encode and
     # decode work on them (NOTE [q8 subnormals]) and keep them, so the codes of the linear range (second
