@@ -181,12 +181,11 @@ struct Q8Map {
   uint32_t low;       // the fp32 bits where its normal codes start (2^-30 or 2^-14)
   int32_t bias;       // fp32 (exponent, 3 mantissa bits) minus code, for normal codes
   int32_t top;        // its largest code
-  float linear;       // 1 / the step of its linear codes (2^33 or 2^17)
   uint32_t sign;      // 0x80 where the map has a sign bit
 };
 
 FT_HD Q8Map q8_map(bool unsigned_map) {
-  return unsigned_map ? Q8Map{97u << 23, 768, 255, 8589934592.0f, 0u} : Q8Map{113u << 23, 896, 127, 131072.0f, 0x80u};
+  return unsigned_map ? Q8Map{97u << 23, 768, 255, 0u} : Q8Map{113u << 23, 896, 127, 0x80u};
 }
 
 // The code of x (a value times its block's norm: |x| <= 1, up to rounding),
