@@ -14,6 +14,9 @@ Variants (AdamW, fp32, one param group, gradients set once):
                      in csrc/python/step_plan.cpp: the lists kept in C++, gradients read in C++)
   fusetrain_clip     the same with max_grad_norm=1.0 (one stats pass more)
   fusetrain_collect  the same optimizer collecting its lists in Python every step (no plan)
+  fusetrain_ema      fusetrain with a ModelEMA attached (constant decay, buffers copied): the
+                     params held by a module with BatchNorm's buffers for every fourth of
+                     them (two float running statistics and an int64 counter), as a CNN has
   torch_fused        torch.optim.AdamW(fused=True)
   torch_foreach      torch.optim.AdamW(foreach=True)
 
@@ -21,7 +24,8 @@ Timing: ``--repeats`` repeats of ``--steps`` consecutive steps of every
 variant, interleaved, the order rotating; time.perf_counter around the calls;
 the median time per step. A least-squares line through each variant's times
 gives its fixed cost and its cost per tensor. Ratio = torch_fused /
-fusetrain at each size; target: >= 1.0 at every size.
+fusetrain at each size; target: >= 1.0 at every size. The EMA's host time
+(fusetrain_ema - fusetrain) is reported beside it.
 
 Usage:
     python benchmarks/step_host_time.py [--device cpu|cuda] [--tensors 100,161,500,1000,2000] [--numel N]
@@ -45,16 +49,35 @@ from _common import (device_line, fill_defaults, make_parser, out_path, parse, p
                      print_target, rotated, run_header, summary, verdict, write_report)
 
 BENCH = "step_host_time"
-VARIANTS = ("fusetrain", "fusetrain_clip", "fusetrain_collect", "torch_fused", "torch_foreach")
+VARIANTS = ("fusetrain", "fusetrain_clip", "fusetrain_collect", "fusetrain_ema", "torch_fused", "torch_foreach")
 LR = 1e-3
 
 
-def make_step(name: str, params: List[torch.Tensor]) -> Callable[[], None]:
+class WithBatchNormBuffers(torch.nn.Module):
+    """``params``, and BatchNorm's buffers for every fourth of them: two float
+    running statistics of ``numel`` elements and an int64 counter."""
+
+    def __init__(self, params: List[torch.nn.Parameter], numel: int):
+        super().__init__()
+        self.params = torch.nn.ParameterList(params)
+        device = params[0].device
+        for i in range(len(params) // 4):
+            self.register_buffer(f"running_mean{i}", torch.zeros(numel, device=device))
+            self.register_buffer(f"running_var{i}", torch.ones(numel, device=device))
+            self.register_buffer(f"num_batches_tracked{i}", torch.zeros((), dtype=torch.int64, device=device))
+
+
+def make_step(name: str, params: List[torch.nn.Parameter], numel: int) -> Callable[[], None]:
+    import fusetrain
     import fusetrain.optim as fo
 
     if name.startswith("fusetrain"):
         opt = fo.AdamW(params, lr=LR, max_grad_norm=1.0 if name == "fusetrain_clip" else None)
         opt._keep_lists = name != "fusetrain_collect"
+        if name == "fusetrain_ema":
+            model = WithBatchNormBuffers(params, numel)
+            # The EMA lives as long as the optimizer holding its hooks.
+            fusetrain.ModelEMA(model, decay=0.9998, decay_type="constant", include_buffers=False).attach(opt)
     else:
         opt = torch.optim.AdamW(params, lr=LR, **{name.split("_")[1]: True})
     return opt.step
@@ -83,10 +106,10 @@ def run_size(tensors: int, args, device: torch.device) -> Dict[str, Dict]:
     steps = {}
     for name in args.variants:
         torch.manual_seed(0)
-        params = [torch.randn(args.numel, device=device, requires_grad=True) for _ in range(tensors)]
+        params = [torch.nn.Parameter(torch.randn(args.numel, device=device)) for _ in range(tensors)]
         for p in params:
             p.grad = torch.randn_like(p)
-        steps[name] = make_step(name, params)
+        steps[name] = make_step(name, params, args.numel)
     for fn in steps.values():
         for _ in range(args.warmup):
             fn()
@@ -135,10 +158,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("least-squares line per variant: fixed us + us per tensor")
     for v, line in lines.items():
         print(f"  {v:18s} {line['fixed_us']:9.1f} us + {line['per_tensor_us']:7.3f} us/tensor")
+    ema_us = {n: (r["fusetrain_ema"]["median_ms"] - r["fusetrain"]["median_ms"]) * 1e3 for n, r in results.items()}
+    print("the attached EMA's host time per step (fusetrain_ema - fusetrain): "
+          + ", ".join(f"{n} tensors {us:.1f} us" for n, us in ema_us.items()))
     for tg in targets:
         print_target(device.type, None, tg["name"], f"{tg['value']:.2f}x", ">=", "1.00x", verdict(tg["met"]))
     meta["loadavg_end"] = run_header(BENCH, device, with_loadavg=True)["loadavg_start"]
-    write_report(dict(meta, results={str(k): v for k, v in results.items()}, lines=lines, targets=targets,
+    write_report(dict(meta, results={str(k): v for k, v in results.items()}, lines=lines,
+                      ema_host_us={str(k): v for k, v in ema_us.items()}, targets=targets,
                       all_targets_met=all(t["met"] for t in targets), elapsed_s=time.perf_counter() - t0),
                  out_path(args, BENCH, device.type))
     return 0

@@ -41,18 +41,38 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 # non-float params) after every step. Walking the model for them
 # (named_buffers) costs about as much host time as the update pass itself on
 # a model of many small layers, so attach() walks once: each name is kept as
-# (module, "_buffers" or "_parameters", leaf name) and read from the module's
-# table at each step, which still sees a tensor the module replaced. A name
-# the table no longer holds falls back to a walk and locates again; a
+# (its module's ``_buffers`` or ``_parameters`` table, leaf name) and read
+# from the table at each step, which still sees a tensor the module replaced.
+# A name the table no longer holds falls back to a walk and locates again; a
 # submodule replaced by another object after attach() is found by attaching
 # again.
-def _locate(base: nn.Module, names: List[str]) -> List[Tuple[nn.Module, str, str]]:
+def _locate(base: nn.Module, names: List[str]) -> List[Tuple[Dict[str, Any], str]]:
     found = []
     for n in names:
         prefix, _, leaf = n.rpartition(".")
         module = base.get_submodule(prefix)
-        found.append((module, "_parameters" if leaf in module._parameters else "_buffers", leaf))
+        found.append((module._parameters if leaf in module._parameters else module._buffers, leaf))
     return found
+
+
+# NOTE [ema post-step lists]: the attached EMA's post-step call takes the same
+# tensors at every step, so its argument lists are built once and reused while
+# each located source is still the tensor its module's table holds (one
+# identity check a tensor). Lists holding a DTensor or a tensor that requires
+# grad are built at every step instead: their local shard or detached view is
+# taken anew.
+class _PostStepLists:
+    def __init__(self, tables: List[Tuple[Dict[str, Any], str]], sources: List[Tensor], args: Tuple) -> None:
+        self.tables = tables
+        self.sources = sources
+        self.args = args  # ema_step_'s lists: ema, src, copy_dst, copy_src, remainders
+
+    def current(self) -> bool:
+        """Whether every module table still holds the source it held."""
+        for (table, leaf), t in zip(self.tables, self.sources):
+            if table.get(leaf) is not t:
+                return False
+        return True
 
 
 def _detached(t: Tensor) -> Tensor:
@@ -134,7 +154,9 @@ class ModelEMA:
         self._hooks: List[Any] = []
         self._optimizer = None
         self._model = model  # the live model, for attach()'s buffer updates
-        self._locators: Optional[Tuple[Tuple[str, ...], List[Tuple[nn.Module, str, str]]]] = None
+        self._locators: Optional[Tuple[Tuple[str, ...], List[Tuple[Dict[str, Any], str]]]] = None
+        self._post_lists: Optional[_PostStepLists] = None  # NOTE [ema post-step lists]
+        self._decay_written: Optional[Tuple] = None  # the constant schedule's settings in _decay
         self._build_index(base)
 
     # ---- bookkeeping -----------------------------------------------------------------
@@ -152,6 +174,7 @@ class ModelEMA:
         self._buf_avg_names = [n for n, b in ema_buffers.items() if b.is_floating_point() and self.include_buffers]
         self._buf_copy_names = [n for n, b in ema_buffers.items() if n not in self._buf_avg_names]
         self._ema_tensors = {**ema_params, **ema_buffers}
+        self._post_lists = None
         self._build_remainders()
 
     @property
@@ -221,10 +244,16 @@ class ModelEMA:
 
     def _compute_decay(self) -> Tensor:
         """Evaluate the schedule for update number ``step + 1`` into the decay
-        tensor (``fusetrain::ema_decay_``, on the device)."""
+        tensor (``fusetrain::ema_decay_``, on the device). A constant schedule
+        (no warmup) does not depend on the step: it is written again only when
+        its settings change."""
+        constant = (self.decay,) if self.decay_type == "constant" and not self.warmup else None
+        if constant is not None and constant == self._decay_written:
+            return self._decay
         total = self._total if self.total_steps is not None else None
         _ops.ema_decay_(self._decay, self._step, total, self.decay_type, self.decay, self.beta, self.warmup,
                         self.warmup_gamma, self.warmup_power)
+        self._decay_written = constant
         return self._decay
 
     def _sources(self, model: nn.Module) -> Dict[str, Tensor]:
@@ -250,22 +279,48 @@ class ModelEMA:
     def _step_tensors(self, src: Dict[str, Tensor], avg_names: List[str], decay: Tensor,
                       found_inf: Optional[Tensor]) -> None:
         """Average ``avg_names``, copy the non-averaged tensors, advance the counter."""
+        args = self._step_args(src, avg_names)
+        _ops.ema_step_(args[0], args[1], args[2], args[3], decay, self._step, found_inf, args[4])
+
+    def _step_args(self, src: Dict[str, Tensor], avg_names: List[str]) -> Tuple:
+        """``ema_step_``'s lists for averaging ``avg_names`` and copying the non-averaged tensors."""
         copy_names = self._copy_names + self._buf_copy_names
         # NOTE [sharded steps]: a sharded EMA tensor averages its local shard with the model's.
         loc = _sharded.local_fn()
-        _ops.ema_step_([loc(self._ema_tensors[n]) for n in avg_names], [loc(_detached(src[n])) for n in avg_names],
-                       [loc(self._ema_tensors[n]) for n in copy_names], [loc(_detached(src[n])) for n in copy_names],
-                       decay, self._step, found_inf, [loc(r) for r in self._remainders_of(avg_names)])
+        return ([loc(self._ema_tensors[n]) for n in avg_names], [loc(_detached(src[n])) for n in avg_names],
+                [loc(self._ema_tensors[n]) for n in copy_names], [loc(_detached(src[n])) for n in copy_names],
+                [loc(r) for r in self._remainders_of(avg_names)])
+
+    def _attached_step(self, avg_names: List[str], found_inf: Tensor) -> None:
+        """The attached EMA's update after a step: ``avg_names`` averaged, the
+        rest copied, from the live model's located tensors."""
+        lists = self._post_lists
+        args = lists.args if lists is not None and lists.current() else self._post_step_args(avg_names)
+        _ops.ema_step_(args[0], args[1], args[2], args[3], self._decay, self._step, found_inf, args[4])
+
+    def _post_step_args(self, avg_names: List[str]) -> Tuple:
+        """``ema_step_``'s lists for the attached EMA's update, from the tensors
+        located anew; kept for the next steps where they can be (NOTE [ema
+        post-step lists])."""
+        names = avg_names + self._copy_names + self._buf_copy_names
+        src = self._located_sources(names)
+        args = self._step_args(src, avg_names)
+        self._post_lists = None
+        if self._locators is not None and self._locators[0] == tuple(names):
+            tensors = [src[n] for n in names] + [self._ema_tensors[n] for n in names] + args[4]
+            if not any(t.requires_grad or _sharded.is_sharded(t) for t in tensors):
+                self._post_lists = _PostStepLists(self._locators[1], [src[n] for n in names], args)
+        return args
 
     def _located_sources(self, names: List[str]) -> Dict[str, Tensor]:
-        """The live model's tensors of ``names``, read from the modules that
-        hold them (NOTE [ema locators])."""
+        """The live model's tensors of ``names``, read from the module tables
+        that hold them (NOTE [ema locators])."""
         key = tuple(names)
         if self._locators is None or self._locators[0] != key:
             self._locators = (key, _locate(unwrap_model(self._model), names))
         src = {}
-        for n, (module, table, leaf) in zip(names, self._locators[1]):
-            t = getattr(module, table).get(leaf)
+        for n, (table, leaf) in zip(names, self._locators[1]):
+            t = table.get(leaf)
             if t is None:  # the model's structure changed: walk it again
                 self._locators = None
                 return self._sources(self._model)
@@ -298,6 +353,7 @@ class ModelEMA:
                             "call ema.update(model) after optimizer.step() instead")
         self.detach()
         self._locators = None
+        self._post_lists = None
         by_id, rems = {}, {}
         model_params: Dict[int, Tensor] = {}
         for group in optimizer.param_groups:
@@ -315,19 +371,17 @@ class ModelEMA:
         def pre_hook(opt, args, kwargs):
             self._compute_decay()
 
-        def sources() -> Tuple[List[str], Dict[str, Tensor]]:
-            # Params rode in the update pass (unless `rides` is false); buffers and non-float
-            # params follow. _buf_avg_names is read per step: load_state_dict may change include_buffers.
-            names = self._buf_avg_names if rides else self._avg_names + self._buf_avg_names
-            return names, self._located_sources(names + self._copy_names + self._buf_copy_names)
+        def averaged() -> List[str]:
+            # Params rode in the update pass (unless `rides` is false); buffers and non-float params follow.
+            return self._buf_avg_names if rides else self._avg_names + self._buf_avg_names
 
         def post_hook(opt, args, kwargs):
             if opt.last_found_inf is None:
                 return  # the step applied no gradient: no EMA update
-            names, src = sources()
-            self._step_tensors(src, names, self._decay, opt.last_found_inf)
+            self._attached_step(averaged(), opt.last_found_inf)
 
-        sources()  # located now, outside any compiled step: a compiled tail reads them without recompiling
+        # Located now, outside any compiled step: a compiled tail reads them without recompiling.
+        self._post_step_args(averaged())
 
         self._hooks = [optimizer.register_step_pre_hook(pre_hook), optimizer.register_step_post_hook(post_hook)]
         self._optimizer = optimizer

@@ -195,6 +195,13 @@ def test_changing_decay_takes_effect():
         cur = f64_state(model)
         ref = {k: d * ref[k] + (1.0 - d) * cur[k] for k in ref}
         assert_ema_close(ema, ref)
+    # A constant decay is written once; a new schedule type is evaluated again.
+    ema.decay, ema.decay_type = 0.9, "threshold"
+    ema.update(model)
+    assert ema.decay_tensor.item() == pytest.approx(12 / 21, abs=DECAY_TOL)  # update 11: (1 + 11) / (10 + 11)
+    ema.decay_type = "constant"
+    ema.update(model)
+    assert ema.decay_tensor.item() == pytest.approx(0.9, abs=DECAY_TOL)
     # A threshold schedule picks up a new cap the same way.
     ema = ModelEMA(model, decay=0.999, decay_type="threshold")
     for _ in range(3):
@@ -273,6 +280,27 @@ def test_attached_ema_reads_replaced_buffers_and_a_replaced_module_after_attachi
     step()
     assert torch.equal(ema.module[2].running_var, fresh.running_var)
     assert ema.module[2].num_batches_tracked.item() == fresh.num_batches_tracked.item() == 1
+
+
+def test_attached_ema_in_a_compiled_step_reads_a_replaced_buffer():
+    # NOTE [ema post-step lists]: the lists kept between steps give way to a buffer the module replaced.
+    model = bn_model("cpu").train()
+    opt = AdamW(model.parameters(), lr=torch.tensor(1e-2))
+    ema = ModelEMA(model, decay=0.8, decay_type="constant", include_buffers=False).attach(opt)
+    tail = torch.compile(opt.step, backend="eager", fullgraph=True)
+
+    def step():
+        model(torch.randn(32, 8)).sum().backward()
+        tail()
+        opt.zero_grad()
+
+    step()
+    step()
+    model[2].running_mean = torch.full((model[2].num_features,), 7.0)
+    step()
+    assert torch.equal(ema.module[2].running_mean, model[2].running_mean)
+    assert ema.module[2].running_mean.gt(5.0).all()  # the forward moved 7.0 towards the batch means
+    assert ema.step_tensor.item() == 3
 
 
 class WithIntTensors(nn.Module):
