@@ -73,7 +73,7 @@ Usage:
     python benchmarks/amp_ema_step.py [--device cpu|cuda] [--models mnist_cnn,transformer]
         [--repeats N] [--steps N] [--warmup N] [--mnist-batch B] [--tf-batch B] [--tf-seq S]
         [--tf-layers L] [--tf-d-model D] [--tf-heads H] [--autocast fp16|bf16] [--quick] [--out PATH]
-Defaults: GPU 10 repeats x 10 steps after 10 warm-up steps; CPU 8 x 1 after 2.
+Defaults: GPU 30 repeats x 10 steps after 10 warm-up steps; CPU 8 x 1 after 2.
 The table goes to stdout; the JSON to benchmarks/results/amp_ema_step_<cpu|cuda>.json (or --out).
 """
 
@@ -436,7 +436,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = make_parser(__doc__)
     ap.add_argument("--models", default="mnist_cnn,transformer",
                     help="comma-separated subset of: mnist_cnn,transformer")
-    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (default cuda 10, cpu 8)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (default cuda 30, cpu 8)")
     ap.add_argument("--steps", type=int, default=None, help="steps per timed repeat (default cuda 10, cpu 1)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default cuda 10, cpu 2)")
     ap.add_argument("--mnist-batch", type=int, default=None, help="mnist_cnn batch (default cuda 256, cpu 32)")
@@ -452,7 +452,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.quick:
         fill_defaults(args, {"repeats": 2, "steps": 1, "warmup": 1, "mnist_batch": 2, "tf_batch": 2, "tf_seq": 8,
                              "tf_layers": 2, "tf_d_model": 32, "tf_heads": 4})
-    defaults = ({"repeats": 10, "steps": 10, "warmup": 10, "mnist_batch": 256, "tf_batch": 64, "tf_seq": 128}
+    defaults = ({"repeats": 30, "steps": 10, "warmup": 10, "mnist_batch": 256, "tf_batch": 64, "tf_seq": 128}
                 if on_gpu else
                 {"repeats": 8, "steps": 1, "warmup": 2, "mnist_batch": 32, "tf_batch": 8, "tf_seq": 64})
     defaults.update({"tf_layers": 4, "tf_d_model": 512, "tf_heads": 8,
