@@ -329,6 +329,36 @@ FT_HD float grad_multiplier(const float* inv_scale, const float* grad_norm, floa
   return m;
 }
 
+// The EMA decay schedules (ModelEMA's docs) for update number t = step + 1,
+// in float32, one operation after another:
+//   constant: decay;  threshold: min(decay, (1 + t) / (10 + t));
+//   exp: decay * (1 - exp(-beta * t / total_steps));
+//   warmup also caps it at 1 - (1 + t / warmup_gamma) ^ -warmup_power.
+enum class EmaDecayType : int { Constant = 0, Threshold = 1, Exp = 2 };
+
+struct EmaSchedule {
+  EmaDecayType type = EmaDecayType::Constant;
+  float decay = 0.f, beta = 1.f, warmup_gamma = 1.f, warmup_power = 1.f;
+  bool warmup = false;
+};
+
+// `total` is read by the exp schedule only.
+FT_HD float ema_decay_math(float step, float total, const EmaSchedule& s) {
+  const float t = step + 1.f;
+  float d = s.decay;
+  if (s.type == EmaDecayType::Threshold) {
+    const float ramp = (t + 1.f) / (t + 10.f);
+    d = ramp < s.decay ? ramp : s.decay;
+  } else if (s.type == EmaDecayType::Exp) {
+    d = (1.f - ::expf(t * -s.beta / total)) * s.decay;
+  }
+  if (s.warmup) {
+    const float cap = 1.f - ::powf(t / s.warmup_gamma + 1.f, -s.warmup_power);
+    d = cap < d ? cap : d;
+  }
+  return d;
+}
+
 // The smallest normal float32 (2^-126): the lowest loss scale (NOTE [scale floor]).
 constexpr float kMinLossScale = 1.17549435082228750797e-38f;
 

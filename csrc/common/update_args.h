@@ -126,6 +126,9 @@ using GatedCopyKernel = void (*)(const std::vector<at::Tensor>& dst, const std::
 using UpdateScaleKernel = void (*)(const at::Tensor& scale, const at::Tensor& growth_tracker,
                                    const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                                    int64_t growth_interval);
+// decay_out, step: 0-d float32 on one device; total: the same, or undefined (the exp schedule needs it).
+using EmaDecayKernel = void (*)(const at::Tensor& decay_out, const at::Tensor& step, const at::Tensor& total,
+                                const EmaSchedule& schedule);
 
 void fused_update_cpu(const UpdateLists& lists, const OptimHyper& hyper, const UpdateScalars& scalars);
 void grad_stats_cpu(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
@@ -136,6 +139,8 @@ void gated_copy_cpu(const std::vector<at::Tensor>& dst, const std::vector<at::Te
                     const at::Tensor& found_inf);
 void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
                       double growth_factor, double backoff_factor, int64_t growth_interval);
+void ema_decay_cpu(const at::Tensor& decay_out, const at::Tensor& step, const at::Tensor& total,
+                   const EmaSchedule& schedule);
 void fused_update_cuda(const UpdateLists& lists, const OptimHyper& hyper, const UpdateScalars& scalars);
 void grad_stats_cuda(const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale,
                      const at::Tensor& norm_out, const at::Tensor& found_inf_out);
@@ -145,6 +150,8 @@ void gated_copy_cuda(const std::vector<at::Tensor>& dst, const std::vector<at::T
                      const at::Tensor& found_inf);
 void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
                        double growth_factor, double backoff_factor, int64_t growth_interval);
+void ema_decay_cuda(const at::Tensor& decay_out, const at::Tensor& step, const at::Tensor& total,
+                    const EmaSchedule& schedule);
 
 // The fused update kernel of a device type: each kernel file registers its
 // own at load time (as the ops' NOTE [kernel registration] in dispatch.h), and
@@ -168,6 +175,9 @@ bool gated_copy_takes(const at::Tensor& dst, const at::Tensor& src);
 void update_scale_impl(UpdateScaleKernel kernel, const at::Tensor& scale, const at::Tensor& growth_tracker,
                        const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                        int64_t growth_interval, const OptT& last_skipped, const OptT& skipped_steps);
+void ema_decay_impl(EmaDecayKernel kernel, const at::Tensor& decay_out, const at::Tensor& step,
+                    const OptT& total_steps, c10::string_view decay_type, double decay, double beta, bool warmup,
+                    double warmup_gamma, double warmup_power);
 
 // The CPU kernels are compiled for AVX2+FMA (FUSETRAIN_CPU_AVX2); refuse to run
 // them on a processor without those instructions instead of crashing.

@@ -1,17 +1,13 @@
 // The EMA bookkeeping that both front ends (fusetrain.ModelEMA,
 // fusetrain::ModelEMA) run, written once:
 //   fusetrain::ema_decay_ — evaluates the decay schedule for the next update
-//     into a device tensor (no host sync, no recompile when it changes);
+//     into a device tensor, one launch (no host sync, no recompile when it
+//     changes; kernels in csrc/cpu and csrc/cuda/ema_decay_kernel.*);
 //   fusetrain::ema_step_ — one EMA update of a set of tensors: floating-point
 //     pairs averaged (ema_update_), the rest copied, the update counter
 //     advanced, everything gated on the step's non-finite flag on the device.
-// Composite: the ops they call dispatch on the tensors' devices.
+// ema_step_ is composite: the ops it calls dispatch on the tensors' devices.
 #include <ATen/TensorOperators.h>
-#include <ATen/ops/clamp_max.h>
-#include <ATen/ops/exp.h>
-#include <ATen/ops/full_like.h>
-#include <ATen/ops/minimum.h>
-#include <ATen/ops/pow.h>
 #include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/where.h>
@@ -37,13 +33,13 @@ void check_scalar(const char* op, const char* name, const at::Tensor& t) {
                     t.defined() ? c10::str(t.scalar_type(), " of shape ", t.sizes()) : std::string("undefined"));
 }
 
-// t is the 1-based number of the update about to happen (ModelEMA's docs):
-//   constant: decay;  threshold: min(decay, (1 + t) / (10 + t));
-//   exp: decay * (1 - exp(-beta * t / total_steps));
-//   warmup also caps it at 1 - (1 + t / warmup_gamma) ^ -warmup_power.
-void ema_decay_impl(const at::Tensor& decay_out, const at::Tensor& step, const std::optional<at::Tensor>& total_steps,
-                    c10::string_view decay_type, double decay, double beta, bool warmup, double warmup_gamma,
-                    double warmup_power) {
+}  // namespace
+
+// The schedule's checks, then one kernel launch (the math: ema_decay_math in
+// csrc/common/optim_math.h).
+void ema_decay_impl(EmaDecayKernel kernel, const at::Tensor& decay_out, const at::Tensor& step,
+                    const std::optional<at::Tensor>& total_steps, c10::string_view decay_type, double decay,
+                    double beta, bool warmup, double warmup_gamma, double warmup_power) {
   const char* op = "ema_decay_";
   check_scalar(op, "decay_out", decay_out);
   check_scalar(op, "step", step);
@@ -53,26 +49,31 @@ void ema_decay_impl(const at::Tensor& decay_out, const at::Tensor& step, const s
   TORCH_CHECK_VALUE(beta > 0.0 && warmup_gamma > 0.0 && warmup_power > 0.0, op,
                     ": beta, warmup_gamma and warmup_power must be > 0, got ", beta, ", ", warmup_gamma, ", ",
                     warmup_power);
-  const at::Tensor t = step + 1.0;
-  at::Tensor d;
+  EmaSchedule s;
+  at::Tensor total;
   if (decay_type == "constant") {
-    d = at::full_like(t, decay);
+    s.type = EmaDecayType::Constant;
   } else if (decay_type == "threshold") {
-    d = at::clamp_max((t + 1.0) / (t + 10.0), decay);
+    s.type = EmaDecayType::Threshold;
   } else if (decay_type == "exp") {
     TORCH_CHECK_VALUE(total_steps.has_value(), op, ": decay_type 'exp' needs total_steps (the run's number of "
                       "optimizer steps); or use decay_type 'constant' or 'threshold'");
     check_scalar(op, "total_steps", *total_steps);
-    d = (1.0 - at::exp(t * (-beta) / total_steps->to(t.device()))) * decay;
+    s.type = EmaDecayType::Exp;
+    total = total_steps->to(step.device());
   } else {
     TORCH_CHECK_VALUE(false, op, ": decay_type must be one of 'constant', 'threshold', 'exp', got '", decay_type,
                       "'");
   }
-  if (warmup) d = at::minimum(d, 1.0 - at::pow(t / warmup_gamma + 1.0, -warmup_power));
-  // In place: the caller's tensor stays outside any CUDA graph's pool (NOTE
-  // [persistent step results] in python/fusetrain/training/step.py).
-  decay_out.copy_(d);
+  s.decay = static_cast<float>(decay);
+  s.beta = static_cast<float>(beta);
+  s.warmup = warmup;
+  s.warmup_gamma = static_cast<float>(warmup_gamma);
+  s.warmup_power = static_cast<float>(warmup_power);
+  kernel(decay_out, step, total, s);
 }
+
+namespace {
 
 // A group of copies: (destination | source device, destination dtype, source dtype).
 using Key = std::tuple<std::string, int, int>;
@@ -190,7 +191,7 @@ TORCH_LIBRARY_FRAGMENT(fusetrain, m) {
       "Tensor(c!) step, Tensor? found_inf=None, Tensor(d!)[]? remainders=None) -> ()");
 }
 
+// ema_decay_'s kernels register it beside them (NOTE [kernel registration]).
 TORCH_LIBRARY_IMPL(fusetrain, CompositeExplicitAutograd, m) {
-  m.impl("ema_decay_", &fusetrain::detail::ema_decay_impl);
   m.impl("ema_step_", &fusetrain::detail::ema_step_impl);
 }

@@ -204,6 +204,16 @@ def test_ema_decay_matches_the_schedule(device, decay_type, warmup):
         assert out.item() == pytest.approx(expected, rel=2e-6, abs=1e-7)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_ema_decay_takes_one_element_tensors_of_any_shape_and_a_total_on_the_host(device):
+    out, step = torch.zeros(1, device=device), torch.full((1, 1), 41.0, device=device)
+    total = torch.tensor(500.0)  # on the host: moved to the step's device
+    _ops.ema_decay_(out, step, total, "exp", 0.999, 15.0, True, 1.0, 0.75)
+    expected = decay_reference(41.0, "exp", 0.999, 15.0, 500.0, True, 1.0, 0.75)
+    assert out.shape == (1,) and out.item() == pytest.approx(expected, rel=2e-6)
+    assert step.item() == 41.0 and total.item() == 500.0
+
+
 def test_ema_decay_bad_input():
     out, step = torch.zeros(()), torch.zeros(())
     with pytest.raises(ValueError, match="decay_type 'exp' needs total_steps"):
