@@ -226,6 +226,8 @@ def detach(tree: Any) -> Any:
     """``tree`` with every tensor leaf detached (outputs kept past backward)."""
     if isinstance(tree, Tensor):
         return tree.detach()
+    if type(tree) is dict and all(isinstance(v, Tensor) for v in tree.values()):  # loss components, or none
+        return {k: v.detach() for k, v in tree.items()}
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
 
 

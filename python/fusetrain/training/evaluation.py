@@ -49,12 +49,12 @@ class LossSums:
             t.zero_()
 
     def add(self, loss: Tensor, components: Dict[str, Tensor], n: int) -> None:
-        self.loss += loss.double() * n
+        self.loss.add_(loss, alpha=n)  # in float64: the float32 loss times n is exact
         for k, v in components.items():
             acc = self.components.get(k)
             if acc is None:
                 acc = self.components[k] = torch.zeros((), dtype=torch.float64, device=self.device)
-            acc += v.double() * n
+            acc.add_(v, alpha=n)
 
     def tensors(self) -> List[Tensor]:
         """The sums in a fixed order (for a cross-rank reduction)."""

@@ -1,6 +1,6 @@
 """Per-epoch logs of an experiment: metrics.csv, metrics.jsonl, TensorBoard
 event files (when tensorboard is installed) and, at the end, a PNG plot of the
-loss and metrics per epoch. Nothing is created before the first row is logged.
+loss and metrics per epoch (NOTE [metrics plot]). Nothing is created before the first row is logged.
 Validations every N steps (``valid_every_n_steps``) append their rows to
 valid_steps.jsonl.
 
@@ -16,12 +16,70 @@ import csv
 import json
 import math
 import os
+import threading
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 from .checkpoints import atomic_write
 
-__all__ = ["ExperimentLogger", "NullLogger", "read_jsonl_rows"]
+__all__ = ["ExperimentLogger", "NullLogger", "plot_rows", "read_jsonl_rows", "wait_for_plots"]
+
+
+_PLOTS: List[Tuple[threading.Thread, str]] = []  # plots being drawn and their folders (NOTE [metrics plot])
+_PLOTS_LOCK = threading.Lock()
+
+
+def wait_for_plots(directory: Optional[str] = None, timeout: Optional[float] = None) -> None:
+    """Wait until the metrics plots being drawn in the background (into ``directory``, or anywhere) are written
+    (NOTE [metrics plot])."""
+    with _PLOTS_LOCK:
+        threads = [t for t, d in _PLOTS if directory is None or d == os.path.abspath(directory)]
+    for t in threads:
+        t.join(timeout)
+
+
+def _numeric_keys(rows: List[Dict[str, Any]]) -> List[str]:
+    keys: List[str] = []
+    for r in rows:
+        for k, v in r.items():
+            if k not in keys and isinstance(v, (int, float)) and not isinstance(v, bool):
+                keys.append(k)
+    return keys
+
+
+def plot_rows(rows: List[Dict[str, Any]], path: str) -> str:
+    """Loss (left) and other metrics (right) per epoch of metrics rows, as an
+    image at ``path`` (written atomically; matplotlib's object API, so the
+    process's pyplot state is left alone); returns the path, or "" (with a
+    warning) when matplotlib is not installed."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        warnings.warn(f"metrics plot {os.path.basename(path)} not written: matplotlib is not installed; install "
+                      f"it with `pip install matplotlib` or `pip install fusetrain[logging]`", stacklevel=2)
+        return ""
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    ax_loss, ax_m = fig.subplots(1, 2)
+    keys = [k for k in _numeric_keys(rows) if k.startswith(("train_", "valid_"))]
+    for ax, chosen in ((ax_loss, [k for k in keys if "loss" in k]), (ax_m, [k for k in keys if "loss" not in k])):
+        for key in chosen:
+            pts = [(r["epoch"], r[key]) for r in rows if key in r]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+        ax.set_xlabel("epoch")
+        if ax.lines:
+            ax.legend()
+    ax_loss.set_title("loss")
+    ax_m.set_title("metrics")
+    epochs = sorted({r["epoch"] for r in rows})
+    for ax in (ax_loss, ax_m):
+        if epochs:
+            ax.set_xticks(epochs)
+    fig.tight_layout()
+    ext = os.path.splitext(path)[1].lstrip(".") or "png"
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format=ext), "wb")
+    return path
 
 
 def read_jsonl_rows(path: str) -> List[Dict[str, Any]]:
@@ -131,48 +189,29 @@ class ExperimentLogger:
         atomic_write(self._csv, write, "w")
 
     def plot(self, filename: str = "metrics.png") -> str:
-        """Loss (left) and other metrics (right) per epoch; returns the path, or
-        "" (with a warning) when matplotlib is not installed."""
-        try:
-            import matplotlib
-        except ImportError:
-            warnings.warn(f"metrics plot {filename} not written: matplotlib is not installed; install it with "
-                          f"`pip install matplotlib` or `pip install fusetrain[logging]`", stacklevel=2)
-            return ""
+        """Draw :func:`plot_rows` of the rows so far now; returns the path ("" without matplotlib)."""
+        return plot_rows(self.rows, os.path.join(self.directory, filename))
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    def plot_in_background(self, filename: str = "metrics.png") -> Optional[threading.Thread]:
+        """NOTE [metrics plot]: the plot is drawn at the end of a run by a thread of its own, so ``train()``
+        returns without waiting for matplotlib (its import and first figure take 1-2 s on a CPU); the
+        process waits for the thread before it exits, a new run in the same folder waits for it before it opens
+        the folder, and :func:`wait_for_plots` waits for it at once."""
+        if not self.rows:
+            return None
+        rows, path = [dict(r) for r in self.rows], os.path.join(self.directory, filename)
 
-        path = os.path.join(self.directory, filename)
-        epochs = [r["epoch"] for r in self.rows]
-        fig, (ax_loss, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
-        for key in [k for k in self._numeric_keys() if "loss" in k and k.startswith(("train_", "valid_"))]:
-            pts = [(r["epoch"], r[key]) for r in self.rows if key in r]
-            ax_loss.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
-        for key in [k for k in self._numeric_keys() if k.startswith(("train_", "valid_")) and "loss" not in k]:
-            pts = [(r["epoch"], r[key]) for r in self.rows if key in r]
-            ax_m.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
-        ax_loss.set_xlabel("epoch")
-        ax_loss.set_title("loss")
-        ax_m.set_xlabel("epoch")
-        ax_m.set_title("metrics")
-        for ax in (ax_loss, ax_m):
-            if ax.lines:
-                ax.legend()
-            if epochs:
-                ax.set_xticks(sorted(set(epochs)))
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path
+        def draw() -> None:
+            try:
+                plot_rows(rows, path)
+            except Exception as e:  # the plot is a convenience, never a failure
+                warnings.warn(f"could not write the metrics plot {path}: {e}", stacklevel=2)
 
-    def _numeric_keys(self) -> List[str]:
-        keys: List[str] = []
-        for r in self.rows:
-            for k, v in r.items():
-                if k not in keys and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    keys.append(k)
-        return keys
+        thread = threading.Thread(target=draw, name=f"fusetrain-plot:{os.path.basename(self.directory)}")
+        with _PLOTS_LOCK:
+            _PLOTS[:] = [(t, d) for t, d in _PLOTS if t.is_alive()] + [(thread, os.path.abspath(self.directory))]
+        thread.start()
+        return thread
 
     def close(self) -> None:
         if self._tb is not None:
@@ -197,6 +236,9 @@ class NullLogger:
 
     def plot(self, filename: str = "metrics.png") -> str:
         return ""
+
+    def plot_in_background(self, filename: str = "metrics.png") -> None:
+        return None
 
     def close(self) -> None:
         pass

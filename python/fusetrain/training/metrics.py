@@ -92,17 +92,31 @@ class Metric:
 
 
 class SumMetric(Metric):
-    """A ratio of two running float64 sums (``_sum / _count``)."""
+    """A ratio of two running float64 sums (``_sum / _count``). A count known
+    on the host (``count_on_host``) is added up there and folded into
+    ``_count`` when the state is read: one launch a batch less."""
 
     def reset(self) -> None:
         self._sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._count = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._host_count = 0
+
+    def count_on_host(self, n: int) -> None:
+        self._host_count += n
 
     def state_tensors(self) -> List[Tensor]:
+        if self._host_count:
+            self._count += self._host_count
+            self._host_count = 0
         return [self._sum, self._count]
 
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._host_count = 0
+        super().load_state_dict(state)
+
     def compute(self) -> float:
-        count = float(self._count.item())
+        _, count_t = self.state_tensors()
+        count = float(count_t.item())
         return float(self._sum.item()) / count if count > 0 else float("nan")
 
 
@@ -141,11 +155,13 @@ class Accuracy(SumMetric):
         pred = _prediction(outputs)
         targets = _class_indices(pred, targets, "classification")
         k = min(self.k, pred.shape[1])
-        top = pred.topk(k, dim=1).indices if k > 1 else pred.argmax(dim=1, keepdim=True)
-        correct = (top == targets.unsqueeze(1)).any(dim=1)
+        if k == 1:
+            correct = pred.argmax(dim=1) == targets
+        else:
+            correct = (pred.topk(k, dim=1).indices == targets.unsqueeze(1)).any(dim=1)
         if self.ignore_index is None:
             self._sum += correct.sum()
-            self._count += targets.numel()
+            self.count_on_host(targets.numel())
         else:
             valid = targets != self.ignore_index
             self._sum += (correct & valid).sum()
@@ -162,8 +178,8 @@ class MeanLoss(SumMetric):
         if loss is None:
             raise MetricInputError("it needs the batch's loss")
         n = _leading(targets)
-        self._sum += loss.detach().double() * n
-        self._count += n
+        self._sum.add_(loss.detach(), alpha=n)
+        self.count_on_host(n)
 
 
 def _leading(value: Any) -> int:

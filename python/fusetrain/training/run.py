@@ -117,11 +117,7 @@ class Run:
                 write_error = e
             if self.ema is not None:
                 self.ema.detach()
-            if self.logger.rows:
-                try:
-                    self.logger.plot()
-                except Exception as e:  # the plot is a convenience, never a failure
-                    warnings.warn(f"could not write the metrics plot: {e}", stacklevel=2)
+            self.logger.plot_in_background()  # NOTE [metrics plot]
             self.logger.close()
             self.step_log.close()
             cbs("on_train_end", state)

@@ -40,7 +40,7 @@ from .checkpoint_manager import CheckpointManager
 from .data.sharding import shard_train_loader, shard_valid_loader
 from .evaluation import evaluate, resolve_fn
 from .experiment_dir import ExperimentDir
-from .experiment_log import ExperimentLogger, NullLogger
+from .experiment_log import ExperimentLogger, NullLogger, wait_for_plots
 from .losses import build_loss
 from .metrics import MetricSet
 from .params import TrainingParams, TrainingParamsError, optimizer_class, resolve_training_params
@@ -192,6 +192,7 @@ class Trainer:
             return self._launch(model, p, train_loader, valid_loader, test_loader, n_workers)
         p = data.params
         ctx, device = _dist.setup(p)
+        wait_for_plots(self.experiment_dir)  # NOTE [metrics plot]: an earlier run's plot is written first
         folder = ExperimentDir(self.experiment_dir)
         failed = True
         try:

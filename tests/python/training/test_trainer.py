@@ -19,6 +19,7 @@ from fusetrain.training import TrainingParamsError, resolve_training_params
 from fusetrain.training import checkpoints as ckpt_module
 from fusetrain.training import trainer as trainer_module
 from fusetrain.training.checkpoints import atomic_save, load_checkpoint
+from fusetrain.training.experiment_log import wait_for_plots
 from fusetrain.training.data import build_dataloaders
 from fusetrain.models import build_model
 from fusetrain.training.schedules import LRSchedule
@@ -730,6 +731,7 @@ def test_checkpoint_write_failure_keeps_the_previous_checkpoint(tmp_path, monkey
     assert open(latest, "rb").read() == before
     ck = load_checkpoint(latest)
     assert ck["epoch"] == 1
+    wait_for_plots(d)  # the metrics plot is written after the call returns (NOTE [metrics plot])
     assert not [f for f in os.listdir(d) if f.startswith(".tmp") or f.endswith(".tmp")]
     # and the run can go on from it
     result, _ = run(tmp_path, max_epochs=2, max_train_batches=2, resume=True)
@@ -794,6 +796,7 @@ def test_outputs_and_returned_metrics(tmp_path):
     header = lines[0].split(",")
     assert {"epoch", "train_loss", "valid_accuracy"} <= set(header) and len(lines) == 3
     assert float(lines[2].split(",")[header.index("train_loss")]) == pytest.approx(final["train_loss"])
+    wait_for_plots(d)  # drawn after the call returns (NOTE [metrics plot])
     with open(os.path.join(d, "metrics.png"), "rb") as f:
         assert f.read(8) == PNG_SIGNATURE
     tb = os.path.join(d, "tensorboard")

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import fusetrain
+from fusetrain.training.experiment_log import wait_for_plots
 from fusetrain import Callback, Trainer, TrainStep
 from fusetrain.models import build_model
 from fusetrain.training import TrainingParamsError
@@ -133,6 +134,7 @@ def test_dict_batches_components_callbacks_and_several_loaders(tmp_path):
     with open(os.path.join(result["experiment_dir"], "metrics.csv")) as f:
         assert "train_loss_ce" in f.readline()
     assert rows_of(result["experiment_dir"])[-1]["valid_main_loss_reg"] == row["valid_main_loss_reg"]
+    wait_for_plots(result["experiment_dir"])  # drawn after the call returns (NOTE [metrics plot])
     assert os.path.isfile(os.path.join(result["experiment_dir"], "metrics.png"))
 
 

@@ -48,7 +48,7 @@ EXPECTED_DEFAULTS = {
     "valid_metrics": ["accuracy"], "metric_to_watch": "accuracy", "greater_metric_to_watch_is_better": True,
     "run_validation_freq": 1, "valid_every_n_steps": 0, "max_train_batches": None, "max_valid_batches": None,
     "save_ckpt_epoch_list": [], "average_best_models": False, "number_of_models_to_average": 10,
-    "ckpt_every_n_steps": 0, "ckpt_every_minutes": 0.0, "keep_last_ckpts": 0, "async_checkpoints": False,
+    "ckpt_every_n_steps": 0, "ckpt_every_minutes": 0.0, "keep_last_ckpts": 0, "async_checkpoints": True,
     "resume_skip": "fast", "resume": False, "preemption_signals": ["SIGTERM", "SIGUSR1"], "auto_requeue": False,
     "resume_path": None, "resume_trusted": False,
     "overwrite_experiment": False, "seed": 42, "cudnn_benchmark": True,

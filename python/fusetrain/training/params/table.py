@@ -626,14 +626,15 @@ _SPECS = [
         Besides `ckpt_latest.pth`, keep the last `keep_last_ckpts` checkpoints as `ckpt_step_<N>.pth` (N: the
         optimizer step at which each was written; epoch-end and mid-epoch checkpoints alike), deleting older ones
         (0: keep none). `ckpt_best.pth` and the `save_ckpt_epoch_list` files are kept in any case."""),
-    _p("async_checkpoints", boolean(), False, """
+    _p("async_checkpoints", boolean(), True, """
         Write checkpoint files in a background thread: at a checkpoint the training loop only queues the copy of
         the state to host memory (page-locked buffers on a GPU, kept for the next checkpoint), then trains on
         while the files are written (each still atomically, so
         `ckpt_latest.pth` is always a whole checkpoint). The next checkpoint and the end of the run (also a
         failed or interrupted one) wait for the write in flight; `on_checkpoint_saved` callbacks run on the
         training thread once their file is written, and a failed write raises there. Host memory holds one extra
-        copy of the checkpoint while it is written. A `multi_gpu: fsdp` run writes in the foreground."""),
+        copy of the checkpoint while it is written (set false where it cannot). A `multi_gpu: fsdp` run writes in
+        the foreground."""),
     _p("resume_skip", choice("fast", "replay"), "fast", """
         How a resume from a mid-epoch checkpoint skips the batches already trained on. `fast`: a torch DataLoader
         over a map-style dataset skips them in its batch sampler, without loading them (exact data order; with
