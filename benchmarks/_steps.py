@@ -3,7 +3,7 @@ step_overhead.py) share: building fusetrain's training step in a given mode,
 device-resident data served in shuffled batches, epoch timing, memory figures
 and the bar chart written beside each JSON report.
 
-fusetrain's step is ``fusetrain.training.step.TrainStep`` (the step the
+fusetrain's step is ``fusetrain.training.step.train_step.TrainStep`` (the step the
 Trainer runs, with its ``compile_step`` modes "off", "compile" and
 "cuda_graph"). Where that module is not importable, modes "off" and "compile"
 fall back to the same step written here (autocast forward, scaled backward,
@@ -31,9 +31,9 @@ class RowUnavailable(Exception):
 
 
 def train_step_class():
-    """``fusetrain.training.step.TrainStep``, or None where it is not there."""
+    """``fusetrain.training.step.train_step.TrainStep``, or None where it is not there."""
     try:
-        from fusetrain.training.step import TrainStep
+        from fusetrain.training.step.train_step import TrainStep
     except ImportError:
         return None
     return TrainStep
@@ -86,7 +86,7 @@ def make_fusetrain_step(model: nn.Module, loss_fn, optimizer, scaler, precision,
         return cls(model, loss_fn, optimizer, scaler, precision, mode=mode, ema=ema, compile_options=compile_options,
                    channels_last=channels_last), "TrainStep"
     if mode == "cuda_graph":
-        raise RowUnavailable("n/a (fusetrain.training.step.TrainStep is not available in this build)")
+        raise RowUnavailable("n/a (fusetrain.training.step.train_step.TrainStep is not available in this build)")
     return _InlineStep(model, loss_fn, optimizer, scaler, precision, mode, ema, compile_options,
                        channels_last), "inline"
 

@@ -7,7 +7,7 @@ improvement (baseline - compiled) / baseline (single GPU: PP-LiteSeg 56%,
 STDC-Seg 63.9%, DDRNet 23.1%, ...; 8x RTX 3090, PyTorch 2.0, AMP on, EMA
 and SyncBN off). This script measures the same columns on three models of
 ``fusetrain.models`` at reduced width and resolution, and adds
-fusetrain's training step (``fusetrain.training.step.TrainStep``) in its
+fusetrain's training step (``fusetrain.training.step.train_step.TrainStep``) in its
 modes, each compared with the same baseline:
 
   baseline            eager AMP loop: autocast forward + loss, torch.amp.GradScaler, torch.optim.SGD

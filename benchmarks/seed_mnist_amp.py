@@ -7,7 +7,7 @@ autocast); both call ``loss.item()`` every step. It reports the time per
 epoch, ``torch.cuda.memory_reserved()`` and the loss: 31.7 s / 988 MB fp32,
 13.8 s / 622 MB AMP (median of epochs 2-10). This script reruns those two
 loops, statement for statement, and fusetrain's training step
-(``fusetrain.training.step.TrainStep``, the step the Trainer runs) in five
+(``fusetrain.training.step.train_step.TrainStep``, the step the Trainer runs) in five
 configurations, on the same data:
 
   seed_fp32               the seed's train(): torch.optim.Adam, loss.item() per step

@@ -4,7 +4,7 @@
 Launch-bound models (a small MLP and a small CNN, batch 32): the GPU finishes
 each kernel faster than Python and the CUDA driver can launch the next, so
 the step time is the number of launches times the launch cost. fusetrain's
-step (``fusetrain.training.step.TrainStep``) runs in three modes; the eager
+step (``fusetrain.training.step.train_step.TrainStep``) runs in three modes; the eager
 torch loop is the reference:
 
   torch_eager          plain loop: forward, loss, backward, torch.optim.AdamW (foreach), zero_grad

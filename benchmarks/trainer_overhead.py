@@ -131,7 +131,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import fusetrain.training.checkpoint_manager as checkpoint_mod
+import fusetrain.training.checkpoint.manager as checkpoint_mod
 from fusetrain.models import build_model
 from fusetrain.training.params import resolve_training_params
 from fusetrain.training.trainer import Trainer

@@ -165,7 +165,7 @@ def run_hand(row: Row, device: torch.device, scale: float, first_step: Optional[
 def run_trainer(row: Row, device: torch.device, scale: float, first_step: Optional[List[float]] = None) -> Dict:
     """``Trainer.train`` with the same settings; its parts (s) and its validation accuracy."""
     from fusetrain import Callback, Trainer
-    from fusetrain.training.experiment_log import wait_for_plots
+    from fusetrain.training.logging.experiment_log import wait_for_plots
 
     marks: Dict[str, float] = {}
 

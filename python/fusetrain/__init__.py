@@ -12,10 +12,10 @@ from . import nn, optim
 from ._ops import build_info
 from .amp import LossScaler, Precision, resolve_precision
 from .ema import ModelEMA, unwrap_model
-from .training.callbacks import Callback, TrainerState, register_callback
-from .training.losses import register_loss
-from .training.metrics import register_metric
-from .training.step import TrainStep
+from .training.task.callbacks import Callback, TrainerState, register_callback
+from .training.task.losses import register_loss
+from .training.task.metrics import register_metric
+from .training.step.train_step import TrainStep
 from .training.trainer import Trainer
 
 __version__ = "0.1.0"

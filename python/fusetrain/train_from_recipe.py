@@ -50,7 +50,7 @@ experiment folder takes ``training_params.resume=true`` (continue) or
 
 A run stopped by a signal (SIGINT or one of ``training_params.preemption_signals``)
 writes a checkpoint and exits with status 75
-(``fusetrain.training.preemption.EXIT_PREEMPTED``): run the same command again
+(``fusetrain.training.distributed.preemption.EXIT_PREEMPTED``): run the same command again
 with ``training_params.resume=auto`` to continue it.
 
 Why Hydra's compose API and not ``@hydra.main``: ``hydra.main`` changes the
@@ -232,7 +232,7 @@ def _build(recipe: Dict[str, Any], where: str):
     model's initial weights (and any random split of the data) are the same in
     every run of the recipe."""
     from .training.data import build_dataloaders
-    from .training.distributed import seed_everything
+    from .training.distributed.context import seed_everything
     from .models import build_model
 
     seed_everything(_training_params(recipe, where).seed)
@@ -256,8 +256,8 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
     Trainer's result. With ``multi_gpu: ddp`` outside a launcher, starts the
     workers (each builds the data and the model itself) and returns rank 0's
     result; under a launcher (torchrun) each process trains its shard."""
-    from .training import distributed, launcher
-
+    from .training.distributed import context as distributed
+    from .training.distributed import launcher
     try:
         params = _training_params(recipe, where)
         n_workers = distributed.workers_to_launch(params)
@@ -281,7 +281,7 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
         print(f"{where}{size}: experiment {recipe['experiment_name']!r}, model {recipe['arch_params']['name']} "
               f"({n_params:,} parameters), data {recipe['dataset_params']['name']} "
               f"({len(train_loader.dataset)} train / {len(valid_loader.dataset)} valid samples)", flush=True)
-    from .training.experiment_dir import ExperimentExistsError
+    from .training.checkpoint.run_folder import ExperimentExistsError
     from .training.params import TrainingParamsError
 
     trainer = Trainer(recipe["experiment_name"], ckpt_root_dir=recipe["ckpt_root_dir"])
@@ -310,7 +310,7 @@ def plot_lr(recipe: Dict[str, Any], path: str, where: str = "recipe") -> str:
     from its train loader) to ``path``; returns a summary line."""
     from .training.data import build_dataloaders
     from .training.preflight import steps_per_epoch
-    from .training.schedules import LRSchedule, write_schedule
+    from .training.schedules.lr import LRSchedule, write_schedule
 
     p = _training_params(recipe, where)
     try:
@@ -401,14 +401,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RECIPE_ERROR
     except KeyboardInterrupt as exc:
-        from .training.triggers import TrainingInterrupted
+        from .training.distributed.preemption import TrainingInterrupted
 
         if not isinstance(exc, TrainingInterrupted):
             raise
         print(f"stopped: {exc}", file=sys.stderr, flush=True)  # NOTE [preemption]
         return exc.exit_status
     except Exception as exc:
-        from .training.distributed import DistributedTrainingError
+        from .training.distributed.context import DistributedTrainingError
 
         if not isinstance(exc, DistributedTrainingError):
             raise

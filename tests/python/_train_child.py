@@ -23,7 +23,8 @@ import torch
 
 from fusetrain.models import build_model
 from fusetrain import Callback
-from fusetrain.training import checkpoints, experiment_log
+from fusetrain.training.checkpoint import files as checkpoints
+from fusetrain.training.logging import experiment_log
 from fusetrain.training.data import build_dataloaders
 from fusetrain.training.trainer import Trainer
 

@@ -33,10 +33,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from ..models import build_model
     from ..train_from_recipe import EXIT_RECIPE_ERROR, RecipeError, load_recipe
-    from ..training.batches import split_batch
-    from ..training.checkpoints import load_checkpoint
+    from ..training.task.batches import split_batch
+    from ..training.checkpoint.files import load_checkpoint
     from ..training.data import build_dataloaders
-    from ..training.sharded_checkpoints import full_state_dict
+    from ..training.checkpoint.sharded import full_state_dict
 
     try:
         recipe = load_recipe(args.config_name, args.overrides, args.config_dir)

@@ -1,4 +1,4 @@
 """Training: the Trainer and its ``training_params``."""
 
 from .params import TRAINING_PARAMS, ParamSpec, TrainingParams, TrainingParamsError, resolve_training_params
-from .step import TrainStep
+from .step.train_step import TrainStep

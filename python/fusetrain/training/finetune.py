@@ -46,7 +46,7 @@ def _read_state_dict(path: str, use_ema: bool, trusted: bool = False) -> Mapping
         except ImportError as e:
             raise ValueError(f"{key}: {path} is a safetensors file; pip install safetensors to read it") from e
         return load_file(path)
-    from .checkpoints import load_checkpoint
+    from .checkpoint.files import load_checkpoint
 
     try:  # NOTE [checkpoints are data]
         obj = load_checkpoint(path, trusted=trusted, trust="pretrained_params: {trusted: true}", torch_modules=True)
@@ -55,7 +55,7 @@ def _read_state_dict(path: str, use_ema: bool, trusted: bool = False) -> Mapping
     if isinstance(obj, nn.Module):
         obj = obj.state_dict()
     if isinstance(obj, Mapping) and obj.get("shards") is not None:  # NOTE [sharded checkpoints]
-        from .sharded_checkpoints import full_state_dict
+        from .checkpoint.sharded import full_state_dict
 
         return full_state_dict(path, ema=use_ema, trusted=trusted)
     if not isinstance(obj, Mapping):

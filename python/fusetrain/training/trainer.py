@@ -1,18 +1,18 @@
 """The Trainer: ``Trainer(experiment_name).train(model, training_params, train_loader, valid_loader)``.
 
 ``train`` checks the params, the model and the loaders, takes the experiment
-folder and builds a :class:`~fusetrain.training.run.Run` whose phases make the
+folder and builds a :class:`~fusetrain.training.loop.Run` whose phases make the
 loop: per epoch, train (the fused, host-sync-free :class:`TrainStep` on
 batches of any structure), validate on each validation loader under
 ``torch.inference_mode()`` with the training precision (on the EMA weights
 when ``ema`` is on), log the epoch (CSV, JSONL, TensorBoard, console) and
 write checkpoints atomically (the run's
-:class:`~fusetrain.training.checkpoint_manager.CheckpointManager`); after the
+:class:`~fusetrain.training.checkpoint.manager.CheckpointManager`); after the
 last epoch, evaluate the test loaders. The running loss, its components and
 the metrics stay in device tensors, read once per epoch (or once per
 ``log_interval`` steps for the progress bar). Callbacks run at the phases of
-:data:`fusetrain.training.callbacks.HOOKS` and read the run's
-:class:`~fusetrain.training.callbacks.TrainerState`. ``resume=True``
+:data:`fusetrain.training.task.callbacks.HOOKS` and read the run's
+:class:`~fusetrain.training.task.callbacks.TrainerState`. ``resume=True``
 continues the same run bit-identically (model, EMA, optimizer with master
 weights, scaler, schedule position, RNG states).
 """
@@ -34,23 +34,29 @@ from ..export import check_onnx_packages
 from ..optim._base import FusedOptimizer
 from ..optim._kinds import KINDS
 from . import distributed as _dist
-from . import elastic_resume, finetune, fsdp, launcher, preemption, preflight, step_log
-from .callbacks import CallbackList, TrainerState, build_callbacks
-from .checkpoint_manager import CheckpointManager
-from .data.sharding import shard_train_loader, shard_valid_loader
-from .evaluation import evaluate, resolve_fn
-from .experiment_dir import ExperimentDir
-from .experiment_log import ExperimentLogger, NullLogger, wait_for_plots
-from .losses import build_loss
-from .metrics import MetricSet
+from . import finetune, preflight
+from .checkpoint import resume_plan as elastic_resume
+from .distributed import fsdp
+from .distributed import launcher
+from .distributed import preemption
+from .logging import step_log
+from .task.callbacks import CallbackList, TrainerState, build_callbacks
+from .checkpoint.manager import CheckpointManager
+from .distributed.sharding import shard_train_loader, shard_valid_loader
+from .task.evaluation import batch_rules, evaluate, resolve_fn
+from .checkpoint.run_folder import ExperimentDir
+from .logging.experiment_log import ExperimentLogger, NullLogger, wait_for_plots
+from .task.losses import build_loss
+from .task.metrics import MetricSet
 from .params import TrainingParams, TrainingParamsError, optimizer_class, resolve_training_params
 from .params.resolve import watch_candidates
-from .progress_bar import Progress as _Progress  # noqa: F401  (the progress bar, under its former name)
-from .run import Run
-from .schedules import LRSchedule, base_lr, run_steps
-from .setting_schedules import SettingSchedule
-from .step import TrainStep
-from .triggers import GracefulStop, StepTriggers, TrainingInterrupted
+from .logging.progress_bar import Progress as _Progress  # noqa: F401  (the progress bar, under its former name)
+from .loop import Run
+from .schedules.lr import LRSchedule, base_lr, run_steps
+from .schedules.settings import SettingSchedule
+from .step.train_step import TrainStep
+from .distributed.preemption import GracefulStop, TrainingInterrupted
+from .schedules.triggers import StepTriggers
 
 __all__ = ["Trainer"]
 
@@ -258,11 +264,11 @@ class Trainer:
         returns ``{"loss": ..., <metric>: ...}``. Writes nothing."""
         p = resolve_training_params(training_params) if training_params is not None else (
             self.params or resolve_training_params({}))
-        device = _dist._single_device(p.device)
+        device = _dist.single_device(p.device)
         model = model.to(device)
         precision = resolve_precision(p.mixed_precision, device)
         ms = MetricSet(metrics if metrics is not None else list(p.valid_metrics), "test").to(device)
-        return evaluate(p, model, test_loader, self._loss_fn(p, device), precision, ms, device, None,
+        return evaluate(model, test_loader, self._loss_fn(p, device), precision, ms, device, **batch_rules(p),
                         what="Trainer.test: test_loader")
 
     # ---- setup ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusetrain.training import data as data_mod
+from fusetrain.training.data import loaders as data_mod
 from fusetrain.training.data import (ImageFolderDataset, MNISTIdx, build_dataloaders, digits_dataset, read_idx,
                                      validate_dataset_params)
 from fusetrain.models import MODEL_NAMES, SEED_MNIST_CFG, build_model

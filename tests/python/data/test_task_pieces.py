@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import fusetrain
-from fusetrain.training import batches as B
-from fusetrain.training import losses as L
-from fusetrain.training import metrics as M
-from fusetrain.training.callbacks import HOOKS, Callback, CallbackList, TrainerState, build_callbacks
+from fusetrain.training.task import batches as B
+from fusetrain.training.task import losses as L
+from fusetrain.training.task import metrics as M
+from fusetrain.training.task.callbacks import HOOKS, Callback, CallbackList, TrainerState, build_callbacks
 
 
 # ---- batches ------------------------------------------------------------------------------------------------------

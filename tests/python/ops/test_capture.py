@@ -29,8 +29,7 @@ from fusetrain import TrainStep
 from fusetrain.optim import AdamW
 from fusetrain.optim import _capture
 from fusetrain.training import distributed as _dist
-from fusetrain.training import step as step_mod
-
+from fusetrain.training.step import train_step as step_mod
 from _test_helpers import CUDA
 
 LOSS = nn.CrossEntropyLoss()
@@ -326,14 +325,14 @@ def test_cuda_device_becomes_current(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(d))
-    assert _dist._single_device("cuda:1") == torch.device("cuda", 1)
-    assert _dist._single_device("cuda") == torch.device("cuda", 0)
-    assert _dist._single_device("auto") == torch.device("cuda", 0)
+    assert _dist.single_device("cuda:1") == torch.device("cuda", 1)
+    assert _dist.single_device("cuda") == torch.device("cuda", 0)
+    assert _dist.single_device("auto") == torch.device("cuda", 0)
     assert chosen == [1, 0, 0]
     with pytest.raises(ValueError, match=r"training_params.device: got 'cuda:2' but only 2 CUDA device\(s\) are "
                                          r"visible.*allowed: 'cuda:0' to 'cuda:1'"):
-        _dist._single_device("cuda:2")
-    assert _dist._single_device("cpu") == torch.device("cpu")
+        _dist.single_device("cuda:2")
+    assert _dist.single_device("cpu") == torch.device("cpu")
 
 
 # ---- GPU ------------------------------------------------------------------------------

@@ -13,8 +13,7 @@ from torch import nn
 import fusetrain  # noqa: F401
 from fusetrain import ModelEMA
 from fusetrain import optim as fo
-from fusetrain.training import resume
-
+from fusetrain.training.checkpoint import resume
 timm_optim = pytest.importorskip("timm.optim")
 
 LR = 2.0**-6  # exact in the float32 device lr

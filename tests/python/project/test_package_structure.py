@@ -1,6 +1,8 @@
 """The package's structure: no import cycle among its modules (every import
-statement counts, those inside functions too), and importing it leaves the
-process's warning filters as they were."""
+statement counts, those inside functions too), the training package's layers
+(a lower one never imports a higher one), its size (a small top level,
+modules that read in one sitting), and importing it leaves the process's
+warning filters as they were."""
 
 import ast
 import os
@@ -73,11 +75,46 @@ def test_no_import_cycle():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+#: The training package's layers, lowest first: a module imports training modules of its own layer or lower ones
+#: only. The top level (the Trainer, the loop and its input checks) is the highest.
+LAYERS = ("task", "params", "distributed", "data", "schedules", "checkpoint", "logging", "step", "")
+#: Modules allowed past 400 lines: tables of data.
+DATA_TABLES = ("fusetrain.training.params.table",)
+
+
+def _layer(module):
+    rest = module[len("fusetrain.training."):] if module.startswith("fusetrain.training.") else ""
+    first = rest.split(".")[0]
+    return LAYERS.index(first) if first in LAYERS[:-1] else len(LAYERS) - 1
+
+
+def test_the_training_layers_import_only_downwards():
+    modules = _modules()
+    training = {m: p for m, p in modules.items() if m.startswith("fusetrain.training.")}
+    assert "fusetrain.training.checkpoint.manager" in training and "fusetrain.training.task.batches" in training
+    upward = []
+    for m, p in training.items():
+        for t in _imports(m, p, modules):
+            if t.startswith("fusetrain.training.") and _layer(t) > _layer(m):
+                upward.append(f"{m} ({LAYERS[_layer(m)] or 'top'}) imports {t} ({LAYERS[_layer(t)] or 'top'})")
+    assert not upward, "imports from a lower layer into a higher one:\n" + "\n".join(sorted(upward))
+
+
+def test_the_training_package_is_small_at_the_top_and_in_each_module():
+    top = sorted(n for n in os.listdir(os.path.join(PACKAGE_DIR, "training"))
+                 if n.endswith(".py") or os.path.isfile(os.path.join(PACKAGE_DIR, "training", n, "__init__.py")))
+    assert len(top) <= 14, top
+    lines = {m: sum(1 for _ in open(p)) for m, p in _modules().items() if m.startswith("fusetrain.training")}
+    assert lines.pop("fusetrain.training.loop") < 500
+    long = {m: n for m, n in lines.items() if n > 400 and m not in DATA_TABLES}
+    assert not long, long
+
+
 def test_import_leaves_warning_filters_alone():
     """torch's own import adds its filters; importing fusetrain's modules after it adds none."""
     code = ("import warnings\nimport torch\nbefore = list(warnings.filters)\n"
             "import fusetrain, fusetrain.training.trainer, fusetrain.train_from_recipe, fusetrain.export.cli\n"
-            "import fusetrain.training.data, fusetrain.training.sharded_checkpoints, fusetrain.training.fsdp\n"
+            "import fusetrain.training.data, fusetrain.training.checkpoint.sharded, fusetrain.training.distributed.fsdp\n"
             "after = list(warnings.filters)\nassert after == before, [f for f in after if f not in before]\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,7 +15,7 @@ import warnings
 import pytest
 
 from fusetrain import _torch_check as tc
-from fusetrain.training.experiment_log import ExperimentLogger
+from fusetrain.training.logging.experiment_log import ExperimentLogger
 from fusetrain.training.trainer import _Progress
 
 from _test_helpers import REPO

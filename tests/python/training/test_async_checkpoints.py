@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fusetrain import Callback
-from fusetrain.training import checkpoint_manager
-from fusetrain.training.checkpoints import load_checkpoint
+from fusetrain.training.checkpoint import manager as checkpoint_manager
+from fusetrain.training.checkpoint.files import load_checkpoint
 
 from _test_helpers import CUDA
 from _train_helpers import one_thread  # noqa: F401  (fixture)

@@ -9,7 +9,7 @@ import torch
 
 from fusetrain import Callback
 from fusetrain.training import TrainingParamsError, resolve_training_params
-from fusetrain.training.model_average import BestModels, average_state_dicts
+from fusetrain.training.checkpoint.average import BestModels, average_state_dicts
 
 from _train_helpers import one_thread  # noqa: F401  (fixture)
 from test_trainer import assert_tree_equal

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from fusetrain.export.cli import main as export_cli
-from fusetrain.training import checkpoints, convert_checkpoint, sharded_checkpoints
-from fusetrain.training.checkpoints import UntrustedCheckpointError, load_checkpoint
+from fusetrain.training.checkpoint import files as checkpoints
+from fusetrain.training.checkpoint import convert as convert_checkpoint
+from fusetrain.training.checkpoint import sharded as sharded_checkpoints
+from fusetrain.training.checkpoint.files import UntrustedCheckpointError, load_checkpoint
 from fusetrain.training.trainer import Trainer
 
 from _train_helpers import one_thread  # noqa: F401  (fixture)
@@ -43,7 +45,7 @@ def listing(d):
 def test_load_checkpoint_refuses_code_and_names_the_setting(tmp_path):
     path, marker = evil_file(tmp_path, {"x": torch.ones(2)})
     with pytest.raises(UntrustedCheckpointError, match=r"trusted=True.*python -m "
-                                                       r"fusetrain.training.convert_checkpoint"):
+                                                       r"fusetrain.training.checkpoint.convert"):
         load_checkpoint(path)
     assert not os.path.exists(marker)
     assert torch.equal(load_checkpoint(path, trusted=True)["x"], torch.ones(2))

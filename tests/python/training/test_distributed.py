@@ -26,8 +26,8 @@ from torch import nn
 
 from fusetrain.training import TrainingParamsError, resolve_training_params
 from fusetrain.training import distributed as D
-from fusetrain.training.data import sharding
-from fusetrain.training.checkpoints import load_checkpoint
+from fusetrain.training.distributed import sharding
+from fusetrain.training.checkpoint.files import load_checkpoint
 from fusetrain.training.data import build_dataloaders
 from fusetrain.models import build_model
 from fusetrain.training.trainer import Trainer
@@ -345,7 +345,7 @@ def test_shard_sampler_covers_the_dataset_once():
 def test_train_loader_is_rewrapped_keeping_its_settings():
     from torch.utils.data import DataLoader, TensorDataset
 
-    from fusetrain.training.data.global_order import GlobalOrderSampler
+    from fusetrain.training.distributed.global_order import GlobalOrderSampler
 
     ds = TensorDataset(torch.arange(20.0).view(20, 1), torch.arange(20))
 

@@ -22,10 +22,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fusetrain import Callback
-from fusetrain.training.checkpoints import load_checkpoint
-from fusetrain.training.data.global_order import GlobalOrderSampler, SeededSamples
+from fusetrain.training.checkpoint.files import load_checkpoint
+from fusetrain.training.distributed.global_order import GlobalOrderSampler, SeededSamples
 from fusetrain.training.trainer import Trainer
-from fusetrain.training.triggers import TrainingInterrupted
+from fusetrain.training.distributed.preemption import TrainingInterrupted
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
@@ -112,7 +112,7 @@ def samples(root, tags):
 
 
 def final(root, name):
-    from fusetrain.training.sharded_checkpoints import full_state_dict
+    from fusetrain.training.checkpoint.sharded import full_state_dict
 
     path = os.path.join(root, name, "ckpt_latest.pth")
     return full_state_dict(path), full_state_dict(path, ema=True), load_checkpoint(path)
@@ -244,8 +244,8 @@ def _checkpoint(position=True):
 
 
 def test_the_global_batch_is_kept_or_refused():
-    from fusetrain.training import elastic_resume, resolve_training_params
-
+    from fusetrain.training import resolve_training_params
+    from fusetrain.training.checkpoint import resume_plan as elastic_resume
     p = resolve_training_params({"max_train_batches": 4})
     one = elastic_resume.plan(_checkpoint(), "c.pth", p, loader(6), 1)
     assert one.params.batch_accumulate == 2 and one.params.max_train_batches == 8 and one.batch_size is None

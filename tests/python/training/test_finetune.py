@@ -12,7 +12,7 @@ import torchvision
 from torch import nn
 
 from fusetrain.training import finetune
-from fusetrain.training.checkpoints import load_checkpoint
+from fusetrain.training.checkpoint.files import load_checkpoint
 from fusetrain.training.data import build_dataloaders
 from fusetrain.training.params import TrainingParamsError, resolve_training_params
 from fusetrain.training.trainer import Trainer

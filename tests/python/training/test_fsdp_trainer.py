@@ -21,10 +21,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from fusetrain.training import TrainingParamsError, resolve_training_params
-from fusetrain.training import fsdp
-from fusetrain.training.checkpoints import load_checkpoint
+from fusetrain.training.distributed import fsdp
+from fusetrain.training.checkpoint.files import load_checkpoint
 from fusetrain.training.data import build_dataloaders
-from fusetrain.training.sharded_checkpoints import SHARDS, full_state_dict
+from fusetrain.training.checkpoint.sharded import SHARDS, full_state_dict
 from fusetrain.training.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -200,8 +200,7 @@ def test_bad_fsdp_params(bad, match):
 
 
 def test_full_checkpoint_does_not_resume_a_sharded_model(monkeypatch):
-    from fusetrain.training import resume
-
+    from fusetrain.training.checkpoint import resume
     model = _model()
     monkeypatch.setattr(fsdp, "is_fsdp", lambda m: m is model)
     with pytest.raises(ValueError, match="holds the full state of a run without multi_gpu 'fsdp'"):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from fusetrain.training.checkpoints import load_checkpoint
+from fusetrain.training.checkpoint.files import load_checkpoint
 
 pytestmark = [pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                  reason="needs torch.distributed with the gloo backend"),

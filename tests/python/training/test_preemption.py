@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from fusetrain.training import TrainingParamsError, resolve_training_params
-from fusetrain.training.checkpoints import load_checkpoint
-from fusetrain.training.preemption import EXIT_PREEMPTED, requeues
+from fusetrain.training.checkpoint.files import load_checkpoint
+from fusetrain.training.distributed.preemption import EXIT_PREEMPTED, requeues
 from fusetrain.training.trainer import Trainer
-from fusetrain.training.triggers import GracefulStop, TrainingInterrupted
+from fusetrain.training.distributed.preemption import GracefulStop, TrainingInterrupted
 
 from test_trainer_reliability import cnn, loaders
 

@@ -305,7 +305,7 @@ def test_plot_lr_writes_the_schedule_without_training(tmp_path, capsys, monkeypa
     recipe = tfr.load_recipe("default", ["training_params.lr_mode=poly", "training_params.max_epochs=3",
                                          "+training_params.lr_warmup_steps=4"])
     from fusetrain.training.params import resolve_training_params
-    from fusetrain.training.schedules import LRSchedule
+    from fusetrain.training.schedules.lr import LRSchedule
 
     steps = len(lrs) // 3
     assert lrs == LRSchedule(resolve_training_params(recipe["training_params"]), steps).sample(range(len(lrs)))

@@ -16,12 +16,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fusetrain import Callback
 from fusetrain.training import TrainingParamsError, resolve_training_params
-from fusetrain.training import triggers as triggers_mod
-from fusetrain.training.checkpoints import load_checkpoint
-from fusetrain.training.distributed import DistContext
-from fusetrain.training.position import resume_iterator, rng_state, set_rng_state
+from fusetrain.training.schedules import triggers as triggers_mod
+from fusetrain.training.checkpoint.files import load_checkpoint
+from fusetrain.training.distributed.context import DistContext
+from fusetrain.training.checkpoint.position import resume_iterator, rng_state, set_rng_state
 from fusetrain.training.trainer import Trainer
-from fusetrain.training.triggers import TrainingInterrupted
+from fusetrain.training.distributed.preemption import TrainingInterrupted
 
 from _train_helpers import one_thread  # noqa: F401  (fixture)
 from test_trainer import assert_tree_equal

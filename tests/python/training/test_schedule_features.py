@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from fusetrain.training.params import TrainingParamsError, resolve_training_params
-from fusetrain.training.schedules import LRSchedule
-from fusetrain.training.step import TrainStep
+from fusetrain.training.schedules.lr import LRSchedule
+from fusetrain.training.step.train_step import TrainStep
 from fusetrain.training import finetune
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fusetrain.training import resolve_training_params
-from fusetrain.training.schedules import LRSchedule
+from fusetrain.training.schedules.lr import LRSchedule
 
 
 def schedule(steps_per_epoch, **params):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from fusetrain.training.data import global_order
-from fusetrain.training.data.global_order import GENERATORS, SeededSamples
+from fusetrain.training.distributed import global_order
+from fusetrain.training.distributed.global_order import GENERATORS, SeededSamples
 
 N = 24
 

@@ -11,8 +11,8 @@ from torch import nn
 
 from fusetrain.optim import SGD, AdamW, Adadelta
 from fusetrain.training.params import TrainingParamsError, resolve_training_params
-from fusetrain.training.schedules import LRSchedule
-from fusetrain.training.setting_schedules import SettingSchedule
+from fusetrain.training.schedules.lr import LRSchedule
+from fusetrain.training.schedules.settings import SettingSchedule
 
 
 def schedule(opt, steps_per_epoch=4, **params):

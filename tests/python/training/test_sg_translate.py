@@ -12,7 +12,7 @@ from torch import nn
 from fusetrain.amp import resolve_precision
 from fusetrain.compat.super_gradients import SG_RECIPES_DIR, SGObject, SGTranslationError, load_sg_params, translate
 from fusetrain.training.params import resolve_training_params
-from fusetrain.training.schedules import LRSchedule
+from fusetrain.training.schedules.lr import LRSchedule
 
 
 #: The smallest SG training hyperparameters that translate.

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from fusetrain.training import step_log
-from fusetrain.training.step_log import StepLog
+from fusetrain.training.logging import step_log
+from fusetrain.training.logging.step_log import StepLog
 
 
 class Recorder:

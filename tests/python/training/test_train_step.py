@@ -29,7 +29,7 @@ import fusetrain
 from fusetrain import TrainStep
 from fusetrain.optim import SGD, AdamW
 from fusetrain.training import TrainingParamsError
-from fusetrain.training.checkpoints import load_checkpoint
+from fusetrain.training.checkpoint.files import load_checkpoint
 from fusetrain.training.data import build_dataloaders
 from fusetrain.models import build_model
 from fusetrain.training.trainer import Trainer

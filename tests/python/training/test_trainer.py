@@ -16,13 +16,13 @@ from torch import nn
 
 from fusetrain.optim import SGD, Adadelta, Adam, AdamP, AdamW, Lamb, Lion, NAdam, RAdam, RMSprop
 from fusetrain.training import TrainingParamsError, resolve_training_params
-from fusetrain.training import checkpoints as ckpt_module
+from fusetrain.training.checkpoint import files as ckpt_module
 from fusetrain.training import trainer as trainer_module
-from fusetrain.training.checkpoints import atomic_save, load_checkpoint
-from fusetrain.training.experiment_log import wait_for_plots
+from fusetrain.training.checkpoint.files import atomic_save, load_checkpoint
+from fusetrain.training.logging.experiment_log import wait_for_plots
 from fusetrain.training.data import build_dataloaders
 from fusetrain.models import build_model
-from fusetrain.training.schedules import LRSchedule
+from fusetrain.training.schedules.lr import LRSchedule
 from fusetrain.training.trainer import Trainer
 
 from _test_helpers import DEVICES

@@ -16,11 +16,11 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from fusetrain.training import TrainingParamsError, resolve_training_params
-from fusetrain.training.checkpoints import load_checkpoint
+from fusetrain.training.checkpoint.files import load_checkpoint
 from fusetrain.training.data import build_dataloaders
-from fusetrain.training.experiment_dir import ExperimentExistsError
+from fusetrain.training.checkpoint.run_folder import ExperimentExistsError
 from fusetrain.models import build_model
-from fusetrain.training.schedules import LRSchedule
+from fusetrain.training.schedules.lr import LRSchedule
 from fusetrain.training.trainer import Trainer
 
 from _train_helpers import one_thread  # noqa: F401  (fixture)

@@ -13,14 +13,14 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import fusetrain
-from fusetrain.training.experiment_log import wait_for_plots
+from fusetrain.training.logging.experiment_log import wait_for_plots
 from fusetrain import Callback, Trainer, TrainStep
 from fusetrain.models import build_model
 from fusetrain.training import TrainingParamsError
-from fusetrain.training.batches import BatchError
+from fusetrain.training.task.batches import BatchError
 from fusetrain.training.data import build_dataloaders
-from fusetrain.training.losses import LossOutputError
-from fusetrain.training.metrics import MetricInputError
+from fusetrain.training.task.losses import LossOutputError
+from fusetrain.training.task.metrics import MetricInputError
 
 from _train_helpers import one_thread  # noqa: F401  (fixture)
 

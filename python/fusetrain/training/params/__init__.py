@@ -16,7 +16,7 @@ the reference page.
   reference page, ``docs/training_params.md``.
 """
 
-from ..losses import LOSS_ALIASES as LOSSES
+from ..task.losses import LOSS_ALIASES as LOSSES
 from .docs import render_markdown
 from .resolve import TrainingParams, optimizer_class, resolve_training_params
 from .table import COMPILE_STEP_MODES, LR_MODES, OPTIMIZERS, TORCH_COMPILE_MODES, TRAINING_PARAMS, ParamSpec

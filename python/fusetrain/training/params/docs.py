@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 
 from ...amp import LossScaler
 from ...ema import ModelEMA
-from ..losses import LOSS_ALIASES
+from ..task.losses import LOSS_ALIASES
 from .table import (EMA_RESERVED, FUSED_RESERVED, OPTIMIZER_RESERVED, OPTIMIZERS, SCALER_RESERVED,
                     TRAINING_PARAMS)
 from .validators import init_kwargs

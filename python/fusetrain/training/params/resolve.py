@@ -14,8 +14,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Type
 import torch
 
 from ...optim._base import FusedOptimizer
-from ..losses import MODEL_LOSS, loss_factory
-from ..metrics import build_metric
+from ..task.losses import MODEL_LOSS, loss_factory
+from ..task.metrics import build_metric
 from .table import (FUSED_RESERVED, KEY_HINTS, LOSS_RESERVED, OPTIMIZER_RESERVED, OPTIMIZERS, TRAINING_PARAMS,
                     _V_OPTIMIZER)
 from .synonyms import METRIC_NAME_SYNONYMS
@@ -126,7 +126,7 @@ def _check_fsdp(values: Dict[str, Any]) -> List[str]:
     if values["export"]:
         errors.append(f"{ROOT}.export: got {values['export']!r} with multi_gpu 'fsdp'; no rank holds the whole "
                       f"model; allowed with fsdp: [] (export from the full weights afterwards: python -m "
-                      f"fusetrain.training.sharded_checkpoints CKPT OUT, then load them into the model)")
+                      f"fusetrain.training.checkpoint.sharded CKPT OUT, then load them into the model)")
     if values["average_best_models"]:
         errors.append(f"{ROOT}.average_best_models: got True with multi_gpu 'fsdp'; no rank holds the whole model "
                       f"to average; allowed with fsdp: False (or multi_gpu 'ddp')")

@@ -14,12 +14,12 @@ import torch
 from ...amp import LossScaler
 from ...ema import ModelEMA
 from ...optim import SGD, Adadelta, Adam, AdamP, AdamW, Lamb, Lion, Muon, NAdam, RAdam, RMSprop, RMSpropTF
-from ..batches import MODEL_INPUT_MODES
-from ..callbacks import CALLBACKS, Callback
-from ..losses import LOSS_ALIASES, MODEL_LOSS, loss_factory
-from ..metrics import METRICS, Metric
-from ..preemption import EXIT_PREEMPTED, parse_signal
-from ..registry import import_path, resolve_name, split_spec
+from ..task.batches import MODEL_INPUT_MODES
+from ..task.callbacks import CALLBACKS, Callback
+from ..task.losses import LOSS_ALIASES, MODEL_LOSS, loss_factory
+from ..task.metrics import METRICS, Metric
+from ..task.registry import import_path, resolve_name, split_spec
+from .signals import EXIT_PREEMPTED, parse_signal
 from .synonyms import DEVICE_SYNONYMS, KEY_SYNONYMS, LR_MODE_SYNONYMS, OPTIMIZER_SYNONYMS, WARMUP_MODE_SYNONYMS
 from .validators import (Invalid, Validator, show, any_of, boolean, callable_value, choice, dict_of, float_range,
                          int_range, kwargs_of, list_of, optional, record, regex, reject, str_dict, string,
@@ -558,13 +558,13 @@ _SPECS = [
         `model`."""),
     _p("train_metrics", optional(_V_METRICS), None, """
         Metrics accumulated on the device over each epoch's training batches and read once at its end, reported as
-        `train_<name>`. Built in (`fusetrain.training.metrics`): `accuracy` (top-1; per pixel for segmentation
+        `train_<name>`. Built in (`fusetrain.training.task.metrics`): `accuracy` (top-1; per pixel for segmentation
         scores), `top5`, `loss` (the mean loss), `mean_iou` and `pixel_accuracy` (segmentation, from a confusion
         matrix on the device; arguments `num_classes`, `ignore_index` default 255) and `map` (detection mean
         average precision, COCO-style, through torchmetrics and pycocotools at the end of the epoch; reports
         `map`, `map_50`, `map_75`). Also: names registered with `fusetrain.register_metric`, class paths (e.g.
         `torchmetrics.classification.MulticlassF1Score`), one-entry mappings `{name: {arguments}}`, and from Python
-        `fusetrain.training.metrics.Metric` or `torchmetrics.Metric` objects. Classification and segmentation
+        `fusetrain.training.task.metrics.Metric` or `torchmetrics.Metric` objects. Classification and segmentation
         metrics read the model's prediction: the output tensor, a dict's `out` or `logits` entry, or a tuple's
         first item; detection metrics read per-image dicts of boxes, scores and labels. A metric that cannot handle
         the outputs stops training at the first batch with an error naming it. The mean training loss is always
@@ -668,7 +668,7 @@ _SPECS = [
         (`torch.load(weights_only=True)`); one that needs more (a checkpoint of an older fusetrain, whose random
         states hold NumPy arrays) is refused before anything is loaded or written, because reading it runs code
         from the file. Set it only for a file you trust, or rewrite the file once with `python -m
-        fusetrain.training.convert_checkpoint PATH` (`docs/checkpoints.md`)."""),
+        fusetrain.training.checkpoint.convert PATH` (`docs/checkpoints.md`)."""),
     _p("overwrite_experiment", boolean(), False, """
         A fresh run (not `resume`) into an experiment folder that holds an earlier run's files (checkpoints,
         metrics, TensorBoard events) fails unless this is true; true deletes those files first. Two runs never

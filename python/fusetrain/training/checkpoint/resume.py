@@ -16,8 +16,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..ema import unwrap_model
-from .params import TrainingParams, TrainingParamsError
+from ...ema import unwrap_model
+from ..params import TrainingParams, TrainingParamsError
 
 __all__ = ["check_changes", "restore"]
 
@@ -95,8 +95,8 @@ def restore(ck: Dict[str, Any], path: str, model, opt, scaler, ema) -> None:
     the new settings to them (hyperparameters from training_params). A
     sharded checkpoint (NOTE [sharded checkpoints]) loads into any number of
     processes; a full one into an unsharded model."""
-    from . import fsdp, sharded_checkpoints
-
+    from ..distributed import fsdp
+    from . import sharded as sharded_checkpoints
     fresh = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     if ck.get("shards") is None and fsdp.is_fsdp(model):
         raise ValueError(f"resume: {path} holds the full state of a run without multi_gpu 'fsdp'; allowed: resume "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple
 
-from .schedules import LRSchedule, _cos_anneal
+from .lr import LRSchedule, _cos_anneal
 
 __all__ = ["SettingSchedule"]
 

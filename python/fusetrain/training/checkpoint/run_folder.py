@@ -21,7 +21,7 @@ import time
 import warnings
 from typing import List, Optional
 
-from .checkpoints import remove_temp_files
+from .files import remove_temp_files
 
 __all__ = ["ExperimentDir", "ExperimentInUseError", "ExperimentExistsError", "run_files"]
 

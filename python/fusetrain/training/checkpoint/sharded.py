@@ -15,7 +15,7 @@ After each save, folders that no checkpoint file names are deleted.
 
 :func:`full_state_dict` reads the full weights of any checkpoint (sharded or
 not) in one process, for inference; ``python -m
-fusetrain.training.sharded_checkpoints CKPT OUT [--ema]`` writes them as a
+fusetrain.training.checkpoint.sharded CKPT OUT [--ema]`` writes them as a
 plain ``state_dict`` file.
 """
 
@@ -34,8 +34,8 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from ..optim._base import FusedOptimizer
-from .checkpoints import UntrustedCheckpointError, atomic_save, load_checkpoint
+from ...optim._base import FusedOptimizer
+from .files import UntrustedCheckpointError, atomic_save, load_checkpoint
 
 __all__ = ["SHARDS", "new_name", "save", "load", "collect_garbage", "full_state_dict"]
 
@@ -214,7 +214,7 @@ def full_state_dict(ckpt_path: str, ema: bool = False, trusted: bool = False,
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fusetrain.training.sharded_checkpoints",
+    parser = argparse.ArgumentParser(prog="python -m fusetrain.training.checkpoint.sharded",
                                      description="Write the full weights of a checkpoint (sharded or not) as a "
                                                  "plain state_dict file, for inference.")
     parser.add_argument("checkpoint", help="a checkpoint file, e.g. checkpoints/<experiment>/ckpt_best.pth")

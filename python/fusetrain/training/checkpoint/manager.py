@@ -47,12 +47,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..ema import unwrap_model
-from . import elastic_resume, resume, sharded_checkpoints
-from .callbacks import CallbackList, TrainerState
-from .checkpoints import atomic_copy, atomic_save, load_checkpoint
-from .model_average import BestModels
-from .params import TrainingParams
+from ...ema import unwrap_model
+from . import resume_plan as elastic_resume
+from . import resume
+from . import sharded as sharded_checkpoints
+from ..task.callbacks import CallbackList, TrainerState
+from .files import atomic_copy, atomic_save, load_checkpoint
+from .average import BestModels
+from ..params import TrainingParams
 from .position import resume_iterator, rng_state, set_rng_state
 
 __all__ = ["CheckpointManager", "LATEST", "BEST", "AVERAGE", "AVERAGE_SNAPSHOTS"]

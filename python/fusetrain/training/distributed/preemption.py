@@ -14,6 +14,15 @@ checkpoint (``scontrol requeue $SLURM_JOB_ID``); the requeued job runs the
 same command, and ``resume: auto`` continues from the checkpoint. It does
 so after a stop by any of the signals but SIGINT (a person) and SIGTERM
 (``scancel`` sends it to a job cancelled for good).
+
+NOTE [graceful stop]: the first SIGINT (Ctrl-C) or signal of
+``preemption_signals`` (default SIGTERM, SIGUSR1) only sets a flag. The step
+in flight ends, a checkpoint of the position in the epoch is written, and
+``Trainer.train`` raises :class:`TrainingInterrupted` (a
+``KeyboardInterrupt``), so ``resume`` continues from the next batch. A
+second SIGINT interrupts at once, as Python would; a preemption signal that
+comes again while the stop is under way is ignored (a scheduler and torchrun
+may both deliver the one signal; NOTE [preemption]).
 """
 
 from __future__ import annotations
@@ -24,54 +33,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import warnings
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["EXIT_PREEMPTED", "signal_names", "parse_signal", "check_auto_requeue", "requeues", "requeue",
+from ..params.signals import EXIT_PREEMPTED
+
+__all__ = ["EXIT_PREEMPTED", "GracefulStop", "TrainingInterrupted", "check_auto_requeue", "requeues", "requeue",
            "restart_store"]
-
-#: The exit status of ``fusetrain-train`` after a stop with a checkpoint (a signal): EX_TEMPFAIL of
-#: sysexits.h, "try again later". A job script requeues (or reruns the same command) on it.
-EXIT_PREEMPTED = 75
-
-#: Signals that cannot be caught, or that mean something else to a training process.
-_REFUSED = {"SIGKILL": "it cannot be caught", "SIGSTOP": "it cannot be caught",
-            "SIGINT": "it always stops the run (Ctrl-C); list only the other signals",
-            "SIGCHLD": "child processes (DataLoader workers) send it when they end",
-            "SIGSEGV": "it reports a crash", "SIGBUS": "it reports a crash", "SIGFPE": "it reports a crash",
-            "SIGILL": "it reports a crash", "SIGABRT": "it reports a crash", "SIGPIPE": "it reports a closed pipe"}
-
-
-def signal_names() -> List[str]:
-    """The signal names ``preemption_signals`` accepts on this system."""
-    return sorted(s.name for s in signal.Signals if s.name not in _REFUSED and not s.name.startswith("SIG_")
-                  and s.name.startswith("SIG") and not s.name.startswith(("SIGRT",)))
-
-
-def parse_signal(value: Any) -> str:
-    """``'USR1'``, ``'sigusr1'``, ``'SIGUSR1'`` or a number -> ``'SIGUSR1'``; ValueError for the others."""
-    if isinstance(value, bool):
-        raise ValueError(f"got {value!r}")
-    if isinstance(value, int):
-        try:
-            name = signal.Signals(value).name
-        except ValueError:
-            raise ValueError(f"got {value!r}, which is no signal number here") from None
-    elif isinstance(value, str) and value.strip():
-        name = value.strip().upper()
-        name = name if name.startswith("SIG") else "SIG" + name
-    else:
-        raise ValueError(f"got {value!r}")
-    if name in _REFUSED:
-        raise ValueError(f"got {value!r}: {name} is not allowed ({_REFUSED[name]})")
-    if name not in signal_names():
-        raise ValueError(f"got {value!r}, which is no signal name here")
-    return name
-
 
 def check_auto_requeue(p: Any, environ: Any = None) -> None:
     """``auto_requeue`` needs Slurm (SLURM_JOB_ID set) and ``scontrol`` on PATH (before anything is written)."""
-    from .params.validators import TrainingParamsError
+    from ..params.validators import TrainingParamsError
 
     if not p.auto_requeue:
         return
@@ -133,3 +106,54 @@ def restart_store(rank: int, world: int, timeout: datetime.timedelta) -> Dict[st
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout)
     prefix = f"fusetrain/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": world}
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Training stopped on a signal after writing a checkpoint. ``exit_status``:
+    what a script should exit with (``fusetrain-train`` does; NOTE [preemption])."""
+
+    exit_status = EXIT_PREEMPTED
+
+
+class GracefulStop:
+    """Catches SIGINT and ``signals`` (names) while training (main thread only;
+    elsewhere signals keep their handlers). NOTE [graceful stop]."""
+
+    def __init__(self, signals: Sequence[str] = ("SIGTERM",)) -> None:
+        self.signal: Optional[str] = None
+        self.signals = tuple(dict.fromkeys([signal.SIGINT] + [signal.Signals[name] for name in signals]))
+        self._previous: List[Tuple[int, Any]] = []
+        self._pid = os.getpid()
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def __enter__(self) -> "GracefulStop":
+        self._pid = os.getpid()
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                self._previous.append((s, signal.signal(s, self._handle)))
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if os.getpid() != self._pid:  # a forked DataLoader worker: it keeps serving the step in flight
+            return
+        if self.requested and signum != signal.SIGINT:
+            print(f"{name} received while stopping: the checkpoint is being written", flush=True)
+            return
+        if self.requested:  # a second SIGINT: at once
+            self._restore()
+            raise KeyboardInterrupt(f"{name} received twice")
+        self.signal = name
+        print(f"{name} received: stopping after this step and writing a checkpoint (SIGINT again stops at "
+              f"once)", flush=True)
+
+    def _restore(self) -> None:
+        for s, handler in self._previous:
+            signal.signal(s, handler)
+        self._previous = []
+
+    def __exit__(self, *exc: Any) -> None:
+        self._restore()

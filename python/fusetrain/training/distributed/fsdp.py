@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 import torch
 from torch import nn
 
-from .registry import import_path
+from ..task.registry import import_path
 
 __all__ = ["BLOCKS", "wrap_targets", "shard", "find_fsdp", "grad_sync", "lockstep", "is_fsdp"]
 

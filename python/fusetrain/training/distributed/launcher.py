@@ -3,7 +3,7 @@
 (:func:`torch.distributed.launcher.api.elastic_launch`, spawned workers,
 c10d rendezvous on 127.0.0.1, no restarts). The Trainer and the recipe entry
 point pass the function each worker runs; a failure is reported as one
-:class:`~fusetrain.training.distributed.DistributedTrainingError` naming the
+:class:`~fusetrain.training.distributed.context.DistributedTrainingError` naming the
 rank that failed first."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 import uuid
 from typing import Any, Callable, Dict, Sequence
 
-from .distributed import DistributedTrainingError
+from .context import DistributedTrainingError
 
 __all__ = ["launch"]
 
@@ -77,7 +77,7 @@ class _Stopped:
 # A worker takes the launching process's start method instead ("fork" on Linux
 # before Python 3.14), as a worker started by torchrun has.
 def _call_pickled(blob: bytes, start_method: str) -> Any:
-    from .triggers import TrainingInterrupted
+    from .preemption import TrainingInterrupted
 
     multiprocessing.set_start_method(start_method, force=True)
     fn, args = pickle.loads(blob)
@@ -96,13 +96,13 @@ def launch(fn: Callable[..., Any], args: Sequence[Any], nprocs: int, payload_nam
     and ``args`` picklable. A failed worker stops all of them; the error raised
     here is a :class:`DistributedTrainingError` naming the rank that failed
     first. Workers stopped by a signal with a checkpoint make it raise
-    :class:`~fusetrain.training.triggers.TrainingInterrupted`; ``signals``
+    :class:`~fusetrain.training.schedules.triggers.TrainingInterrupted`; ``signals``
     (names) sent to this process are passed on to the workers."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .triggers import TrainingInterrupted
+    from .preemption import TrainingInterrupted
 
     if payload_names:
         _check_picklable(dict(zip(payload_names, args)), how)

@@ -13,7 +13,7 @@ module built only of ``torch.nn``'s own layer classes too). fusetrain writes onl
 random states included: NumPy's as a tensor and numbers). A file that needs
 more (a pickled module, NumPy arrays, an object of another library) is
 refused with :class:`UntrustedCheckpointError`, which names the setting that
-trusts it; ``python -m fusetrain.training.convert_checkpoint OLD.pth``
+trusts it; ``python -m fusetrain.training.checkpoint.convert OLD.pth``
 rewrites a trusted file (an older fusetrain checkpoint) as data once.
 """
 
@@ -150,7 +150,7 @@ def load_checkpoint(path: str, map_location="cpu", mmap: bool = False, trusted: 
         raise UntrustedCheckpointError(
             f"{path} holds more than tensors, numbers, strings and plain containers{what}: reading it would run "
             f"code from the file, so it is not read. If you trust the file, set {trust}, or rewrite it once as "
-            f"data with `python -m fusetrain.training.convert_checkpoint {path}` (docs/checkpoints.md)") from None
+            f"data with `python -m fusetrain.training.checkpoint.convert {path}` (docs/checkpoints.md)") from None
     except Exception as e:  # a truncated or foreign file
         raise ValueError(f"could not read checkpoint {path} (not a file torch.save wrote, or a truncated one): "
                          f"{e}") from e
@@ -159,7 +159,7 @@ def load_checkpoint(path: str, map_location="cpu", mmap: bool = False, trusted: 
 def as_data(obj: Any) -> Any:
     """``obj`` with NumPy values made plain: a legacy NumPy random state
     ``("MT19937", keys, pos, has_gauss, gauss)`` becomes the dict that
-    :func:`fusetrain.training.position.rng_state` writes, an array a tensor,
+    :func:`fusetrain.training.checkpoint.position.rng_state` writes, an array a tensor,
     a NumPy scalar a Python number."""
     import numpy as np
 

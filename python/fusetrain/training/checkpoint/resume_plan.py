@@ -28,8 +28,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .data.sharding import global_order_reason, order_seed
-from .params import TrainingParams
+from ..distributed.sharding import global_order_reason, order_seed
+from ..params import TrainingParams
 
 __all__ = ["DataPlan", "plan", "data_order_record", "rank_position"]
 
@@ -49,7 +49,7 @@ class DataPlan:
 
 def data_order_record(loader: Any, p: TrainingParams, world_size: int) -> Dict[str, Any]:
     """What a checkpoint records of its run's data order (NOTE [resume on another process count])."""
-    from .data.global_order import GlobalOrderSampler
+    from ..distributed.global_order import GlobalOrderSampler
 
     sampler = getattr(loader, "sampler", None)
     glob = isinstance(sampler, GlobalOrderSampler)

@@ -22,120 +22,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .batches import describe, prediction
+from .detection_metrics import DetectionMAP, TorchMetric
+from .metric_base import Metric, MetricInputError, SumMetric, _class_indices, _prediction
 from .registry import build_named, registrar
 
 __all__ = ["Metric", "SumMetric", "Accuracy", "MeanLoss", "MeanIoU", "PixelAccuracy", "DetectionMAP", "TorchMetric",
            "MetricInputError", "MetricSet", "METRICS", "register_metric", "build_metric", "metric_names",
            "prediction"]
-
-
-class MetricInputError(ValueError):
-    """A metric was given outputs or targets it cannot handle."""
-
-
-class Metric:
-    """Base class. Subclasses set ``name`` and implement ``reset`` (creating
-    their state on ``self.device``), ``update`` and ``compute``.
-
-    ``compute`` returns a float, or a dict of floats reported as
-    ``<name>_<key>`` (``<name>`` itself for the key ``""``);
-    :meth:`result_names` lists those names (used to check ``metric_to_watch``
-    before training). The Trainer moves a metric to the training device with
-    :meth:`to`, which also resets it."""
-
-    name = "metric"
-
-    def __init__(self) -> None:
-        self.device = torch.device("cpu")
-        self.reset()
-
-    def to(self, device: Union[str, torch.device]) -> "Metric":
-        self.device = torch.device(device)
-        self.reset()
-        return self
-
-    def reset(self) -> None:
-        raise NotImplementedError
-
-    def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
-        raise NotImplementedError
-
-    def compute(self) -> Union[float, Dict[str, float]]:
-        raise NotImplementedError
-
-    def state_tensors(self) -> List[Tensor]:
-        """Device tensors whose sum over ranks is the metric's state (a
-        distributed run all-reduces them before ``compute``)."""
-        return []
-
-    def result_names(self) -> Optional[Tuple[str, ...]]:
-        """The names ``compute`` reports; None when not known in advance."""
-        return (self.name,)
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The running state (CPU copies), for a mid-epoch checkpoint."""
-        return {"tensors": [t.cpu() for t in self.state_tensors()]}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        mine = self.state_tensors()
-        if len(mine) != len(state["tensors"]):
-            raise ValueError(f"metric {self.name!r}: the checkpoint has {len(state['tensors'])} state tensors, this "
-                             f"metric {len(mine)}")
-        for t, v in zip(mine, state["tensors"]):
-            t.copy_(v)
-
-
-class SumMetric(Metric):
-    """A ratio of two running float64 sums (``_sum / _count``). A count known
-    on the host (``count_on_host``) is added up there and folded into
-    ``_count`` when the state is read: one launch a batch less."""
-
-    def reset(self) -> None:
-        self._sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._count = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._host_count = 0
-
-    def count_on_host(self, n: int) -> None:
-        self._host_count += n
-
-    def state_tensors(self) -> List[Tensor]:
-        if self._host_count:
-            self._count += self._host_count
-            self._host_count = 0
-        return [self._sum, self._count]
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self._host_count = 0
-        super().load_state_dict(state)
-
-    def compute(self) -> float:
-        _, count_t = self.state_tensors()
-        count = float(count_t.item())
-        return float(self._sum.item()) / count if count > 0 else float("nan")
-
-
-def _prediction(outputs: Any) -> Tensor:
-    try:
-        return prediction(outputs)
-    except ValueError as exc:
-        raise MetricInputError(str(exc)) from None
-
-
-def _class_indices(pred: Tensor, targets: Any, what: str) -> Tensor:
-    if pred.dim() < 2:
-        raise MetricInputError(f"it needs class scores [N, C, ...], got {describe(pred)}")
-    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex():
-        raise MetricInputError(f"it needs {what} targets as integer class indices [N, ...], got {describe(targets)}")
-    if targets.shape != pred.shape[:1] + pred.shape[2:]:
-        raise MetricInputError(f"it needs targets of shape {tuple(pred.shape[:1] + pred.shape[2:])} for scores "
-                               f"{tuple(pred.shape)} (class indices, one per score vector), got {describe(targets)}")
-    return targets
 
 
 class Accuracy(SumMetric):
@@ -274,116 +173,6 @@ class PixelAccuracy(_ConfusionMatrix):
         cm = self.matrix().cpu()
         total = float(cm.sum())
         return float(cm.diagonal().sum()) / total if total > 0 else float("nan")
-
-
-def _detections(outputs: Any) -> List[Dict[str, Tensor]]:
-    if isinstance(outputs, Mapping) and "detections" in outputs:
-        outputs = outputs["detections"]
-    if (isinstance(outputs, (list, tuple)) and all(isinstance(d, Mapping) for d in outputs)
-            and all(isinstance(d.get(k), Tensor) for d in outputs for k in ("boxes", "scores", "labels"))):
-        return [{"boxes": d["boxes"].float(), "scores": d["scores"].float(), "labels": d["labels"].long()}
-                for d in outputs]
-    raise MetricInputError("it needs detections: a list of per-image dicts with 'boxes' [K, 4], 'scores' [K] and "
-                           "'labels' [K] (a detection model in eval mode), or a dict whose 'detections' entry is one")
-
-
-def _ground_truth(targets: Any, n: int) -> List[Dict[str, Tensor]]:
-    if isinstance(targets, Mapping) and isinstance(targets.get("boxes"), (list, tuple)):
-        targets = [{"boxes": b, "labels": c} for b, c in zip(targets["boxes"], targets["labels"])]
-    if (isinstance(targets, (list, tuple)) and len(targets) == n and all(isinstance(d, Mapping) for d in targets)
-            and all(isinstance(d.get(k), Tensor) for d in targets for k in ("boxes", "labels"))):
-        return [{"boxes": d["boxes"].float(), "labels": d["labels"].long()} for d in targets]
-    raise MetricInputError(f"it needs targets as a list of {n} per-image dicts with 'boxes' [K, 4] and 'labels' [K]")
-
-
-def _snake(name: str) -> str:
-    out = []
-    for i, ch in enumerate(name):
-        if ch.isupper() and i and (not name[i - 1].isupper() or (i + 1 < len(name) and name[i + 1].islower())):
-            out.append("_")
-        out.append(ch.lower())
-    return "".join(out)
-
-
-class TorchMetric(Metric):
-    """A ``torchmetrics.Metric`` used as a fusetrain metric: ``update`` receives
-    the model's prediction (NOTE [prediction rule]; detection outputs as they
-    are) and the targets; ``compute`` is torchmetrics' (which synchronises
-    across ranks itself). A tensor result is reported under ``name`` (default:
-    the class name in snake case), a dict of scalar tensors as
-    ``<name>_<key>``."""
-
-    def __init__(self, metric: Any, name: Optional[str] = None) -> None:
-        self.metric = metric
-        self.name = name or _snake(type(metric).__name__)
-        super().__init__()
-
-    def to(self, device: Union[str, torch.device]) -> "TorchMetric":
-        self.metric = self.metric.to(device)
-        return super().to(device)
-
-    def reset(self) -> None:
-        self.metric.reset()
-
-    @torch.no_grad()
-    def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
-        try:
-            preds = prediction(outputs)
-        except ValueError:
-            preds = outputs
-        self.metric.update(preds, targets)
-
-    def compute(self) -> Union[float, Dict[str, float]]:
-        res = self.metric.compute()
-        if isinstance(res, Mapping):
-            return {str(k): float(v) for k, v in res.items() if isinstance(v, Tensor) and v.numel() == 1}
-        return float(res)
-
-    def result_names(self) -> Optional[Tuple[str, ...]]:
-        return None
-
-    def state_dict(self) -> Dict[str, Any]:
-        def cpu(v: Any) -> Any:
-            return [cpu(x) for x in v] if isinstance(v, list) else v.cpu() if isinstance(v, Tensor) else v
-
-        return {"states": {k: cpu(v) for k, v in self.metric.metric_state.items()},
-                "update_count": getattr(self.metric, "_update_count", 0)}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        def dev(v: Any) -> Any:
-            return [dev(x) for x in v] if isinstance(v, list) else v.to(self.device) if isinstance(v, Tensor) else v
-
-        for k, v in state["states"].items():
-            setattr(self.metric, k, dev(v))
-        self.metric._update_count = state["update_count"]
-
-
-class DetectionMAP(TorchMetric):
-    """COCO-style mean average precision of boxes, computed at the end of an
-    epoch by ``torchmetrics.detection.MeanAveragePrecision`` (pycocotools'
-    evaluation). Reports ``map`` (IoU 0.50:0.95), ``map_50`` and ``map_75``.
-    Keyword arguments go to ``MeanAveragePrecision`` (``box_format``,
-    ``iou_thresholds``, ``class_metrics``, ``backend``, ...). It keeps every
-    image's boxes until ``compute``: a validation metric."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        try:
-            from torchmetrics.detection import MeanAveragePrecision
-        except ImportError as exc:  # pragma: no cover - torchmetrics is a dependency
-            raise ImportError("the 'map' metric needs torchmetrics and pycocotools") from exc
-        super().__init__(MeanAveragePrecision(**kwargs), "map")
-
-    @torch.no_grad()
-    def update(self, outputs: Any, targets: Any, loss: Optional[Tensor] = None) -> None:
-        preds = _detections(outputs)
-        self.metric.update(preds, _ground_truth(targets, len(preds)))
-
-    def compute(self) -> Dict[str, float]:
-        res = self.metric.compute()
-        return {"": float(res["map"]), "50": float(res["map_50"]), "75": float(res["map_75"])}
-
-    def result_names(self) -> Tuple[str, ...]:
-        return ("map", "map_50", "map_75")
 
 
 # ---- registry ---------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from ..distributed import DistContext
+from .context import DistContext
 from .global_order import GlobalOrderSampler, SeededSamples
 
 __all__ = ["ShardSampler", "shard_train_loader", "shard_valid_loader", "set_epoch", "global_order_reason",

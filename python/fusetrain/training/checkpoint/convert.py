@@ -1,7 +1,7 @@
-"""``python -m fusetrain.training.convert_checkpoint OLD.pth [--out NEW.pth]``:
+"""``python -m fusetrain.training.checkpoint.convert OLD.pth [--out NEW.pth]``:
 rewrite a checkpoint you trust (one written by an older fusetrain) so that it
 reads as data (NOTE [checkpoints are data]); see
-:func:`fusetrain.training.checkpoints.convert`."""
+:func:`fusetrain.training.checkpoint.files.convert`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .checkpoints import convert
+from .files import convert
 
 __all__ = ["main"]
 
@@ -19,7 +19,7 @@ EXIT_BAD_FILE = 2
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fusetrain.training.convert_checkpoint",
+    parser = argparse.ArgumentParser(prog="python -m fusetrain.training.checkpoint.convert",
                                      description="Rewrite a checkpoint you trust (e.g. one written by an older "
                                                  "fusetrain) so that it reads as data (torch.load "
                                                  "weights_only=True); the result is checked before it replaces "

@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import torch
 
-from .data.sharding import _loader_kwargs
+from ..distributed.sharding import _loader_kwargs
 
 __all__ = ["rng_state", "set_rng_state", "numpy_state_as_data", "resume_iterator", "can_skip_in_sampler"]
 

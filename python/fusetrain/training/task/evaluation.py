@@ -10,15 +10,13 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from ..amp import Precision
-from . import fsdp
+from ...amp import Precision
 from .batches import call_model, count_samples, split_batch, to_channels_last, to_device
 from .losses import split_loss
 from .metrics import MetricSet
-from .params import TrainingParams
 from .registry import import_path
 
-__all__ = ["LossSums", "component_key", "evaluate", "resolve_fn"]
+__all__ = ["LossSums", "batch_rules", "component_key", "evaluate", "resolve_fn"]
 
 
 def resolve_fn(value: Any) -> Any:
@@ -26,6 +24,13 @@ def resolve_fn(value: Any) -> Any:
     if isinstance(value, str) and "." in value:
         return import_path(value, "training_params")
     return value
+
+
+def batch_rules(p: Any) -> Dict[str, Any]:
+    """How a batch reaches the model under training params ``p`` (``split_batch``, ``model_input``,
+    ``channels_last``), as :func:`evaluate`'s keyword arguments."""
+    return {"split_fn": resolve_fn(p.split_batch), "model_input": resolve_fn(p.model_input),
+            "channels_last": p.channels_last}
 
 
 def component_key(name: str) -> str:
@@ -78,25 +83,26 @@ class LossSums:
         return out
 
 
-def evaluate(p: TrainingParams, model, loader, loss_fn, precision: Precision, metrics: MetricSet, device,
-             max_batches: Optional[int], ctx: Any = None, what: str = "the loader") -> Dict[str, float]:
+def evaluate(model, loader, loss_fn, precision: Precision, metrics: MetricSet, device, *,
+             max_batches: Optional[int] = None, ctx: Any = None, split_fn: Any = None, model_input: Any = "auto",
+             channels_last: bool = False, what: str = "the loader") -> Dict[str, float]:
     """Loss (unless the model computes its own) and metrics over ``loader``,
     in eval mode under ``inference_mode``; the model is called without
-    targets. A distributed run sums every rank's shard."""
+    targets (``split_fn``, ``model_input``: how a batch reaches it). A
+    distributed run (``ctx``) sums every rank's shard."""
     was_training = model.training
     model.eval()
     metrics.reset()
     sums = LossSums(device)
     n = 0
-    split_fn, model_input = resolve_fn(p.split_batch), resolve_fn(p.model_input)
+    split_fn, model_input = resolve_fn(split_fn), resolve_fn(model_input)
     batches = itertools.islice(loader, max_batches) if max_batches else loader
     # A sharded model's forward is a collective: every rank runs as many as the rank with the most batches.
-    pairs = (fsdp.lockstep(batches, device, f"Trainer: {what}") if ctx is not None and ctx.fsdp
-             else ((b, True) for b in batches))
+    pairs = ctx.lockstep(batches, device, f"Trainer: {what}") if ctx is not None else ((b, True) for b in batches)
     with torch.inference_mode(), precision.autocast():
         for batch, real in pairs:
             x, y, _ = split_batch(to_device(batch, device), split_fn)
-            if p.channels_last:
+            if channels_last:
                 x = to_channels_last(x)
             out = call_model(model, x, model_input)
             if not real:

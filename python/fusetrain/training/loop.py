@@ -1,9 +1,9 @@
 """One training run (one process of it): the parts the Trainer built and the
 phases of its loop, as methods. Its progress (epoch, step, best metric,
 early-stopping count, the epoch's row) lives in ``state``, the
-:class:`~fusetrain.training.callbacks.TrainerState` that callbacks read; its
+:class:`~fusetrain.training.task.callbacks.TrainerState` that callbacks read; its
 checkpoints belong to ``checkpoints``, the
-:class:`~fusetrain.training.checkpoint_manager.CheckpointManager`."""
+:class:`~fusetrain.training.checkpoint.manager.CheckpointManager`."""
 
 from __future__ import annotations
 
@@ -23,20 +23,22 @@ from torch import nn
 from ..amp import SCALE_FLOOR, Precision
 from ..export import export_model
 from . import distributed as _dist
-from . import preemption, preflight
-from .batches import call_model, count_samples, split_batch, to_device
-from .callbacks import CallbackList, TrainerState
-from .checkpoint_manager import AVERAGE, CheckpointManager
-from .data.sharding import set_epoch
-from .distributed import DistContext
-from .evaluation import LossSums, evaluate
-from .metrics import MetricSet
-from .progress_bar import Progress
+from . import preflight
+from .distributed import preemption
+from .task.batches import call_model, count_samples, split_batch, to_device
+from .task.callbacks import CallbackList, TrainerState
+from .checkpoint.manager import AVERAGE, CheckpointManager
+from .distributed.sharding import set_epoch
+from .distributed.context import DistContext
+from .task.evaluation import LossSums, batch_rules, evaluate
+from .task.metrics import MetricSet
+from .logging.progress_bar import Progress
 from .params import TrainingParams
-from .schedules import LRSchedule, run_epochs, set_lr
-from .setting_schedules import SettingSchedule
-from .step import TrainStep
-from .triggers import StepTriggers, TrainingInterrupted
+from .schedules.lr import LRSchedule, run_epochs, set_lr
+from .schedules.settings import SettingSchedule
+from .step.train_step import TrainStep
+from .distributed.preemption import TrainingInterrupted
+from .schedules.triggers import StepTriggers
 
 __all__ = ["Run"]
 
@@ -91,6 +93,10 @@ class Run:
     frozen_bn: List[nn.Module] = field(default_factory=list)  # kept in eval mode (freeze_bn_stats)
     sums: Optional[LossSums] = None
     settings: Optional[SettingSchedule] = None  # momentum_schedule / weight_decay_schedule
+
+    @property
+    def batch_rules(self) -> Dict[str, Any]:
+        return batch_rules(self.p)
 
     def __post_init__(self) -> None:
         self.sums = LossSums(self.device)
@@ -359,8 +365,8 @@ class Run:
 
     def validate(self, row: Dict[str, Any], model: Optional[nn.Module] = None) -> None:
         for name, loader in self.valid_loaders.items():
-            res = evaluate(self.p, model or self.eval_model, loader, self.loss_fn, self.precision,
-                           self.valid_metrics[name], self.device, self.p.max_valid_batches, self.ctx,
+            res = evaluate(model or self.eval_model, loader, self.loss_fn, self.precision, self.valid_metrics[name],
+                           self.device, max_batches=self.p.max_valid_batches, ctx=self.ctx, **self.batch_rules,
                            what=f"valid_loader[{name!r}]" if name else "valid_loader")
             row.update(_prefixed("valid", name, res))
             if model is None:
@@ -452,8 +458,8 @@ class Run:
         model = self.ema.module if self.ema is not None else self.model
         for name, loader in self.test_loaders.items():
             metrics = MetricSet(self.p.valid_metrics, "test").to(self.device)
-            res = evaluate(self.p, model, loader, self.loss_fn, self.precision, metrics, self.device, None,
-                           self.ctx, what=f"test_loader[{name!r}]" if name else "test_loader")
+            res = evaluate(model, loader, self.loss_fn, self.precision, metrics, self.device, ctx=self.ctx,
+                           **self.batch_rules, what=f"test_loader[{name!r}]" if name else "test_loader")
             out.update(_prefixed("test", name, res))
             self.callbacks("on_test_end", self.state, name, res)
         if self.ctx.is_main:

@@ -20,7 +20,7 @@ import threading
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from .checkpoints import atomic_write
+from ..checkpoint.files import atomic_write
 
 __all__ = ["ExperimentLogger", "NullLogger", "plot_rows", "read_jsonl_rows", "wait_for_plots"]
 
