@@ -232,7 +232,7 @@ def _build(recipe: Dict[str, Any], where: str):
     model's initial weights (and any random split of the data) are the same in
     every run of the recipe."""
     from .training.data import build_dataloaders
-    from .training.distributed.context import seed_everything
+    from .training.distributed.seeding import seed_everything
     from .models import build_model
 
     seed_everything(_training_params(recipe, where).seed)
@@ -256,7 +256,7 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
     Trainer's result. With ``multi_gpu: ddp`` outside a launcher, starts the
     workers (each builds the data and the model itself) and returns rank 0's
     result; under a launcher (torchrun) each process trains its shard."""
-    from .training.distributed import context as distributed
+    from .training import distributed
     from .training.distributed import launcher
     try:
         params = _training_params(recipe, where)

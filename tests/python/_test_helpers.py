@@ -9,6 +9,7 @@ import pytest
 import torch
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/python: the helpers and child scripts
 
 #: Skips a test (with the reason) on a machine without a usable CUDA GPU.
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")

@@ -26,7 +26,8 @@ from fusetrain.training.schedules.lr import LRSchedule
 from fusetrain.training.trainer import Trainer
 
 from _test_helpers import DEVICES
-from _train_helpers import InterruptingLoader, one_thread  # noqa: F401  (fixture)
+from _train_helpers import (InterruptingLoader, assert_tree_equal, ckpt, cnn, loaders, mlp,  # noqa: F401
+                            one_thread, rows_of, train)
 
 # Small, fast runs: 12x12 digits, a narrow digits_cnn, a few batches per epoch.
 FAST = dict(max_epochs=2, max_train_batches=4, max_valid_batches=2, progress_bar=False, device="cpu")
@@ -35,59 +36,12 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 
-def loaders(batch_size=32, image_size=12, **kw):
-    """Fresh loaders: the train loader's shuffling generator is part of the
-    loader, so each run needs its own to see the same batches."""
-    return build_dataloaders({"name": "digits", "batch_size": batch_size, "image_size": image_size, **kw})
-
-
-def cnn(width=8, seed=0, **kw):
-    torch.manual_seed(seed)
-    return build_model("digits_cnn", num_classes=10, width=width, **kw)
-
-
-def mlp(image_size=8, seed=0):
-    """A model without BatchNorm (for exact gradient-accumulation checks)."""
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Flatten(), nn.Linear(image_size * image_size, 24), nn.Tanh(), nn.Linear(24, 10))
-
-
 def run(tmp_path, name="exp", model=None, data=None, **params):
-    model = cnn() if model is None else model
-    tl, vl = loaders() if data is None else data
-    result = Trainer(name, ckpt_root_dir=str(tmp_path)).train(model, {**FAST, **params}, tl, vl)
-    return result, model
-
-
-def rows_of(exp_dir):
-    with open(os.path.join(exp_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def ckpt(exp_dir, name="ckpt_latest.pth"):
-    return load_checkpoint(os.path.join(exp_dir, name))
+    return train(tmp_path, name, model, data, **{**FAST, **params})
 
 
 def snapshot(module):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def assert_tree_equal(a, b, path="root"):
-    """torch.equal on every tensor of two nested containers, == on the rest."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), path
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a, b), f"{path}: max |diff| {(a.double() - b.double()).abs().max().item()}"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{path}: keys {set(a) ^ set(b)}"
-        for k in a:
-            assert_tree_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_tree_equal(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 class _Built(list):

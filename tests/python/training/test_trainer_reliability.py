@@ -2,12 +2,9 @@
 failure is loud and nothing saved is lost. Kills and concurrent runs use real
 processes (_train_child.py) and signals."""
 
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,36 +14,11 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from fusetrain.training import TrainingParamsError, resolve_training_params
 from fusetrain.training.checkpoint.files import load_checkpoint
-from fusetrain.training.data import build_dataloaders
 from fusetrain.training.checkpoint.run_folder import ExperimentExistsError
-from fusetrain.models import build_model
 from fusetrain.training.schedules.lr import LRSchedule
 from fusetrain.training.trainer import Trainer
 
-from _train_helpers import one_thread  # noqa: F401  (fixture)
-
-FAST = dict(max_epochs=2, max_train_batches=3, max_valid_batches=1, progress_bar=False, device="cpu")
-CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_train_child.py")
-
-
-def loaders():
-    return build_dataloaders({"name": "digits", "batch_size": 32, "image_size": 12})
-
-
-def cnn(seed=0):
-    torch.manual_seed(seed)
-    return build_model("digits_cnn", num_classes=10, width=8)
-
-
-def train(tmp_path, name="exp", model=None, data=None, **params):
-    tl, vl = loaders() if data is None else data
-    model = cnn() if model is None else model
-    return Trainer(name, ckpt_root_dir=str(tmp_path)).train(model, {**FAST, **params}, tl, vl), model
-
-
-def rows_of(d):
-    with open(os.path.join(d, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+from _train_helpers import QUICK as FAST, child, cnn, finish, loaders, one_thread, rows_of, train  # noqa: F401
 
 
 def csv_epochs(d):
@@ -79,16 +51,6 @@ class Stream(IterableDataset):
 
     def __iter__(self):
         return (self.dataset[i] for i in range(self.n))
-
-
-def child(tmp_path, name, mode, **params):
-    return subprocess.Popen([sys.executable, CHILD, str(tmp_path), name, mode, json.dumps(params)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish(proc, timeout=120):
-    out, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, out
 
 
 def wait_for(path, proc, timeout=60):

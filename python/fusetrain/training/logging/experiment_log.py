@@ -53,6 +53,7 @@ def plot_rows(rows: List[Dict[str, Any]], path: str) -> str:
     process's pyplot state is left alone); returns the path, or "" (with a
     warning) when matplotlib is not installed."""
     try:
+        import matplotlib  # noqa: F401  (first: a blocked or missing matplotlib fails here, not in a submodule)
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:

@@ -15,8 +15,7 @@ from fusetrain.training.checkpoint.files import load_checkpoint
 
 from _test_helpers import CUDA
 from _train_helpers import one_thread  # noqa: F401  (fixture)
-from test_trainer import assert_tree_equal
-from test_trainer_reliability import train
+from _train_helpers import assert_tree_equal, train
 
 FAST = dict(max_epochs=3, max_train_batches=6, max_valid_batches=2, ckpt_every_n_steps=4, keep_last_ckpts=2,
             save_ckpt_epoch_list=[2])

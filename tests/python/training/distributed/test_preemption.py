@@ -17,9 +17,9 @@ from fusetrain.training.distributed.preemption import EXIT_PREEMPTED, requeues
 from fusetrain.training.trainer import Trainer
 from fusetrain.training.distributed.preemption import GracefulStop, TrainingInterrupted
 
-from test_trainer_reliability import cnn, loaders
+from _train_helpers import cnn, loaders
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/python, where the helpers are
+from _test_helpers import TESTS as HERE  # where the helpers are
 
 
 def test_preemption_params_are_validated():

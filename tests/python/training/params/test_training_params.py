@@ -21,7 +21,7 @@ from fusetrain import LossScaler, ModelEMA
 from fusetrain.training import TRAINING_PARAMS, TrainingParams, TrainingParamsError, resolve_training_params
 from fusetrain.training import params as P
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
+REPO = pathlib.Path(__file__).resolve().parents[4]
 
 EXPECTED_DEFAULTS = {
     "max_epochs": 10, "max_steps": None, "optimizer": "AdamW", "optimizer_params": {}, "initial_lr": 1e-3,

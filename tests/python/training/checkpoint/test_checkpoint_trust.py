@@ -17,8 +17,7 @@ from fusetrain.training.checkpoint.files import UntrustedCheckpointError, load_c
 from fusetrain.training.trainer import Trainer
 
 from _train_helpers import one_thread  # noqa: F401  (fixture)
-from test_trainer import assert_tree_equal
-from test_trainer_reliability import FAST, cnn, loaders, train
+from _train_helpers import QUICK as FAST, assert_tree_equal, cnn, loaders, train
 
 
 class CreatesFile:
@@ -137,7 +136,7 @@ def test_older_checkpoints_load_trusted_or_converted(tmp_path):
     half, _ = train(tmp_path, "half", max_epochs=1)
     latest = os.path.join(half["experiment_dir"], "ckpt_latest.pth")
     torch.save(legacy(load_checkpoint(latest)), latest)
-    with pytest.raises(UntrustedCheckpointError, match=r"resume_trusted: true.*convert_checkpoint"):
+    with pytest.raises(UntrustedCheckpointError, match=r"resume_trusted: true.*python -m fusetrain.training.checkpoint.convert"):
         train(tmp_path, "half", max_epochs=2, resume=True)
     # Converted once, it reads as data and the resumed run ends as the uninterrupted one.
     convert_checkpoint.main([latest])

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_avail
                                  reason="needs torch.distributed with the gloo backend"),
               pytest.mark.dist, pytest.mark.slow]
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/python, where the helpers are
+from _test_helpers import TESTS as HERE  # where the helpers are
 DOC = os.path.join(HERE, "..", "..", "docs", "distributed.md")
 # A small CPU run: 2 epochs of 4 steps, each step validated on one batch (a "Step: N" line); the ranks agree on
 # a stop after every step (log_interval).

@@ -12,8 +12,7 @@ from fusetrain.training import TrainingParamsError, resolve_training_params
 from fusetrain.training.checkpoint.average import BestModels, average_state_dicts
 
 from _train_helpers import one_thread  # noqa: F401  (fixture)
-from test_trainer import assert_tree_equal
-from test_trainer_reliability import train
+from _train_helpers import assert_tree_equal, train
 
 
 def test_average_of_floats_and_integer_counts():

@@ -24,8 +24,7 @@ from fusetrain.training.trainer import Trainer
 from fusetrain.training.distributed.preemption import TrainingInterrupted
 
 from _train_helpers import one_thread  # noqa: F401  (fixture)
-from test_trainer import assert_tree_equal
-from test_trainer_reliability import child, cnn, finish, loaders, rows_of
+from _train_helpers import assert_tree_equal, child, cnn, finish, loaders, rows_of
 
 BASE = dict(max_epochs=3, max_train_batches=10, max_valid_batches=2, progress_bar=False, device="cpu",
             ckpt_every_n_steps=3)
