@@ -398,18 +398,28 @@ class ModelEMA:
 
     # ---- state -----------------------------------------------------------------------
 
-    def state_dict(self) -> Dict[str, Any]:
-        return {"module": self.module.state_dict(), "step": self._step.detach().clone(), "decay": self.decay,
-                "decay_type": self.decay_type, "beta": self.beta, "total_steps": self.total_steps,
-                "warmup": self.warmup, "warmup_gamma": self.warmup_gamma, "warmup_power": self.warmup_power,
-                "include_buffers": self.include_buffers,
+    def state_dict(self, sharded: bool = False) -> Dict[str, Any]:
+        """The EMA's state: its module's weights, its step, its settings and the remainders of its bfloat16
+        tensors. ``sharded``: without the tensors a sharded checkpoint keeps in its shards (the module and the
+        remainders, whose names ``sharded_remainders`` lists; NOTE [sharded checkpoints])."""
+        state = {"step": self._step.detach().clone(), "decay": self.decay,
+                 "decay_type": self.decay_type, "beta": self.beta, "total_steps": self.total_steps,
+                 "warmup": self.warmup, "warmup_gamma": self.warmup_gamma, "warmup_power": self.warmup_power,
+                 "include_buffers": self.include_buffers}
+        if sharded:
+            return {**state, "sharded_remainders": sorted(self._remainders)}
+        return {"module": self.module.state_dict(), **state,
                 "remainders": {n: r.detach().clone() for n, r in self._remainders.items()}}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        for k in ("module", "step", "decay", "decay_type"):
+        """Load :meth:`state_dict`'s state; a sharded one (``sharded_remainders``, no ``module``) leaves the
+        module and the listed remainders as they are (loaded in place from the shards)."""
+        sharded = "sharded_remainders" in state_dict
+        for k in ("step", "decay", "decay_type") + (() if sharded else ("module",)):
             if k not in state_dict:
                 raise KeyError(f"ModelEMA.load_state_dict: missing key {k!r}")
-        self.module.load_state_dict(state_dict["module"])
+        if not sharded:
+            self.module.load_state_dict(state_dict["module"])
         self._step.copy_(state_dict["step"])
         self.decay = float(state_dict["decay"])
         self.decay_type = state_dict["decay_type"]
@@ -425,9 +435,10 @@ class ModelEMA:
         # NOTE [ema remainder]: a state without a tensor's remainder (saved without
         # remainders) makes its bfloat16 value the EMA.
         saved = state_dict.get("remainders") or {}
+        in_place = set(state_dict.get("sharded_remainders", ()))
         with torch.no_grad():
             for n, r in self._remainders.items():
                 if n in saved:
                     r.copy_(saved[n])
-                else:
+                elif n not in in_place:
                     r.zero_()

@@ -281,7 +281,6 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
         print(f"{where}{size}: experiment {recipe['experiment_name']!r}, model {recipe['arch_params']['name']} "
               f"({n_params:,} parameters), data {recipe['dataset_params']['name']} "
               f"({len(train_loader.dataset)} train / {len(valid_loader.dataset)} valid samples)", flush=True)
-    from .training.checkpoint.run_folder import ExperimentExistsError
     from .training.params import TrainingParamsError
 
     trainer = Trainer(recipe["experiment_name"], ckpt_root_dir=recipe["ckpt_root_dir"])
@@ -290,19 +289,6 @@ def run_recipe(recipe: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
                              valid_loader=valid_loader)
     except TrainingParamsError as exc:  # checks that need the run's device (compile_step: cuda_graph on a CPU)
         raise RecipeError(f"{where}: {_error_text(exc)}") from exc
-    except ExperimentExistsError as exc:
-        raise RecipeError(_used_folder_text(recipe, where, exc)) from exc
-
-
-def _used_folder_text(recipe: Dict[str, Any], where: str, exc: Any) -> str:
-    """A re-run into a used folder, said with the Hydra overrides that choose what happens
-    (``+`` adds a key the recipe does not set)."""
-    def override(key: str) -> str:
-        return f"{'' if key in recipe['training_params'] else '+'}training_params.{key}=true"
-
-    return (f"{where}: the experiment folder {exc.path} holds an earlier run ({', '.join(exc.files)}); run again "
-            f"with {override('resume')} to continue it, {override('overwrite_experiment')} to delete its files "
-            f"and start over, or experiment_name=<another name>")
 
 
 def plot_lr(recipe: Dict[str, Any], path: str, where: str = "recipe") -> str:

@@ -134,3 +134,17 @@ def kind_step(*args, **kwargs):
     """One ``fusetrain::fused_step_`` call of ``kind_step_args(*args, **kwargs)``."""
     a, kw = kind_step_args(*args, **kwargs)
     torch.ops.fusetrain.fused_step_(*a, **kw)
+
+
+def latest_run(experiment_dir):
+    """The newest run folder of an experiment (NOTE [run folders]); the experiment folder itself when it has
+    none."""
+    from fusetrain.training.checkpoint.run_folder import run_folders
+
+    runs = run_folders(str(experiment_dir))
+    return runs[-1] if runs else str(experiment_dir)
+
+
+def run_path(root, experiment, name):
+    """The file ``name`` of experiment ``experiment``'s newest run under ``root``."""
+    return os.path.join(latest_run(os.path.join(str(root), experiment)), name)

@@ -15,7 +15,7 @@ from fusetrain.training.checkpoint.files import load_checkpoint
 from fusetrain.training.data import build_dataloaders
 from fusetrain.training.trainer import Trainer
 
-from _test_helpers import TESTS
+from _test_helpers import TESTS, latest_run
 
 #: A short run: 2 epochs of 3 batches, one validation batch.
 QUICK = dict(max_epochs=2, max_train_batches=3, max_valid_batches=1, progress_bar=False, device="cpu")
@@ -49,13 +49,14 @@ def train(tmp_path, name="exp", model=None, data=None, **params):
 
 
 def rows_of(run_dir):
-    """The rows of a run's metrics.jsonl."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    """The rows of a run's metrics.jsonl (of an experiment folder: of its newest run)."""
+    with open(os.path.join(latest_run(run_dir), "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
 def ckpt(run_dir, name="ckpt_latest.pth"):
-    return load_checkpoint(os.path.join(run_dir, name))
+    """A run's checkpoint file (of an experiment folder: of its newest run)."""
+    return load_checkpoint(os.path.join(latest_run(run_dir), name))
 
 
 def assert_tree_equal(a, b, path="root"):

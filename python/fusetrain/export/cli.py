@@ -19,7 +19,9 @@ def _parser() -> argparse.ArgumentParser:
                                             "or ONNX .onnx), checked against the eager model on a validation batch.")
     p.add_argument("--config-name", "-cn", default="default", help="the recipe the model was trained with")
     p.add_argument("--config-dir", "-cd", default=None, help="directory of your own recipes")
-    p.add_argument("--checkpoint", required=True, help="a fusetrain checkpoint (ckpt_best.pth, ckpt_latest.pth)")
+    p.add_argument("--checkpoint", required=True,
+                   help="a fusetrain checkpoint (ckpt_best.pth, ckpt_latest.pth), or a run or experiment folder (its "
+                        "newest run's ckpt_best.pth)")
     p.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights")
     p.add_argument("--trusted", action="store_true",
                    help="read the checkpoint with any pickle allowed (it may run code from the file; only for files "
@@ -34,20 +36,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from ..models import build_model
     from ..train_from_recipe import EXIT_RECIPE_ERROR, RecipeError, load_recipe
     from ..training.task.batches import split_batch
-    from ..training.checkpoint.files import load_checkpoint
+    from ..training.checkpoint.run_folder import checkpoint_file
+    from ..training.checkpoint.weights import read_weights
     from ..training.data import build_dataloaders
-    from ..training.checkpoint.sharded import full_state_dict
 
     try:
         recipe = load_recipe(args.config_name, args.overrides, args.config_dir)
         arch = dict(recipe["arch_params"])
         model = build_model(arch.pop("name"), **arch)
         # NOTE [checkpoints are data]: read before the data is loaded; an untrusted file is refused first.
-        if args.ema and not load_checkpoint(args.checkpoint, mmap=True, trusted=args.trusted,
-                                            trust="--trusted").get("ema"):
-            raise ValueError(f"--ema: {args.checkpoint} has no EMA weights (train with ema: true)")
-        model.load_state_dict(full_state_dict(args.checkpoint, ema=args.ema, trusted=args.trusted,
-                                              trust="--trusted"))  # sharded or not
+        model.load_state_dict(read_weights(checkpoint_file(args.checkpoint), use_ema=args.ema, trusted=args.trusted,
+                                           key="--checkpoint", trust="--trusted", ema_key="--ema"))
         _, valid_loader = build_dataloaders(recipe["dataset_params"])
         inputs, _, _ = split_batch(next(iter(valid_loader)))
         result = export_model(model, inputs, args.out)

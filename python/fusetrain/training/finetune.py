@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import os
 import re
-import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
+from .._warnings import warn
+from .checkpoint.weights import read_weights
 from .params import TrainingParamsError
 
 __all__ = ["load_pretrained", "freeze", "frozen_bn_modules", "lr_scales", "param_groups", "LoadReport"]
 
 LoadReport = Dict[str, List[str]]
-_NESTED = ("state_dict", "model", "module", "model_state_dict", "net")  # where checkpoints keep the weights
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -34,48 +33,6 @@ def matches(name: str, pattern: str) -> bool:
     if any(c in pattern for c in "*?["):
         return fnmatch.fnmatchcase(name, pattern)
     return name == pattern or name.startswith(pattern + ".")
-
-
-def _read_state_dict(path: str, use_ema: bool, trusted: bool = False) -> Mapping[str, torch.Tensor]:
-    key = "training_params.pretrained_weights"
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{key}: no file at {path}")
-    if path.endswith(".safetensors"):
-        try:
-            from safetensors.torch import load_file
-        except ImportError as e:
-            raise ValueError(f"{key}: {path} is a safetensors file; pip install safetensors to read it") from e
-        return load_file(path)
-    from .checkpoint.files import load_checkpoint
-
-    try:  # NOTE [checkpoints are data]
-        obj = load_checkpoint(path, trusted=trusted, trust="pretrained_params: {trusted: true}", torch_modules=True)
-    except ValueError as e:  # a truncated, foreign or untrusted file
-        raise type(e)(f"{key}: {e}") from None
-    if isinstance(obj, nn.Module):
-        obj = obj.state_dict()
-    if isinstance(obj, Mapping) and obj.get("shards") is not None:  # NOTE [sharded checkpoints]
-        from .checkpoint.sharded import full_state_dict
-
-        return full_state_dict(path, ema=use_ema, trusted=trusted)
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"{key}: {path} holds a {type(obj).__name__}; allowed: a state dict, a module or a "
-                         f"checkpoint dict with one under {_NESTED}")
-    if use_ema:
-        ema = obj.get("ema")
-        if not isinstance(ema, Mapping) or not isinstance(ema.get("module"), Mapping):
-            raise ValueError(f"training_params.pretrained_params.use_ema: {path} has no EMA weights (a fusetrain "
-                             f"checkpoint of a run with ema: true has them)")
-        return ema["module"]
-    if all(isinstance(v, torch.Tensor) for v in obj.values()):
-        return obj
-    for k in _NESTED:  # fusetrain checkpoints ("model"), Lightning/timm ("state_dict"), ...
-        inner = obj.get(k)
-        if isinstance(inner, nn.Module):
-            return inner.state_dict()
-        if isinstance(inner, Mapping) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
-            return inner
-    raise ValueError(f"{key}: {path} is a dict without tensors at the top level or under any of {_NESTED}")
 
 
 def _remap(sd: Mapping[str, torch.Tensor], key_map: Mapping[str, str]) -> Dict[str, torch.Tensor]:
@@ -103,7 +60,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False, key_map: 
     shape``). With ``strict`` anything but a full match raises; without it,
     loading nothing at all raises too (a wrong file or prefix). The file is
     read as data unless ``trusted`` (NOTE [checkpoints are data])."""
-    sd = _read_state_dict(path, use_ema, trusted)
+    sd = read_weights(path, use_ema, trusted)
     own = model.state_dict()
     key_map = dict(key_map or {})
     if not any(k.startswith("module.") for k in own) and sd and all(k.startswith("module.") for k in sd):
@@ -287,4 +244,4 @@ def report_text(report: LoadReport, path: str) -> str:
 
 def warn_report(report: LoadReport, path: str) -> None:
     if report["mismatched"] or report["missing"] or report["unexpected"]:
-        warnings.warn(f"training_params.pretrained_weights: {report_text(report, path)}", stacklevel=3)
+        warn(f"training_params.pretrained_weights: {report_text(report, path)}")

@@ -9,29 +9,30 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import os
 import resource
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
+from .._warnings import warn
 from ..amp import SCALE_FLOOR, Precision
-from ..export import export_model
 from . import distributed as _dist
-from . import preflight
+from . import after_training, preflight
 from .distributed import preemption
 from .task.batches import call_model, count_samples, split_batch, to_device
 from .task.callbacks import CallbackList, TrainerState
-from .checkpoint.manager import AVERAGE, CheckpointManager
+from ..ema import unwrap_model
+from .checkpoint.manager import CheckpointManager
+from .checkpoint.position import EpochPosition
 from .distributed.sharding import set_epoch
 from .distributed.context import DistContext
-from .task.evaluation import LossSums, batch_rules, evaluate
+from .task.evaluation import LossSums, batch_rules, evaluate, prefixed
 from .task.metrics import MetricSet
+from .logging.console import RunReport
 from .logging.progress_bar import Progress
 from .params import TrainingParams
 from .schedules.lr import LRSchedule, run_epochs, set_lr
@@ -50,10 +51,6 @@ def _memory_mb(device: torch.device) -> Dict[str, float]:
     # CPU: the process's peak resident set size (ru_maxrss is in KiB on Linux).
     return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
 
-
-def _prefixed(phase: str, name: str, results: Dict[str, float]) -> Dict[str, float]:
-    prefix = f"{phase}_{name}_" if name else f"{phase}_"
-    return {prefix + k: v for k, v in results.items()}
 
 
 @dataclass
@@ -82,9 +79,10 @@ class Run:
     callbacks: CallbackList
     state: TrainerState  # the run's progress (epoch, step, best, ...), read by callbacks
     checkpoints: CheckpointManager
+    position: EpochPosition  # this rank's place in the epoch (mid-epoch checkpoints and resumes)
     logger: Any
     watch_key: str  # the row key of metric_to_watch
-    experiment_dir: str
+    run_dir: str
     triggers: StepTriggers  # validation, checkpoints and a graceful stop inside epochs
     step_log: Any  # StepLog: per-step scalars to training_params.loggers
     split_fn: Optional[Callable[[Any], Any]] = None
@@ -93,6 +91,7 @@ class Run:
     frozen_bn: List[nn.Module] = field(default_factory=list)  # kept in eval mode (freeze_bn_stats)
     sums: Optional[LossSums] = None
     settings: Optional[SettingSchedule] = None  # momentum_schedule / weight_decay_schedule
+    skipped_seen: float = 0.0  # the skipped-step count at the end of the previous epoch (NOTE [divergence])
 
     @property
     def batch_rules(self) -> Dict[str, Any]:
@@ -110,6 +109,9 @@ class Run:
         last: Dict[str, Any] = dict(self.logger.rows[-1]) if self.logger.rows else {}
         test: Dict[str, float] = {}
         completed = False
+        report, t_start = RunReport(self), time.perf_counter()
+        if self.ctx.is_main:
+            print("\n".join(report.header()), flush=True)
         cbs("on_train_start", state)
         try:
             with self.triggers.stop:  # NOTE [graceful stop]
@@ -130,13 +132,15 @@ class Run:
             if write_error is not None:
                 if completed:
                     raise write_error
-                warnings.warn(f"a checkpoint written in the background failed as well: {write_error!r}",
-                              stacklevel=2)
+                warn(f"a checkpoint written in the background failed as well: {write_error!r}")
         if completed and self.test_loaders:
-            test = self.run_tests()
-        result = {"final": last, "best": state.best, "test": test, "experiment_dir": self.experiment_dir}
+            test = after_training.run_tests(self)
+        result = {"final": last, "best": state.best, "test": test, "run_dir": self.run_dir,
+                  "experiment_dir": os.path.dirname(self.run_dir)}
         if completed and self.p.average_best_models and self.ctx.is_main:
-            result["average_model"] = self.validate_average()
+            result["average_model"] = after_training.validate_average(self)
+        if completed and self.ctx.is_main:
+            print("\n".join(report.summary(last, time.perf_counter() - t_start)), flush=True)
         return result
 
     def epochs(self, last: Dict[str, Any]) -> Dict[str, Any]:
@@ -206,8 +210,8 @@ class Run:
         has_len = (n_batches := preflight.loader_length(loader)) is not None
         if p.max_train_batches:
             n_batches = min(n_batches or p.max_train_batches, p.max_train_batches)
-        batch_iter, batches, resumed_samples = self.checkpoints.begin_epoch(loader, sums, self.train_metrics)
-        step0, samples, first_batch = self.checkpoints.epoch_start["step0"], resumed_samples, 0
+        batch_iter, batches, resumed_samples = self.position.begin(state.global_step, sums, self.train_metrics)
+        step0, samples, first_batch = self.position.step0, resumed_samples, 0
         progress = Progress(p.progress_bar and self.ctx.is_main, n_batches or 0,
                             f"epoch {epoch + 1}/{run_epochs(p, self.steps_per_epoch)}")
         t0 = time.perf_counter()
@@ -258,16 +262,19 @@ class Run:
                 t_steady = time.perf_counter()
                 first_batch = n
                 progress.first_step_done()
+                if (p.torch_compile or p.compile_step != "off") and epoch == self.start_epoch and self.ctx.is_main:
+                    progress.note(f"first step: {warmup_time:.1f} s (compiling; the next steps run the compiled "
+                                  f"code)")
             elif p.log_interval and progress.bar is not None and (i + 1) % p.log_interval == 0:
                 # One host read per log interval, not per step.
                 progress.update(loss=f"{self.interval_read(samples):.4f}")
             else:
                 progress.update()
+                progress.running_loss(sums.loss, samples)  # NOTE [loss in the progress bar]
             if do_step and self.steps_done():  # max_steps: the run ends at this step
                 break
             if do_step and not last_micro:
                 self.between_steps(epoch, i + 1, samples)
-        progress.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
@@ -280,12 +287,13 @@ class Run:
             raise ValueError(f"Trainer.train: the train loader yielded no batches in epoch {epoch + 1}; it must "
                              f"yield at least one per epoch")
         if not has_len and batches < n_batches:
-            warnings.warn(f"the train loader (no length) ended after {batches} batches, before max_train_batches="
-                          f"{n_batches}, which the lr schedule and the EMA count as one epoch; set max_train_batches "
-                          f"to the batches of an epoch", stacklevel=3)
+            warn(f"the train loader (no length) ended after {batches} batches, before max_train_batches="
+                 f"{n_batches}, which the lr schedule and the EMA count as one epoch; set max_train_batches "
+                 f"to the batches of an epoch")
         row: Dict[str, Any] = {"epoch": epoch + 1}
-        row.update(_prefixed("train", "", sums.means(samples)))
-        row.update({k: v for k, v in _prefixed("train", "", self.train_metrics.compute()).items() if k not in row})
+        row.update(prefixed("train", "", sums.means(samples)))
+        progress.close(row.get("train_loss"))
+        row.update({k: v for k, v in prefixed("train", "", self.train_metrics.compute()).items() if k not in row})
         row["lr"] = self.schedule(max(0, state.global_step - 1))
         row["epoch_time_s"] = elapsed
         row["warmup_time_s"] = warmup_time or 0.0
@@ -295,7 +303,7 @@ class Run:
             row["stalled_updates"] = int(stalled.item())
             stalled.zero_()
         if self.scaler.is_enabled() and self.scaler.skipped_steps is not None:
-            row["skipped_steps"] = self.checkpoints.skipped_steps()
+            row["skipped_steps"] = state.skipped_steps()
             row["loss_scale"] = self.scaler.get_scale()
             self.check_divergence(epoch, row, state.global_step - step0)
         state.metrics = row
@@ -324,9 +332,9 @@ class Run:
             return self.sums.loss.item() / samples
         loss, scale_v = torch.stack([self.sums.loss, scale.double()]).tolist()
         if scale_v <= SCALE_FLOOR and not self.state.stop_training:
-            warnings.warn(f"the run diverged at step {self.state.global_step}: the loss scale is at its floor "
-                          f"2**-126 (every recent step had non-finite gradients); training stops at the end of this "
-                          f"epoch", RuntimeWarning, stacklevel=3)
+            warn(f"the run diverged at step {self.state.global_step}: the loss scale is at its floor "
+                 f"2**-126 (every recent step had non-finite gradients); training stops at the end of this "
+                 f"epoch", RuntimeWarning)
             self.state.request_stop("the run diverged (loss scale at its floor)")
         return loss / samples
 
@@ -335,19 +343,19 @@ class Run:
         at its floor means every recent step had non-finite gradients: the run
         stops, saying so. A fully skipped epoch above the floor only warns (the
         scale may still be settling)."""
-        skipped = row["skipped_steps"] - self.checkpoints.skipped_seen
-        self.checkpoints.skipped_seen = row["skipped_steps"]
+        skipped = row["skipped_steps"] - self.skipped_seen
+        self.skipped_seen = row["skipped_steps"]
         if row["loss_scale"] <= SCALE_FLOOR:
             msg = (f"the run diverged: the loss scale reached its floor 2**-126 in epoch {epoch + 1} ({skipped:.0f} of "
                    f"its {steps} steps skipped for non-finite gradients; a skipped step leaves the weights as they "
                    f"were); stopping. Lower initial_lr, set clip_grad_norm or check the data for inf/NaN, and start "
                    f"again from an earlier checkpoint")
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            warn(msg, RuntimeWarning)
             self.state.request_stop(msg)
         elif steps and skipped >= steps:
-            warnings.warn(f"every optimizer step of epoch {epoch + 1} ({steps}) was skipped for non-finite gradients; "
-                          f"the optimizer did not change the weights in this epoch (loss scale now "
-                          f"{row['loss_scale']:g})", RuntimeWarning, stacklevel=3)
+            warn(f"every optimizer step of epoch {epoch + 1} ({steps}) was skipped for non-finite gradients; "
+                 f"the optimizer did not change the weights in this epoch (loss scale now "
+                 f"{row['loss_scale']:g})", RuntimeWarning)
 
     def explain_failure(self, exc: Exception, x, y, rng) -> None:
         """Raise a ValueError naming the cause of a failed step when it is a usual one."""
@@ -368,7 +376,7 @@ class Run:
             res = evaluate(model or self.eval_model, loader, self.loss_fn, self.precision, self.valid_metrics[name],
                            self.device, max_batches=self.p.max_valid_batches, ctx=self.ctx, **self.batch_rules,
                            what=f"valid_loader[{name!r}]" if name else "valid_loader")
-            row.update(_prefixed("valid", name, res))
+            row.update(prefixed("valid", name, res))
             if model is None:
                 self.callbacks("on_validation_end", self.state, name, res)
 
@@ -379,11 +387,32 @@ class Run:
         state.stale_epochs = 0 if improved else state.stale_epochs + (1 if self.watch_key in row else 0)
         self.logger.log_epoch(row)
         self.step_log.flush()
+        if self.p.average_best_models and self.ctx.is_main and self.watch_key in row:  # NOTE [average of the best
+            # models]
+            self.checkpoints.offer_best_model(epoch + 1, row[self.watch_key], self.watched_weights())
+        epoch_file = epoch + 1 if epoch + 1 in self.p.save_ckpt_epoch_list else None
+        self.checkpoints.save(epoch + 1, state.global_step, best=improved, epoch_file=epoch_file,
+                              saved=self.saved_hook())
         if self.ctx.is_main:
-            self.print_epoch(row)
-        self.checkpoints.save_epoch_end(epoch, improved, row, self.watch_key)
+            files = ["ckpt_latest.pth"] + ["ckpt_best.pth"] * improved + [f"ckpt_epoch_{epoch_file}.pth"] * bool(
+                epoch_file)
+            print(RunReport(self).epoch_line(row, run_epochs(self.p, self.steps_per_epoch), improved, files),
+                  flush=True)
         self.triggers.checkpoint_written()
         self.ctx.barrier()
+
+    def watched_weights(self) -> Dict[str, Any]:
+        """The state dict of the weights that are validated (the EMA's with ``ema``)."""
+        return unwrap_model(self.ema.module if self.ema is not None else self.model).state_dict()
+
+    def saved_hook(self):
+        """The ``on_checkpoint_saved`` call of a checkpoint queued now, with the run's progress as it is now (the
+        files may be written in the background: NOTE [asynchronous checkpoints])."""
+        if not self.callbacks.has("on_checkpoint_saved"):
+            return None
+        progress = copy.copy(self.state)
+        progress.best, progress.metrics = copy.copy(self.state.best), copy.copy(self.state.metrics)
+        return lambda path: self.callbacks("on_checkpoint_saved", progress, path)
 
     def update_best(self, row: Dict[str, Any], epoch: int, step: Optional[int] = None) -> bool:
         p, best, key = self.p, self.state.best, self.watch_key
@@ -405,19 +434,6 @@ class Run:
                 best.pop("step", None)
         return better
 
-    @staticmethod
-    def print_epoch(row: Dict[str, Any]) -> None:
-        parts = [f"Epoch: {row['epoch']}", f"Loss: {row['train_loss']:.4f}"]
-        for k, v in row.items():
-            if k.startswith(("train_", "valid_")) and k != "train_loss":
-                parts.append(f"{k}: {v:.4f}")
-        parts.append(f"Elapsed Time: {row['epoch_time_s']:.2f}sec")
-        if "reserved_memory_mb" in row:
-            parts.append(f"Reserved Memory: {row['reserved_memory_mb']:.2f}MB")
-        parts.append(f"Peak Memory: {row['peak_memory_mb']:.2f}MB")
-        parts.append(f"Throughput: {row['samples_per_s']:.1f} samples/s")
-        print(", ".join(parts), flush=True)
-
     # ---- between two steps of an epoch ---------------------------------------------------------------------
 
     def between_steps(self, epoch: int, batches: int, samples: int) -> None:
@@ -427,8 +443,11 @@ class Run:
         validate, checkpoint, stop = self.triggers.after_step(self.state.global_step)
         improved = self.validate_at_step(epoch) if validate else False
         if checkpoint or improved:
-            self.checkpoints.save_mid_epoch(epoch, batches, samples, self.sums, self.train_metrics,
-                                            latest=checkpoint, best=improved)
+            position = {"epoch": epoch, "batches": batches, "step0": self.position.step0,
+                        "skipped_seen": self.skipped_seen,
+                        "rank": self.position.here(batches, samples, self.sums, self.train_metrics)}
+            self.checkpoints.save(epoch, self.state.global_step, latest=checkpoint, best=improved,
+                                  position=position, saved=self.saved_hook())
             if checkpoint:
                 self.triggers.checkpoint_written()
             self.ctx.barrier()
@@ -445,52 +464,7 @@ class Run:
         values = {k: v for k, v in row.items() if k.startswith("valid_")}
         self.step_log.write(step, values)
         if self.ctx.is_main:
-            print(f"Step: {self.state.global_step}, " + ", ".join(f"{k}: {v:.4f}" for k, v in values.items()),
-                  flush=True)
+            print(f"step {self.state.global_step} | " + "  ".join(f"{k} {v:.4f}" for k, v in values.items())
+                  + (" (best)" if improved else ""), flush=True)
             self.logger.log_step_validation(row)
         return improved
-
-    # ---- after training ------------------------------------------------------------------------------------
-
-    def run_tests(self) -> Dict[str, float]:
-        """Each test loader once, on the final weights (the EMA's with ``ema``)."""
-        out: Dict[str, float] = {}
-        model = self.ema.module if self.ema is not None else self.model
-        for name, loader in self.test_loaders.items():
-            metrics = MetricSet(self.p.valid_metrics, "test").to(self.device)
-            res = evaluate(model, loader, self.loss_fn, self.precision, metrics, self.device, ctx=self.ctx,
-                           **self.batch_rules, what=f"test_loader[{name!r}]" if name else "test_loader")
-            out.update(_prefixed("test", name, res))
-            self.callbacks("on_test_end", self.state, name, res)
-        if self.ctx.is_main:
-            print("Test: " + ", ".join(f"{k}: {v:.4f}" for k, v in out.items()), flush=True)
-            os.makedirs(self.experiment_dir, exist_ok=True)
-            with open(os.path.join(self.experiment_dir, "test_metrics.json"), "w") as f:
-                json.dump(out, f, indent=2)
-        return out
-
-    def validate_average(self) -> Dict[str, Any]:
-        """``average_best_models``: the averaged weights validated (on a copy of the watched model) and where
-        they are; ``{"path", "averaged": [{"epoch", "value"}], "valid": {valid_<metric>: ...}}``."""
-        out: Dict[str, Any] = {"path": os.path.join(self.experiment_dir, AVERAGE),
-                               "averaged": self.checkpoints.best_models.summary()}
-        weights = self.checkpoints.average_model()
-        if weights is not None and self.valid_loaders and not self.ctx.enabled:
-            model = copy.deepcopy(self.ema.module if self.ema is not None else self.model)
-            model.load_state_dict(weights)
-            row: Dict[str, Any] = {}
-            self.validate(row, model=model)
-            out["valid"] = row
-        return out
-
-    def export(self) -> List[Dict[str, Any]]:
-        """training_params.export: the final weights (the EMA's with ema) to files in the experiment folder, each
-        checked against the eager model on the first validation batch."""
-        model = self.ema.module if self.ema is not None else self.model
-        loader = next(iter(self.valid_loaders.values()), None) or self.train_loader
-        inputs, _, _ = split_batch(to_device(next(iter(loader)), self.device), self.split_fn)
-        was_training = model.training
-        try:
-            return [export_model(model, inputs, os.path.join(self.experiment_dir, name)) for name in self.p.export]
-        finally:
-            model.train(was_training)

@@ -49,7 +49,7 @@ def test_translated_recipe_trains_one_epoch(tmp_path, capsys, name):
     assert "reproduced on purpose" in out
     result = json.loads(out[out.index("{\n"):])
     assert result["best"]["epoch"] == 1
-    assert os.path.isfile(os.path.join(result["experiment_dir"], "ckpt_latest.pth"))
+    assert os.path.isfile(os.path.join(result["run_dir"], "ckpt_latest.pth"))
 
 
 def test_sg_only_objects_stop_the_run_with_one_error_each(tmp_path, capsys):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from fusetrain.training.build import build_optimizer
 from fusetrain.amp import resolve_precision
 from fusetrain.compat.super_gradients import SG_RECIPES_DIR, SGObject, SGTranslationError, load_sg_params, translate
 from fusetrain.training.params import resolve_training_params
@@ -81,7 +82,7 @@ def test_the_translated_sgd_steps_like_torch_sgd_with_sg_hyperparameters():
     torch.manual_seed(0)
     model, ref = nn.Linear(4, 3), nn.Linear(4, 3)
     ref.load_state_dict(model.state_dict())
-    opt, _ = Trainer._build_optimizer(model, p, torch.device("cpu"))
+    opt, _ = build_optimizer(model, p, torch.device("cpu"))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     for _ in range(3):
         x = torch.randn(8, 4)

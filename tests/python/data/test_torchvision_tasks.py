@@ -47,7 +47,7 @@ def test_fasterrcnn_trains_with_bf16_and_torch_compile(tmp_path):
         assert k in row, k
     assert row["train_loss"] == pytest.approx(sum(row[k] for k in parts), rel=1e-5)
     assert 0.0 <= row["valid_map"] <= 1.0
-    assert os.path.isfile(os.path.join(result["experiment_dir"], "ckpt_best.pth"))
+    assert os.path.isfile(os.path.join(result["run_dir"], "ckpt_best.pth"))
 
 
 def test_deeplabv3_trains_with_bf16_and_torch_compile(tmp_path):

@@ -13,7 +13,7 @@ from torch import nn
 import fusetrain  # noqa: F401
 from fusetrain import ModelEMA
 from fusetrain import optim as fo
-from fusetrain.training.checkpoint import resume
+from fusetrain.training.checkpoint.components import ModelState, OptimizerState
 timm_optim = pytest.importorskip("timm.optim")
 
 LR = 2.0**-6  # exact in the float32 device lr
@@ -219,7 +219,8 @@ def test_resume_into_live_objects_keeps_the_loaded_master_whole(optimizer_first)
         opt.load_state_dict(ck["optimizer"])
         model.load_state_dict(ck["model"])
     else:
-        resume.restore(ck, "ck.pth", model, opt, None, None)
+        ModelState(model).load_state_dict(ck["model"])  # the Trainer's resume: weights, then optimizer state
+        OptimizerState(opt).load_state_dict(ck["optimizer"])
     step_alone(model, opt, 3, 40)
     step_alone(twin, twin_opt, 3, 40)
     for q, t in zip(model.parameters(), twin.parameters()):

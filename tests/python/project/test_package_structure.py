@@ -101,13 +101,26 @@ def test_the_training_layers_import_only_downwards():
 
 
 def test_the_training_package_is_small_at_the_top_and_in_each_module():
-    top = sorted(n for n in os.listdir(os.path.join(PACKAGE_DIR, "training"))
-                 if n.endswith(".py") or os.path.isfile(os.path.join(PACKAGE_DIR, "training", n, "__init__.py")))
-    assert len(top) <= 14, top
+    root = os.path.join(PACKAGE_DIR, "training")
+    modules = sorted(n for n in os.listdir(root) if n.endswith(".py"))
+    packages = sorted(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, "__init__.py")))
+    assert len(modules) <= 8 and len(packages) <= 9, (modules, packages)
     lines = {m: sum(1 for _ in open(p)) for m, p in _modules().items() if m.startswith("fusetrain.training")}
     assert lines.pop("fusetrain.training.loop") < 500
     long = {m: n for m, n in lines.items() if n > 400 and m not in DATA_TABLES}
     assert not long, long
+
+
+def test_checkpoint_files_are_read_and_written_by_the_checkpoint_package_only():
+    """NOTE [checkpoint schema]: one owner; no torch.save / torch.load of a checkpoint elsewhere in training."""
+    found = []
+    for m, path in _modules().items():
+        if m.startswith("fusetrain.training.") and not m.startswith("fusetrain.training.checkpoint"):
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.Attribute) and node.attr in ("save", "load") and \
+                        isinstance(node.value, ast.Name) and node.value.id == "torch":
+                    found.append(f"{m}: torch.{node.attr}")
+    assert not found, found
 
 
 def test_import_leaves_warning_filters_alone():

@@ -16,7 +16,7 @@ import pytest
 
 from fusetrain import _torch_check as tc
 from fusetrain.training.logging.experiment_log import ExperimentLogger
-from fusetrain.training.trainer import _Progress
+from fusetrain.training.logging.progress_bar import Progress as _Progress
 
 from _test_helpers import REPO
 

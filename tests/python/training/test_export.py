@@ -13,6 +13,7 @@ from fusetrain.models import build_model
 from fusetrain.train_from_recipe import load_recipe
 
 from _train_helpers import one_thread  # noqa: F401  (fixture)
+from _test_helpers import run_path
 
 
 def cnn():
@@ -104,11 +105,11 @@ def test_trainer_exports_the_final_ema_weights(tmp_path):
                   ema=True, export=["model.pt2", "model.onnx"])
     result = Trainer("exp", ckpt_root_dir=str(tmp_path)).train(model, params, tl, vl)
     assert [(r["format"], r["checked"]) for r in result["export"]] == [("torch_export", True), ("onnx", True)]
-    ema_sd = torch.load(tmp_path / "exp" / "ckpt_latest.pth", weights_only=True)["ema"]["module"]
+    ema_sd = torch.load(run_path(tmp_path, "exp", "ckpt_latest.pth"), weights_only=True)["ema"]["module"]
     ref = cnn()
     ref.load_state_dict(ema_sd)
     x = torch.randn(3, 1, 28, 28)
-    program = torch.export.load(str(tmp_path / "exp" / "model.pt2")).module()
+    program = torch.export.load(str(run_path(tmp_path, "exp", "model.pt2"))).module()
     torch.testing.assert_close(program(x), ref.eval()(x), rtol=1e-5, atol=1e-6)
 
 

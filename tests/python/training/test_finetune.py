@@ -162,7 +162,7 @@ def test_torchvision_resnet_state_dict_into_a_new_head_with_frozen_backbone(tmp_
     assert not torch.equal(model.net.fc.weight, fc_before)
     # The optimizer's groups: frozen params left out, one group per (multiplier, weight decay), each at the
     # schedule's last lr times its multiplier.
-    ck = load_checkpoint(os.path.join(result["experiment_dir"], "ckpt_latest.pth"))
+    ck = load_checkpoint(os.path.join(result["run_dir"], "ckpt_latest.pth"))
     groups = ck["optimizer"]["param_groups"]
     named = dict(model.named_parameters())
     trainable = [n for n in named if not n.startswith(frozen)]
@@ -193,7 +193,7 @@ def test_multipliers_survive_resume_and_follow_the_config(tmp_path):
     trainer.train(mlp, {**params, "max_epochs": 1}, tl, vl)
     result = trainer.train(mlp, {**params, "resume": True, "lr_multipliers": {"1.0": 0.5}}, tl, vl)
     # The config's multiplier (0.5) replaces the checkpoint's (0.25); the groups stay the same.
-    groups = load_checkpoint(os.path.join(result["experiment_dir"], "ckpt_latest.pth"))["optimizer"]["param_groups"]
+    groups = load_checkpoint(os.path.join(result["run_dir"], "ckpt_latest.pth"))["optimizer"]["param_groups"]
     assert [g["lr_scale"] for g in groups] == [0.5, 1.0]
     assert [float(g["lr"]) for g in groups] == pytest.approx([0.005, 0.01])
     assert math.isfinite(result["final"]["train_loss"])

@@ -14,6 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from fusetrain import Trainer
 from fusetrain.training.params import TrainingParamsError
 
+from _test_helpers import run_path
+
 LEAN = dict(weights_dtype="bfloat16", mixed_precision="bf16",
             optimizer_params={"master_weights": "remainder", "state_dtype": "bfloat16", "weight_decay": 0.01})
 
@@ -42,7 +44,7 @@ def test_a_lean_run_keeps_bfloat16_weights_remainders_and_moments(tmp_path):
     result, model, _ = _train(tmp_path, "lean", **LEAN)
     assert math.isfinite(result["final"]["train_loss"])
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    ck = torch.load(os.path.join(str(tmp_path), "lean", "ckpt_latest.pth"), weights_only=True)
+    ck = torch.load(run_path(str(tmp_path), "lean", "ckpt_latest.pth"), weights_only=True)
     states = ck["optimizer"]["state"].values()
     assert all(st["master_remainder"].dtype == torch.int16 and st["exp_avg_sq"].dtype == torch.bfloat16
                for st in states)
@@ -66,12 +68,12 @@ def test_an_ema_of_bfloat16_weights_keeps_remainders_and_resumes_exactly(tmp_pat
     ema = dict(ema=True, ema_params={"decay": 0.999, "decay_type": "constant"})
     result, _, _ = _train(tmp_path, "lean_ema", **ema, **LEAN)
     assert math.isfinite(result["final"]["train_loss"])
-    ck = torch.load(os.path.join(str(tmp_path), "lean_ema", "ckpt_latest.pth"), weights_only=True)
+    ck = torch.load(run_path(str(tmp_path), "lean_ema", "ckpt_latest.pth"), weights_only=True)
     rems = ck["ema"]["remainders"]
     assert rems and all(r.dtype == torch.int16 for r in rems.values()) and any(r.any() for r in rems.values())
     _train(tmp_path, "lean_ema", max_epochs=3, resume=True, **ema, **LEAN)
     _train(tmp_path, "lean_ema_whole", max_epochs=3, **ema, **LEAN)
-    a, b = [torch.load(os.path.join(str(tmp_path), name, "ckpt_latest.pth"), weights_only=True)["ema"]
+    a, b = [torch.load(run_path(str(tmp_path), name, "ckpt_latest.pth"), weights_only=True)["ema"]
             for name in ("lean_ema", "lean_ema_whole")]
     for k, v in b["module"].items():
         assert torch.equal(a["module"][k], v), k
@@ -98,7 +100,7 @@ def test_int8_moments_from_optimizer_params_resume_exactly(tmp_path):
     train, valid = _data()
     base = dict(progress_bar=False, device="cpu", initial_lr=1e-2, valid_metrics=["accuracy"], **lean)
     Trainer("q8", ckpt_root_dir=str(tmp_path)).train(model(), dict(base, max_epochs=2), train, valid)
-    ck = torch.load(os.path.join(str(tmp_path), "q8", "ckpt_latest.pth"), weights_only=True)
+    ck = torch.load(run_path(str(tmp_path), "q8", "ckpt_latest.pth"), weights_only=True)
     kinds = [(st["exp_avg"].dtype, st.get("exp_avg_scales") is not None) for st in ck["optimizer"]["state"].values()]
     assert kinds.count((torch.int8, True)) == 1 and kinds.count((torch.float32, False)) == 5
     resumed, whole = model(), model()

@@ -231,8 +231,8 @@ def test_cli_trains_default_recipe(tmp_path):
     result = json.loads("\n".join(lines[start:]))
     assert result["final"]["epoch"] == 1
     assert result["best"]["metric"] == "accuracy" and 0.0 <= result["best"]["value"] <= 1.0
-    assert os.path.realpath(result["experiment_dir"]) == os.path.realpath(ckpt / "digits_cnn")
-    assert (ckpt / "digits_cnn").is_dir() and os.listdir(ckpt / "digits_cnn")
+    assert os.path.realpath(os.path.dirname(result["run_dir"])) == os.path.realpath(ckpt / "digits_cnn")
+    assert {"ckpt_latest.pth", "training_params.yaml", "console.log"} <= set(os.listdir(result["run_dir"]))
     assert os.listdir(cwd) == []  # Hydra's compose API writes nothing in the working directory
     assert "recipe 'default': experiment 'digits_cnn', model digits_cnn" in proc.stdout
 
@@ -318,17 +318,16 @@ def test_plot_lr_writes_the_schedule_without_training(tmp_path, capsys, monkeypa
 
 @pytest.mark.skipif(not _trainer_importable(), reason="fusetrain.Trainer is not importable in this build")
 @pytest.mark.slow
-def test_a_rerun_into_a_used_folder_names_the_overrides(tmp_path, capsys):
+def test_the_same_command_twice_makes_two_runs_and_resume_continues_the_latest(tmp_path):
     ckpt = tmp_path / "ck"
     argv = ["training_params.max_epochs=1", "training_params.max_train_batches=2",
             "training_params.max_valid_batches=1", "training_params.progress_bar=false", f"ckpt_root_dir={ckpt}"]
-    assert tfr.main(argv) == 0
-    capsys.readouterr()
-    before = sorted(os.listdir(ckpt / "digits_cnn"))
-    assert tfr.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: recipe 'default': the experiment folder ") and "holds an earlier run" in err
-    assert "+training_params.resume=true" in err and "+training_params.overwrite_experiment=true" in err
-    assert sorted(os.listdir(ckpt / "digits_cnn")) == before
-    # The named override works as written.
+    assert tfr.main(argv) == 0 and tfr.main(argv) == 0  # NOTE [run folders]
+    runs = sorted(os.listdir(ckpt / "digits_cnn"))
+    assert len(runs) == 2 and all(r.startswith("RUN_") for r in runs)
+    for run in runs:
+        assert {"training_params.yaml", "console.log", "metrics.jsonl"} <= set(os.listdir(ckpt / "digits_cnn" / run))
     assert tfr.main(argv[:1] + ["training_params.max_epochs=2", "+training_params.resume=true"] + argv[1:]) == 0
+    assert sorted(os.listdir(ckpt / "digits_cnn")) == runs  # continued in the newest run's folder
+    with open(ckpt / "digits_cnn" / runs[-1] / "metrics.jsonl") as f:
+        assert [json.loads(line)["epoch"] for line in f] == [1, 2]

@@ -17,7 +17,8 @@ from torch import nn
 from fusetrain.optim import SGD, Adadelta, Adam, AdamP, AdamW, Lamb, Lion, NAdam, RAdam, RMSprop
 from fusetrain.training import TrainingParamsError, resolve_training_params
 from fusetrain.training.checkpoint import files as ckpt_module
-from fusetrain.training import trainer as trainer_module
+from fusetrain.training import build
+from fusetrain.training.logging.progress_bar import Progress
 from fusetrain.training.checkpoint.files import atomic_save, load_checkpoint
 from fusetrain.training.logging.experiment_log import wait_for_plots
 from fusetrain.training.data import build_dataloaders
@@ -25,7 +26,7 @@ from fusetrain.models import build_model
 from fusetrain.training.schedules.lr import LRSchedule
 from fusetrain.training.trainer import Trainer
 
-from _test_helpers import DEVICES
+from _test_helpers import DEVICES, run_path
 from _train_helpers import (InterruptingLoader, assert_tree_equal, ckpt, cnn, loaders, mlp,  # noqa: F401
                             one_thread, rows_of, train)
 
@@ -55,7 +56,7 @@ def built_optimizers(monkeypatch):
     """Records every optimizer the Trainer builds; ``on_build`` callbacks run on
     each (e.g. to register step hooks before training starts)."""
     built = _Built()
-    original = Trainer._build_optimizer
+    original = build.build_optimizer
 
     def spy(*args, **kwargs):
         opt, fused = original(*args, **kwargs)
@@ -64,7 +65,7 @@ def built_optimizers(monkeypatch):
             cb(opt)
         return opt, fused
 
-    monkeypatch.setattr(Trainer, "_build_optimizer", staticmethod(spy))
+    monkeypatch.setattr(build, "build_optimizer", spy)
     return built
 
 
@@ -103,7 +104,7 @@ def test_default_style_run_learns(tmp_path):
     result, model = run(tmp_path, model=cnn(width=16), data=loaders(image_size=16), optimizer="AdamW",
                         lr_mode="cosine", initial_lr=3e-3, max_epochs=3, max_train_batches=None,
                         max_valid_batches=None)
-    rows = rows_of(result["experiment_dir"])
+    rows = rows_of(result["run_dir"])
     assert [r["epoch"] for r in rows] == [1, 2, 3]
     losses = [r["train_loss"] for r in rows]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
@@ -144,7 +145,7 @@ def test_optimizer_choice(tmp_path, built_optimizers, name, cls, lr, opt_params,
     init = snapshot(cnn())
     result, model = run(tmp_path, optimizer=name, optimizer_params=opt_params, initial_lr=lr, max_epochs=3)
     assert len(built_optimizers) == 1 and type(built_optimizers[0]) is cls
-    ck = ckpt(result["experiment_dir"])
+    ck = ckpt(result["run_dir"])
     states = ck["optimizer"]["state"]
     assert len(states) == len(list(model.parameters()))
     for st in states.values():
@@ -155,7 +156,7 @@ def test_optimizer_choice(tmp_path, built_optimizers, name, cls, lr, opt_params,
     final = model.state_dict()
     assert all(torch.isfinite(v.float()).all() for v in final.values())
     assert any(not torch.equal(init[k], final[k]) for k in init)
-    rows = rows_of(result["experiment_dir"])
+    rows = rows_of(result["run_dir"])
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
 
 
@@ -196,7 +197,7 @@ def test_lr_mode_follows_the_schedule(tmp_path, built_optimizers, mode, optimize
     for g in built_optimizers[0].param_groups:  # every group gets it
         assert float(g["lr"]) == pytest.approx(expected[-1], rel=1e-6)
     # metrics.jsonl records the lr of each epoch's last step.
-    rows = rows_of(result["experiment_dir"])
+    rows = rows_of(result["run_dir"])
     assert [r["lr"] for r in rows] == pytest.approx([expected[2], expected[5], expected[8]], rel=1e-12)
     if mode == "cosine":  # hand-computed: warmup 2 steps, then cosine from 0.01 to 0.001 over steps 2..8
         assert applied[:2] == pytest.approx([1e-4 + (0.01 - 1e-4) * 0.5, 0.01], rel=1e-6)
@@ -215,7 +216,7 @@ def test_lr_mode_follows_the_schedule(tmp_path, built_optimizers, mode, optimize
 def test_zero_weight_decay_on_bias_and_bn(tmp_path, built_optimizers, flag):
     result, model = run(tmp_path, max_epochs=1, max_train_batches=2, optimizer_params={"weight_decay": 0.05},
                         zero_weight_decay_on_bias_and_bn=flag)
-    groups = ckpt(result["experiment_dir"])["optimizer"]["param_groups"]
+    groups = ckpt(result["run_dir"])["optimizer"]["param_groups"]
     params = list(model.parameters())
     multi = [p for p in params if p.dim() > 1]
     one_d = [p for p in params if p.dim() == 1]
@@ -247,7 +248,7 @@ def test_mixed_precision(tmp_path, mp, dtype, device):
     assert {d for training, d in seen if training} == {dtype}
     assert {d for training, d in seen if not training} == {dtype}  # validation uses the training precision
     assert all(p.dtype == torch.float32 for p in model.parameters())  # weights stay fp32
-    rows = rows_of(result["experiment_dir"])
+    rows = rows_of(result["run_dir"])
     for r in rows:
         assert math.isfinite(r["train_loss"]) and math.isfinite(r["valid_loss"])
         if dtype == torch.float16:
@@ -268,10 +269,10 @@ def test_fp16_inf_skips_the_step_and_backs_off_the_scale(tmp_path, device):
     # The step of the 3rd batch changed nothing; every other step did.
     assert not changed(snaps[2], snaps[3])
     assert all(changed(snaps[i], snaps[i + 1]) for i in range(7) if i != 2)
-    rows = rows_of(result["experiment_dir"])
+    rows = rows_of(result["run_dir"])
     assert [r["skipped_steps"] for r in rows] == [1.0, 1.0]
     assert [r["loss_scale"] for r in rows] == [512.0, 512.0]
-    ck = ckpt(result["experiment_dir"])
+    ck = ckpt(result["run_dir"])
     # optimizer step counters and the EMA count only the 7 steps taken
     assert all(float(s["step"]) == 7.0 for s in ck["optimizer"]["state"].values())
     assert float(ck["ema"]["step"]) == 7.0
@@ -308,13 +309,13 @@ def test_clip_grad_norm_skips_a_non_finite_step(tmp_path, optimizer, mp):
     snaps = model.snapshots
     assert not changed(snaps[1], snaps[2]), "the non-finite step changed the weights"
     assert changed(snaps[0], snaps[1]) and changed(snaps[2], snaps[3])
-    ck = ckpt(result["experiment_dir"])
+    ck = ckpt(result["run_dir"])
     assert all(torch.isfinite(v.float()).all() for v in ck["model"].values())
     for st in ck["optimizer"]["state"].values():
         assert all(torch.isfinite(v).all() for v in st.values())
         assert float(st["step"]) == 3.0
     if mp == "fp16":
-        row = rows_of(result["experiment_dir"])[0]
+        row = rows_of(result["run_dir"])[0]
         assert row["skipped_steps"] == 1.0 and row["loss_scale"] == 2.0**15
 
 
@@ -326,7 +327,7 @@ def test_batch_accumulate_equals_one_step_on_the_concatenated_batch(tmp_path):
     ref = copy.deepcopy(model)
     result, model = run(tmp_path, model=model, data=data, optimizer="SGD", optimizer_params={"momentum": 0.9},
                         initial_lr=0.1, batch_accumulate=2, max_epochs=1, max_train_batches=4)
-    assert ckpt(result["experiment_dir"])["global_step"] == 2
+    assert ckpt(result["run_dir"])["global_step"] == 2
 
     # Reference: 2 steps, each on two 16-sample batches concatenated (the mean
     # loss over 32 samples), with torch's single-tensor SGD.
@@ -356,10 +357,10 @@ def test_batch_accumulate_equals_one_step_on_the_concatenated_batch(tmp_path):
 def test_batch_accumulate_steps_on_a_partial_group(tmp_path):
     result, _ = run(tmp_path, model=mlp(), data=loaders(image_size=8), batch_accumulate=2, max_epochs=2,
                     max_train_batches=3, lr_mode="linear")
-    ck = ckpt(result["experiment_dir"])
+    ck = ckpt(result["run_dir"])
     assert ck["global_step"] == 4  # 2 steps per epoch: one of 2 batches, one of 1
     assert all(float(s["step"]) == 4.0 for s in ck["optimizer"]["state"].values())
-    assert rows_of(result["experiment_dir"])[-1]["lr"] == pytest.approx(0.0)  # the schedule counts 4 steps
+    assert rows_of(result["run_dir"])[-1]["lr"] == pytest.approx(0.0)  # the schedule counts 4 steps
 
 
 # ---- channels_last -----------------------------------------------------------------------------------------
@@ -386,7 +387,7 @@ def test_channels_last(tmp_path, flag):
     # carries the hook along)
     assert [t for t, _ in inputs] == [True] * 4 + [False] * 2 + [True] * 4 + [False] * 2
     assert all(cl == flag for _, cl in inputs)
-    ema = ckpt(result["experiment_dir"])["ema"]["module"]
+    ema = ckpt(result["run_dir"])["ema"]["module"]
     assert ema["features.2.0.weight"].is_contiguous(memory_format=torch.channels_last) == flag
     assert math.isfinite(result["final"]["train_loss"]) and math.isfinite(result["final"]["valid_loss"])
 
@@ -396,7 +397,7 @@ def test_channels_last(tmp_path, flag):
 @pytest.mark.parametrize("optimizer", ["AdamW", torch.optim.AdamW], ids=["fused", "torch"])
 def test_ema_validates_on_the_ema_weights(tmp_path, optimizer):
     result, model = run(tmp_path, optimizer=optimizer, ema=True, max_valid_batches=None)
-    ck = ckpt(result["experiment_dir"])
+    ck = ckpt(result["run_dir"])
     assert ck["ema"] is not None
     assert float(ck["ema"]["step"]) == 8.0
     ema_sd = ck["ema"]["module"]
@@ -416,7 +417,7 @@ def test_ema_validates_on_the_ema_weights(tmp_path, optimizer):
 
 def test_without_ema_validates_the_model_and_has_no_ema(tmp_path):
     result, model = run(tmp_path, max_valid_batches=None)
-    assert ckpt(result["experiment_dir"])["ema"] is None
+    assert ckpt(result["run_dir"]).get("ema") is None
     on_model = Trainer("eval", ckpt_root_dir=str(tmp_path)).test(model, loaders()[1], metrics=["accuracy"])
     assert result["final"]["valid_loss"] == pytest.approx(on_model["loss"], rel=1e-9)
 
@@ -439,18 +440,18 @@ def test_torch_compile_trains_close_to_eager(tmp_path, fresh_dynamo):
     for (n, p), q in zip(comp_model.named_parameters(), eager_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4, msg=n)
     # the checkpoint holds the plain model's keys (no _orig_mod prefix)
-    assert set(ckpt(comp["experiment_dir"])["model"]) == set(eager_model.state_dict())
+    assert set(ckpt(comp["run_dir"])["model"]) == set(eager_model.state_dict())
 
 
 def test_compile_ema_bf16_together_train(tmp_path, fresh_dynamo):
     params = dict(max_epochs=2, max_train_batches=3, max_valid_batches=2, ema=True, mixed_precision="bf16")
     eager, _ = run(tmp_path, "eager", **params)
     comp, comp_model = run(tmp_path, "compiled", torch_compile=True, **params)
-    rows = rows_of(comp["experiment_dir"])
+    rows = rows_of(comp["run_dir"])
     assert all(math.isfinite(r["train_loss"]) and math.isfinite(r["valid_loss"]) for r in rows)
     assert comp["final"]["train_loss"] == pytest.approx(eager["final"]["train_loss"], rel=2e-2)
     assert comp["final"]["valid_loss"] == pytest.approx(eager["final"]["valid_loss"], rel=2e-2)
-    ck = ckpt(comp["experiment_dir"])
+    ck = ckpt(comp["run_dir"])
     assert float(ck["ema"]["step"]) == 6.0
     assert set(ck["ema"]["module"]) == set(comp_model.state_dict())
 
@@ -459,7 +460,7 @@ def test_compile_ema_bf16_together_train(tmp_path, fresh_dynamo):
 
 def test_run_validation_freq(tmp_path):
     result, _ = run(tmp_path, max_epochs=5, max_train_batches=2, run_validation_freq=2)
-    rows = rows_of(result["experiment_dir"])
+    rows = rows_of(result["run_dir"])
     assert [r["epoch"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["epoch"] for r in rows if "valid_accuracy" in r] == [2, 4, 5]  # and always the last
     assert [r["epoch"] for r in rows if "valid_loss" in r] == [2, 4, 5]
@@ -475,12 +476,12 @@ def test_max_train_and_valid_batches(tmp_path, mtb, mvb):
     n_valid = mvb or len(vl)
     assert model.train_calls == 2 * n_train
     assert model.eval_calls == 2 * n_valid
-    assert ckpt(result["experiment_dir"])["global_step"] == 2 * n_train
+    assert ckpt(result["run_dir"])["global_step"] == 2 * n_train
 
 
 def test_save_ckpt_epoch_list(tmp_path):
     result, model = run(tmp_path, max_epochs=3, max_train_batches=2, save_ckpt_epoch_list=[1, 3])
-    d = result["experiment_dir"]
+    d = result["run_dir"]
     files = sorted(f for f in os.listdir(d) if f.endswith(".pth"))
     assert "ckpt_epoch_1.pth" in files and "ckpt_epoch_3.pth" in files and "ckpt_epoch_2.pth" not in files
     assert "ckpt_latest.pth" in files and "ckpt_best.pth" in files
@@ -496,7 +497,7 @@ def test_metric_to_watch_selects_the_best_checkpoint(tmp_path, watch, greater):
     result, _ = run(tmp_path, max_epochs=4, max_train_batches=3, initial_lr=3e-3, valid_metrics=["accuracy", "top5"],
                     metric_to_watch=watch, greater_metric_to_watch_is_better=greater,
                     save_ckpt_epoch_list=[1, 2, 3, 4])
-    d = result["experiment_dir"]
+    d = result["run_dir"]
     values = [r[f"valid_{watch}"] for r in rows_of(d)]
     target = max(values) if greater else min(values)
     best_epoch = values.index(target) + 1  # the first epoch reaching it (later ties are not improvements)
@@ -512,10 +513,10 @@ def test_metric_to_watch_selects_the_best_checkpoint(tmp_path, watch, greater):
 def test_early_stopping(tmp_path, capsys):
     # min_delta larger than any change: only the first validation improves.
     result, _ = run(tmp_path, max_epochs=6, max_train_batches=2, early_stopping={"patience": 2, "min_delta": 10.0})
-    rows = rows_of(result["experiment_dir"])
+    rows = rows_of(result["run_dir"])
     assert [r["epoch"] for r in rows] == [1, 2, 3]
     assert result["final"]["epoch"] == 3
-    assert ckpt(result["experiment_dir"])["epoch"] == 3
+    assert ckpt(result["run_dir"])["epoch"] == 3
     assert result["best"]["epoch"] == 1
     assert "Early stopping after epoch 3" in capsys.readouterr().out
 
@@ -524,13 +525,13 @@ def test_early_stopping_counts_validations_only(tmp_path):
     result, _ = run(tmp_path, "freq", max_epochs=10, max_train_batches=1, run_validation_freq=2,
                     early_stopping={"patience": 2, "min_delta": 10.0})
     # validations after epochs 2 (improves), 4 and 6 (stale): stops after epoch 6
-    assert [r["epoch"] for r in rows_of(result["experiment_dir"])] == [1, 2, 3, 4, 5, 6]
+    assert [r["epoch"] for r in rows_of(result["run_dir"])] == [1, 2, 3, 4, 5, 6]
 
 
 def test_no_early_stopping_runs_all_epochs(tmp_path):
     result, _ = run(tmp_path, max_epochs=3, max_train_batches=1, metric_to_watch="loss",
                     greater_metric_to_watch_is_better=True)  # would never improve after epoch 1
-    assert len(rows_of(result["experiment_dir"])) == 3
+    assert len(rows_of(result["run_dir"])) == 3
 
 
 # ---- seed, log_interval, device ---------------------------------------------------------------------------------
@@ -563,20 +564,20 @@ def test_log_interval(tmp_path, monkeypatch, interval, reads_per_epoch):
     # The running loss is read (and shown in the progress bar) every
     # `log_interval` batches after the first; 0 reads it only at the epoch's end.
     shown = []
-    original = trainer_module._Progress.update
+    original = Progress.update
 
     def update(self, **postfix):
         if postfix:
             shown.append(postfix["loss"])
         return original(self, **postfix)
 
-    monkeypatch.setattr(trainer_module._Progress, "update", update)
+    monkeypatch.setattr(Progress, "update", update)
     _, quiet = run(tmp_path, "quiet")
     assert shown == []
     result, logged = run(tmp_path, "logged", log_interval=interval, progress_bar=True)
     assert len(shown) == 2 * reads_per_epoch
     if interval:  # the last read of an epoch covers all its 4 batches
-        rows = rows_of(result["experiment_dir"])
+        rows = rows_of(result["run_dir"])
         assert shown[reads_per_epoch - 1] == f"{rows[0]['train_loss']:.4f}"
         assert shown[-1] == f"{rows[1]['train_loss']:.4f}"
     assert_tree_equal(snapshot(quiet), snapshot(logged))  # host reads do not change training
@@ -619,16 +620,16 @@ def test_resume_is_bit_identical(tmp_path, optimizer, opt_params):
     resumed, resumed_model = run(tmp_path, "resumed", model=cnn(seed=123), data=(InterruptingLoader(tl), vl),
                                  resume=True, **params)
 
-    a, b = ckpt(straight["experiment_dir"]), ckpt(resumed["experiment_dir"])
+    a, b = ckpt(straight["run_dir"]), ckpt(resumed["run_dir"])
     assert a["epoch"] == b["epoch"] == 4 and a["global_step"] == b["global_step"] == 16
     assert_tree_equal(snapshot(straight_model), snapshot(resumed_model))
     assert_tree_equal(a["model"], b["model"])
     assert_tree_equal(a["ema"], b["ema"])
     assert_tree_equal(a["optimizer"], b["optimizer"])
     assert_tree_equal(a["scaler"], b["scaler"])
-    assert_tree_equal(a["best"], b["best"])
+    assert_tree_equal(a["progress"]["best"], b["progress"]["best"])
     # The logged metrics agree too (timings and memory aside).
-    ra, rb = rows_of(straight["experiment_dir"]), rows_of(resumed["experiment_dir"])
+    ra, rb = rows_of(straight["run_dir"]), rows_of(resumed["run_dir"])
     assert [r["epoch"] for r in rb] == [1, 2, 3, 4]
     keys = [k for k in ra[0] if k.startswith(("train_", "valid_")) or k in ("lr", "loss_scale", "skipped_steps")]
     for x, y in zip(ra, rb):
@@ -637,11 +638,11 @@ def test_resume_is_bit_identical(tmp_path, optimizer, opt_params):
     # overflowing steps both before and after it (the count carries over).
     assert len({r["loss_scale"] for r in ra}) > 1
     assert 0 < ra[1]["skipped_steps"] < ra[3]["skipped_steps"]
-    assert b["skipped_steps"] == ra[3]["skipped_steps"]
+    assert b["progress"]["skipped_steps"] == ra[3]["skipped_steps"]
 
 
 def test_resume_without_a_checkpoint_names_the_path(tmp_path):
-    expected = os.path.join(str(tmp_path), "none", "ckpt_latest.pth")
+    expected = f"no run of {os.path.join(str(tmp_path), 'none')} has a checkpoint"
     with pytest.raises(FileNotFoundError, match=expected.replace("\\", "\\\\")):
         run(tmp_path, "none", resume=True)
     assert not os.path.exists(tmp_path / "none")
@@ -653,11 +654,11 @@ def test_resume_without_a_checkpoint_names_the_path(tmp_path):
 def test_resume_path_continues_from_a_given_checkpoint(tmp_path):
     params = dict(max_epochs=3, max_train_batches=3, save_ckpt_epoch_list=[1], lr_mode="linear")
     straight, straight_model = run(tmp_path, "straight", **params)
-    path = os.path.join(straight["experiment_dir"], "ckpt_epoch_1.pth")
+    path = os.path.join(straight["run_dir"], "ckpt_epoch_1.pth")
     cont, cont_model = run(tmp_path, "continued", model=cnn(seed=5), resume_path=path, **params)
-    assert [r["epoch"] for r in rows_of(cont["experiment_dir"])] == [2, 3]
+    assert [r["epoch"] for r in rows_of(cont["run_dir"])] == [2, 3]
     assert_tree_equal(snapshot(straight_model), snapshot(cont_model))
-    assert_tree_equal(ckpt(straight["experiment_dir"])["optimizer"], ckpt(cont["experiment_dir"])["optimizer"])
+    assert_tree_equal(ckpt(straight["run_dir"])["optimizer"], ckpt(cont["run_dir"])["optimizer"])
 
 
 # ---- atomic checkpoints ---------------------------------------------------------------------------------------
@@ -672,7 +673,7 @@ def failing_save(written):
 
 def test_checkpoint_write_failure_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     result, _ = run(tmp_path, max_epochs=1, max_train_batches=2)
-    d = result["experiment_dir"]
+    d = result["run_dir"]
     latest = os.path.join(d, "ckpt_latest.pth")
     before = open(latest, "rb").read()
 
@@ -733,9 +734,9 @@ def test_bad_params_raise_before_anything_is_written(tmp_path, bad, match):
 def test_outputs_and_returned_metrics(tmp_path):
     result, model = run(tmp_path, max_valid_batches=None, train_metrics=["accuracy", "top5"],
                         valid_metrics=["accuracy", "top5", "loss"])
-    d = result["experiment_dir"]
-    assert d == os.path.join(str(tmp_path), "exp")
-    assert set(result) >= {"final", "best", "experiment_dir"}
+    d = result["run_dir"]
+    assert result["experiment_dir"] == os.path.join(str(tmp_path), "exp")
+    assert os.path.dirname(d) == result["experiment_dir"] and os.path.basename(d).startswith("RUN_")
     rows = rows_of(d)
     assert len(rows) == 2 and result["final"] == rows[-1]
     final = result["final"]
@@ -780,20 +781,20 @@ def test_max_steps_ends_mid_epoch_and_resume_extends_it(tmp_path, built_optimize
         lambda o, args, kwargs: applied.append(float(o.param_groups[0]["lr"]))))
     params = dict(max_steps=7, max_train_batches=4, lr_mode="linear", initial_lr=0.01, ema=True)
     result, model = run(tmp_path, **params)  # 4 steps per epoch: 4 + 3
-    rows = rows_of(result["experiment_dir"])
+    rows = rows_of(result["run_dir"])
     assert [r["epoch"] for r in rows] == [1, 2] and "valid_accuracy" in rows[-1]
     assert len(applied) == 7
     expected = LRSchedule(resolve_training_params({**FAST, **params}), 4).sample(range(7))
     assert applied == pytest.approx(expected, rel=1e-6) and applied[-1] == pytest.approx(0.0, abs=1e-9)
-    ck = ckpt(result["experiment_dir"])
+    ck = ckpt(result["run_dir"])
     assert ck["global_step"] == 7 and ck["epoch"] == 2
     assert ck["ema"]["step"].item() == 7
     # Resuming with a larger max_steps runs the remaining steps only.
     applied.clear()
     with pytest.warns(UserWarning, match=r"max_steps: 7 -> 10"):
         result2, _ = run(tmp_path, model=model, **dict(params, max_steps=10, resume=True))
-    assert len(applied) == 3 and ckpt(result2["experiment_dir"])["global_step"] == 10
-    assert [r["epoch"] for r in rows_of(result2["experiment_dir"])] == [1, 2, 3]
+    assert len(applied) == 3 and ckpt(result2["run_dir"])["global_step"] == 10
+    assert [r["epoch"] for r in rows_of(result2["run_dir"])] == [1, 2, 3]
     # A resume with nothing left to do trains nothing and reports the last epoch.
     applied.clear()
     result3, _ = run(tmp_path, model=model, **dict(params, max_steps=10, resume=True))
@@ -813,12 +814,12 @@ def test_plateau_reduces_after_stale_validations_and_resume_keeps_the_reductions
                   plateau_min_delta=1e9, max_epochs=2, max_train_batches=2)
     result, model = run(tmp_path, **params)
     assert applied == pytest.approx([0.01] * 4, rel=1e-6)
-    assert ckpt(result["experiment_dir"])["schedule"]["reductions"] == 1
+    assert ckpt(result["run_dir"])["schedule"]["reductions"] == 1
     applied.clear()
     with pytest.warns(UserWarning, match="max_epochs: 2 -> 3"):
         result, _ = run(tmp_path, model=model, **dict(params, max_epochs=3, resume=True))
     assert applied == pytest.approx([0.005] * 2, rel=1e-6)
-    assert ckpt(result["experiment_dir"])["schedule"]["reductions"] == 2
+    assert ckpt(result["run_dir"])["schedule"]["reductions"] == 2
 
 
 def test_plateau_needs_a_validation_loader(tmp_path):

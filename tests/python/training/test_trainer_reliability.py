@@ -14,10 +14,11 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from fusetrain.training import TrainingParamsError, resolve_training_params
 from fusetrain.training.checkpoint.files import load_checkpoint
-from fusetrain.training.checkpoint.run_folder import ExperimentExistsError
+from fusetrain.training.checkpoint.run_folder import RunFolder
 from fusetrain.training.schedules.lr import LRSchedule
 from fusetrain.training.trainer import Trainer
 
+from _test_helpers import latest_run
 from _train_helpers import QUICK as FAST, child, cnn, finish, loaders, one_thread, rows_of, train  # noqa: F401
 
 
@@ -73,7 +74,7 @@ def test_iterable_loader_needs_max_train_batches_and_sets_the_schedule(tmp_path)
     params = dict(max_train_batches=5, lr_mode="cosine", max_epochs=3, initial_lr=0.1)
     result, _ = train(tmp_path, data=(stream, vl), **params)
     schedule = LRSchedule(resolve_training_params({**FAST, **params}), 5)
-    assert [r["lr"] for r in rows_of(result["experiment_dir"])] == [schedule(4), schedule(9), schedule(14)]
+    assert [r["lr"] for r in rows_of(result["run_dir"])] == [schedule(4), schedule(9), schedule(14)]
     assert schedule(14) == pytest.approx(0.1 * 0.01) and schedule(4) > 0.05  # final: cosine_final_lr_ratio
     # A loader that ends before max_train_batches is reported.
     with pytest.warns(UserWarning, match="ended after 5 batches, before max_train_batches=8"):
@@ -119,7 +120,7 @@ def test_a_kill_while_writing_loses_nothing_and_resume_cleans_up(tmp_path, mode)
     # line (torn), the CSV rewrite or the checkpoint (a temporary file left).
     code, out = finish(child(tmp_path, "exp", mode))
     assert code == -signal.SIGKILL, out
-    d = os.path.join(str(tmp_path), "exp")
+    d = latest_run(tmp_path / "exp")
     assert load_checkpoint(os.path.join(d, "ckpt_latest.pth"))["epoch"] == 1
     assert csv_epochs(d) == ([1, 2] if mode == "kill_ckpt" else [1])  # the metrics are written first
     if mode == "kill_jsonl":
@@ -137,7 +138,7 @@ def test_a_kill_while_writing_loses_nothing_and_resume_cleans_up(tmp_path, mode)
 
 def test_a_bad_metrics_line_before_the_last_is_an_error(tmp_path):
     result, _ = train(tmp_path)
-    path = os.path.join(result["experiment_dir"], "metrics.jsonl")
+    path = os.path.join(result["run_dir"], "metrics.jsonl")
     with open(path) as f:
         lines = f.readlines()
     with open(path, "w") as f:
@@ -151,17 +152,17 @@ def test_kill_at_random_moments_then_resume(tmp_path):
     # SIGKILL from outside at random moments (after an epoch line, within the
     # next epoch or its writes); each resume continues from an intact
     # checkpoint with a consistent history, and the run ends complete.
-    d = os.path.join(str(tmp_path), "exp")
     params = dict(max_epochs=10, max_train_batches=12)
     rng = random.Random(0)
     for _ in range(4):
-        proc = child(tmp_path, "exp", "run", resume=os.path.exists(os.path.join(d, "ckpt_latest.pth")), **params)
+        proc = child(tmp_path, "exp", "run", resume="auto", **params)
         for line in proc.stdout:
-            if line.startswith("Epoch: "):
+            if line.startswith("epoch "):
                 break
         time.sleep(rng.uniform(0.0, 0.15))
         proc.send_signal(signal.SIGKILL)
         finish(proc)
+        d = latest_run(tmp_path / "exp")
         epoch = load_checkpoint(os.path.join(d, "ckpt_latest.pth"))["epoch"]
         assert [r["epoch"] for r in rows_of(d)][:epoch] == list(range(1, epoch + 1))
     code, out = finish(child(tmp_path, "exp", "run", resume=True, **params))
@@ -170,17 +171,20 @@ def test_kill_at_random_moments_then_resume(tmp_path):
     assert leftovers(d) == []
 
 
-# ---- 3: one run per experiment folder ----------------------------------------------------------------------------
+# ---- 3: one run per run folder -----------------------------------------------------------------------------------
 
-def test_a_second_run_into_a_busy_folder_fails_naming_the_holder(tmp_path):
-    holder = child(tmp_path, "exp", "hold")
+def test_a_second_run_into_a_busy_run_folder_fails_naming_the_holder(tmp_path):
+    first, _ = train(tmp_path, max_epochs=1)
+    holder = child(tmp_path, "exp", "hold", resume=True)  # continues the first run, in its folder
     wait_for(os.path.join(str(tmp_path), "exp.ready"), holder)
-    code, out = finish(child(tmp_path, "exp", "run"))
+    code, out = finish(child(tmp_path, "exp", "run", resume=True))
     assert code == 1 and "ExperimentInUseError" in out and f"in use by another run (pid {holder.pid} on " in out
+    fresh, _ = train(tmp_path, "exp", max_epochs=1)  # a fresh run takes a folder of its own meanwhile
+    assert fresh["run_dir"] != first["run_dir"]
     open(os.path.join(str(tmp_path), "exp.go"), "w").close()
     code, out = finish(holder)
     assert code == 0, out
-    d = os.path.join(str(tmp_path), "exp")
+    d = first["run_dir"]
     assert [r["epoch"] for r in rows_of(d)] == [1, 2, 3] and not os.path.exists(os.path.join(d, ".lock"))
 
 
@@ -189,23 +193,28 @@ def test_the_lock_of_a_killed_run_is_taken_over(tmp_path):
     wait_for(os.path.join(str(tmp_path), "exp.ready"), holder)
     holder.send_signal(signal.SIGKILL)
     finish(holder)
-    d = os.path.join(str(tmp_path), "exp")
-    assert os.listdir(d) == [".lock"]  # the killed holder's
-    result, _ = train(tmp_path)
-    assert result["final"]["epoch"] == 2 and ".lock" not in os.listdir(d)
+    d = latest_run(tmp_path / "exp")
+    assert sorted(os.listdir(d)) == [".lock", "console.log", "training_params.yaml"]  # the killed holder's
+    folder = RunFolder(d)
+    folder.open()  # the kernel released the dead holder's lock
+    folder.close()
+    assert ".lock" not in os.listdir(d)
 
 
-def test_a_fresh_run_into_a_used_folder_is_an_explicit_choice(tmp_path):
-    result, _ = train(tmp_path, save_ckpt_epoch_list=[1])
-    d = result["experiment_dir"]
+def test_the_same_run_twice_makes_two_run_folders(tmp_path):
+    first, _ = train(tmp_path, save_ckpt_epoch_list=[1])
+    d = first["run_dir"]
     before = {n: open(os.path.join(d, n), "rb").read() for n in ("metrics.jsonl", "ckpt_latest.pth")}
-    with pytest.raises(ExperimentExistsError, match=r"holds an earlier run \(ckpt_best.pth, ckpt_epoch_1.pth, "
-                                                    r"ckpt_latest.pth, metrics.csv.*overwrite_experiment=True"):
-        train(tmp_path, max_epochs=1)
+    second, _ = train(tmp_path, max_epochs=1)
+    assert second["run_dir"] != d and os.path.dirname(second["run_dir"]) == os.path.dirname(d)
     assert {n: open(os.path.join(d, n), "rb").read() for n in before} == before
-    with pytest.warns(UserWarning, match="deleted the earlier run's ckpt_best.pth, ckpt_epoch_1.pth"):
-        train(tmp_path, max_epochs=1, overwrite_experiment=True)
-    assert [r["epoch"] for r in rows_of(d)] == [1] and not os.path.exists(os.path.join(d, "ckpt_epoch_1.pth"))
+    assert [r["epoch"] for r in rows_of(second["run_dir"])] == [1]
+    for run in (d, second["run_dir"]):
+        assert {"training_params.yaml", "console.log", "metrics.jsonl", "ckpt_latest.pth"} <= set(os.listdir(run))
+    # overwrite_experiment deletes the earlier runs first (an explicit choice).
+    with pytest.warns(UserWarning, match=r"overwrite_experiment=True: deleted the earlier run\(s\) RUN_"):
+        third, _ = train(tmp_path, max_epochs=1, overwrite_experiment=True)
+    assert os.listdir(os.path.dirname(d)) == [os.path.basename(third["run_dir"])]
     with pytest.raises(TrainingParamsError, match="overwrite_experiment: got True with resume"):
         train(tmp_path, resume=True, overwrite_experiment=True)
 
@@ -216,7 +225,7 @@ def test_resume_applies_changed_hyperparameters_and_says_so(tmp_path):
     base = dict(optimizer="AdamW", optimizer_params={"weight_decay": 0.01}, mixed_precision="fp16",
                 scaler_params={"init_scale": 2.0**10, "growth_interval": 50}, ema=True, seed=1)
     result, _ = train(tmp_path, **base)
-    d = result["experiment_dir"]
+    d = result["run_dir"]
     scale = load_checkpoint(os.path.join(d, "ckpt_latest.pth"))["scaler"]["scale"]
     changed = dict(base, optimizer_params={"weight_decay": 0.05}, ema_params={"decay": 0.5}, seed=2, max_epochs=3,
                    scaler_params={"init_scale": 1.0, "growth_interval": 7}, resume=True)
@@ -237,12 +246,12 @@ def test_resume_applies_changed_hyperparameters_and_says_so(tmp_path):
 
 def test_resume_into_another_optimizer_is_refused_before_writing(tmp_path):
     result, _ = train(tmp_path, optimizer="SGD", optimizer_params={"momentum": 0.9})
-    path = os.path.join(result["experiment_dir"], "ckpt_latest.pth")
+    path = os.path.join(result["run_dir"], "ckpt_latest.pth")
     before = open(path, "rb").read()
     with pytest.raises(TrainingParamsError, match=r"optimizer: got 'AdamW' but the checkpoint .* was trained with "
                                                   r"'SGD'; allowed on resume: 'SGD'"):
         train(tmp_path, optimizer="AdamW", max_epochs=3, resume=True)
-    assert open(path, "rb").read() == before and len(rows_of(result["experiment_dir"])) == 2
+    assert open(path, "rb").read() == before and len(rows_of(result["run_dir"])) == 2
 
 
 # ---- 7: a diverged fp16 run stops and says so -------------------------------------------------------------------
@@ -268,7 +277,7 @@ def test_a_run_whose_scale_reaches_the_floor_stops_as_diverged(tmp_path):
     assert any("the run diverged at step 2: the loss scale is at its floor" in t for t in text), text  # 2**-124 / 4
     assert any("the run diverged: the loss scale reached its floor 2**-126 in epoch 1 (3 of its 3 steps" in t
                for t in text), text
-    assert [r["epoch"] for r in rows_of(result["experiment_dir"])] == [1]  # stopped after the epoch
+    assert [r["epoch"] for r in rows_of(result["run_dir"])] == [1]  # stopped after the epoch
     assert result["final"]["loss_scale"] == 2.0**-126 and result["final"]["skipped_steps"] == 3
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 

@@ -122,7 +122,7 @@ def test_dict_batches_components_callbacks_and_several_loaders(tmp_path):
     assert result["best"]["metric"] == "other_accuracy" and result["best"]["value"] == row["valid_other_accuracy"]
     assert set(result["test"]) == {"test_loss", "test_loss_ce", "test_loss_reg", "test_accuracy"}
     assert result["test"]["test_accuracy"] == row["valid_main_accuracy"]  # same weights, same data
-    with open(os.path.join(result["experiment_dir"], "test_metrics.json")) as f:
+    with open(os.path.join(result["run_dir"], "test_metrics.json")) as f:
         assert json.load(f) == result["test"]
     assert len(rec.step_losses) == 2 * 3
     epoch = ["epoch_start"] + ["step"] * 3 + ["train_epoch_end", "valid:main:['accuracy', 'loss', 'loss_ce', "
@@ -131,11 +131,11 @@ def test_dict_batches_components_callbacks_and_several_loaders(tmp_path):
     assert rec.calls[0] == "train_start" and rec.calls[1:1 + len(epoch)] == epoch
     assert "saved:ckpt_latest.pth" in rec.calls and rec.calls[-2:] == ["train_end", "test:"]
     # The components reach every log: CSV, JSONL, TensorBoard and the plot.
-    with open(os.path.join(result["experiment_dir"], "metrics.csv")) as f:
+    with open(os.path.join(result["run_dir"], "metrics.csv")) as f:
         assert "train_loss_ce" in f.readline()
-    assert rows_of(result["experiment_dir"])[-1]["valid_main_loss_reg"] == row["valid_main_loss_reg"]
-    wait_for_plots(result["experiment_dir"])  # drawn after the call returns (NOTE [metrics plot])
-    assert os.path.isfile(os.path.join(result["experiment_dir"], "metrics.png"))
+    assert rows_of(result["run_dir"])[-1]["valid_main_loss_reg"] == row["valid_main_loss_reg"]
+    wait_for_plots(result["run_dir"])  # drawn after the call returns (NOTE [metrics plot])
+    assert os.path.isfile(os.path.join(result["run_dir"], "metrics.png"))
 
 
 class StopAfterFirstStep(Callback):
@@ -148,7 +148,7 @@ def test_a_callback_stops_training(tmp_path, capsys):
     result = Trainer("stop", ckpt_root_dir=str(tmp_path)).train(
         TwoInputNet(), dict(FAST, max_epochs=5, model_input=forward_ab, loss=loss_with_components,
                             callbacks=[StopAfterFirstStep()]), train, valid)
-    assert [r["epoch"] for r in rows_of(result["experiment_dir"])] == [1]
+    assert [r["epoch"] for r in rows_of(result["run_dir"])] == [1]
     assert "Stopping after epoch 1: one step is enough" in capsys.readouterr().out
 
 

@@ -29,7 +29,7 @@ from typing import IO, Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 __all__ = ["atomic_copy", "atomic_save", "atomic_write", "load_checkpoint", "remove_temp_files", "TMP_PREFIX",
-           "UntrustedCheckpointError", "as_data", "convert"]
+           "UntrustedCheckpointError"]
 
 TMP_PREFIX = ".tmp_"
 _UMASK = os.umask(0)  # read once (os.umask can only be read by setting it) ...
@@ -154,55 +154,3 @@ def load_checkpoint(path: str, map_location="cpu", mmap: bool = False, trusted: 
     except Exception as e:  # a truncated or foreign file
         raise ValueError(f"could not read checkpoint {path} (not a file torch.save wrote, or a truncated one): "
                          f"{e}") from e
-
-
-def as_data(obj: Any) -> Any:
-    """``obj`` with NumPy values made plain: a legacy NumPy random state
-    ``("MT19937", keys, pos, has_gauss, gauss)`` becomes the dict that
-    :func:`fusetrain.training.checkpoint.position.rng_state` writes, an array a tensor,
-    a NumPy scalar a Python number."""
-    import numpy as np
-
-    from .position import numpy_state_as_data
-
-    if isinstance(obj, tuple) and len(obj) == 5 and obj[0] == "MT19937" and isinstance(obj[1], np.ndarray):
-        return numpy_state_as_data(obj)
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj.copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, dict):
-        return type(obj)((k, as_data(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(as_data(v) for v in obj)
-    return obj
-
-
-def convert(path: str, out: Optional[str] = None) -> str:
-    """Rewrite a trusted checkpoint (``path``, read with code execution
-    allowed) as data (:func:`as_data`) at ``out`` (default: in place,
-    atomically); the result is checked to read with ``weights_only=True``
-    before it replaces anything. Returns the path written."""
-    if out is not None and os.path.isdir(out):
-        raise ValueError(f"convert: out {out} is a directory; allowed: a file path")
-    out = out or path
-    raw = load_checkpoint(path, trusted=True)
-    if not isinstance(raw, dict):
-        raise ValueError(f"convert: {path} holds a {type(raw).__name__}, not a checkpoint; allowed: a file "
-                         f"torch.save wrote a checkpoint or state dict (a dict) to")
-    data = as_data(raw)
-    directory = os.path.dirname(os.path.abspath(out))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(out), dir=directory)
-    os.close(fd)
-    try:
-        torch.save(data, tmp)
-        try:
-            load_checkpoint(tmp)
-        except UntrustedCheckpointError as e:
-            raise ValueError(f"convert: {path} holds objects that are not data even after conversion; "
-                             f"{str(e).split(': reading it')[0].replace(tmp, 'the result')}") from None
-        atomic_copy(tmp, out)
-    finally:
-        os.remove(tmp)
-    return out

@@ -18,14 +18,15 @@ instead (NOTE [resume on another process count]).
 from __future__ import annotations
 
 import random
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..distributed.sharding import _loader_kwargs
 
-__all__ = ["rng_state", "set_rng_state", "numpy_state_as_data", "resume_iterator", "can_skip_in_sampler"]
+__all__ = ["EpochPosition", "rng_state", "set_rng_state", "numpy_state_as_data", "resume_iterator",
+           "can_skip_in_sampler"]
 
 
 def numpy_state_as_data(state: Any) -> Dict[str, Any]:
@@ -125,3 +126,42 @@ def resume_iterator(loader: Any, batches: int, mode: str) -> Iterator:
             raise ValueError(f"resume: the checkpoint was written after batch {batches} of its epoch, but the train "
                              f"loader now ends after {k} batches") from None
     return it
+
+
+class EpochPosition:
+    """This rank's place in the epoch (NOTE [mid-epoch resume]): the random states before the epoch's iterator
+    and the epoch's first optimizer step, kept for mid-epoch checkpoints, and a resumed position to continue
+    from (:meth:`resume_at`, given by the checkpoint's owner)."""
+
+    def __init__(self, loader: Any, resume_skip: str) -> None:
+        self.loader, self.resume_skip = loader, resume_skip
+        self.rng_start: Optional[Dict[str, Any]] = None
+        self.step0 = 0  # optimizer steps done when the epoch began
+        self._resumed: Optional[Dict[str, Any]] = None
+
+    def resume_at(self, position: Optional[Dict[str, Any]]) -> None:
+        """This rank's part of a mid-epoch checkpoint's position (None: the checkpoint is an epoch end's)."""
+        self._resumed = position
+
+    def begin(self, global_step: int, sums: Any, train_metrics: Any) -> Tuple[Iterator, int, int]:
+        """The epoch's batch iterator, and the batches and samples already trained on: a resumed position makes
+        the iterator from its epoch-start states, skips its batches, and loads its running sums and states."""
+        at, self._resumed = self._resumed, None
+        if at is not None and at["rng_start"] is not None:  # None: another number of processes (their states
+            set_rng_state(at["rng_start"], self.loader)      # belong to the old ranks' shards)
+        self.rng_start, self.step0 = rng_state(self.loader), global_step
+        if at is None:
+            return iter(self.loader), 0, 0
+        batch_iter = resume_iterator(self.loader, at["batches"], self.resume_skip)
+        self.step0 = at["step0"]
+        if at["sums"] is not None:  # on another number of processes, rank 0 holds the old ranks' sums
+            sums.load_state_dict(at["sums"])
+            train_metrics.load_state_dict(at["train_metrics"])
+        if at["rng"] is not None:
+            set_rng_state(at["rng"], self.loader)
+        return batch_iter, at["batches"], at["samples"]
+
+    def here(self, batches: int, samples: int, sums: Any, train_metrics: Any) -> Dict[str, Any]:
+        """This rank's entry of a mid-epoch checkpoint's position after ``batches`` batches."""
+        return {"rng_start": self.rng_start, "rng": rng_state(self.loader), "sums": sums.state_dict(),
+                "train_metrics": train_metrics.state_dict(), "samples": samples}

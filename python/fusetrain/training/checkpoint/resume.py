@@ -1,5 +1,7 @@
-"""Resume: what a run takes from its checkpoint and what from the new
-training_params (the table in ``docs/checkpoints.md``).
+"""The resume decision: which checkpoint a run continues (NOTE [run
+folders]), read as data in the current schema, how its data is read on this
+many processes (:mod:`.elastic`), and what a run takes from its checkpoint
+and what from the new training_params (the table in ``docs/checkpoints.md``).
 
 The checkpoint gives the state: weights, optimizer state (momentum, moments,
 master weights), the EMA's weights and step count, the loss scale and its
@@ -13,13 +15,18 @@ error raised before anything is loaded.
 
 from __future__ import annotations
 
-import warnings
+import os
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from ...ema import unwrap_model
+from ..._warnings import warn
 from ..params import TrainingParams, TrainingParamsError
+from . import elastic
+from .files import load_checkpoint
+from .run_folder import LATEST, RUN_PREFIX, latest_checkpoint
+from .schema import upgrade
 
-__all__ = ["check_changes", "restore"]
+__all__ = ["ResumePlan", "check_changes", "plan_resume", "read", "resume_file"]
 
 #: Keys that must not change on resume, and why.
 REFUSED = {
@@ -68,8 +75,8 @@ def check_changes(saved: Optional[Dict[str, Any]], p: TrainingParams, path: str,
     new = p.to_dict(json_safe=True)
     changed = [k for k in new if k not in IGNORED and k not in kept and k in saved and saved[k] != new[k]]
     refused = [f"training_params.{k}: got {new[k]!r} but the checkpoint {path} was trained with {saved[k]!r}; "
-               f"allowed on resume: {saved[k]!r} ({REFUSED[k]}); to change it, start a fresh run (another "
-               f"experiment_name, or overwrite_experiment=True) from the checkpoint's weights"
+               f"allowed on resume: {saved[k]!r} ({REFUSED[k]}); to change it, start a fresh run (resume: false) "
+               f"from the checkpoint's weights (pretrained_weights: {path})"
                for k in changed if k in REFUSED]
     if refused:
         raise TrainingParamsError(refused)
@@ -78,52 +85,71 @@ def check_changes(saved: Optional[Dict[str, Any]], p: TrainingParams, path: str,
         for k in changed:
             note = KEPT.get(k) or NOTES.get(k, "applied")
             lines += [f"  {d} ({note})" for d in _diff(saved[k], new[k], k)]
-        warnings.warn(f"resume from {path}: training_params changed since the checkpoint was written:\n"
-                      + "\n".join(lines), stacklevel=5)
+        warn(f"resume from {path}: training_params changed since the checkpoint was written:\n"
+             + "\n".join(lines))
 
 
-def _saved_remainders(ck: Dict[str, Any], ema) -> Optional[Dict[str, Any]]:
-    """The EMA's remainder tensors whose values a sharded checkpoint holds (NOTE [checkpoint schema])."""
-    if ema is None or ck.get("ema") is None:
+def resume_file(experiment_dir: str, p: TrainingParams) -> Optional[str]:
+    """The checkpoint a resume reads (checked to exist): ``resume_path``, else the newest run's ``ckpt_latest.pth``
+    (NOTE [run folders]); None for a fresh run (``resume: auto`` without a checkpoint, too)."""
+    if not (p.resume or p.resume_path):
         return None
-    live = ema.remainder_tensors()
-    return {n: live[n] for n in ck["ema"].get("sharded_remainders", ()) if n in live}
+    path = p.resume_path or latest_checkpoint(experiment_dir)
+    if path is not None and os.path.isfile(path):
+        return path
+    if p.resume == "auto":
+        return None
+    if p.resume_path:
+        raise FileNotFoundError(f"training_params.resume_path: no checkpoint at {p.resume_path}")
+    raise FileNotFoundError(f"training_params.resume: no run of {experiment_dir} has a checkpoint ({LATEST}); "
+                            f"allowed: resume: false (a fresh run), resume: auto, or resume_path: a checkpoint file")
 
 
-def restore(ck: Dict[str, Any], path: str, model, opt, scaler, ema) -> None:
-    """Load the checkpoint's state into the freshly built objects, then apply
-    the new settings to them (hyperparameters from training_params). A
-    sharded checkpoint (NOTE [sharded checkpoints]) loads into any number of
-    processes; a full one into an unsharded model."""
-    from ..distributed import fsdp
-    from . import sharded as sharded_checkpoints
-    fresh = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    if ck.get("shards") is None and fsdp.is_fsdp(model):
-        raise ValueError(f"resume: {path} holds the full state of a run without multi_gpu 'fsdp'; allowed: resume "
-                         f"it without fsdp, or start a fresh fsdp run from its weights (pretrained_weights: {path})")
-    if ck.get("shards") is None:
-        unwrap_model(model).load_state_dict(ck["model"])
-    saved_remainders = _saved_remainders(ck, ema)
-    try:
-        if ck.get("shards") is not None:
-            sharded_checkpoints.load(ck, path, unwrap_model(model), opt, ema.module if ema is not None else None,
-                                     saved_remainders)
-        else:
-            opt.load_state_dict(ck["optimizer"])
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise ValueError(f"resume: the optimizer state in {path} does not fit this model and optimizer: {e}") from e
-    # NOTE [resume hyperparameters]: load_state_dict brings back the saved
-    # param-group settings (weight decay, betas, the lr tensor); the new
-    # training_params win, as their warning says.
-    for g, settings in zip(opt.param_groups, fresh):
-        g.update(settings)
-    if ck.get("scaler") and scaler.is_enabled():
-        growth = {k: v for k, v in scaler.state_dict().items()
-                  if k in ("growth_factor", "backoff_factor", "growth_interval")}
-        scaler.load_state_dict({**ck["scaler"], **growth})
-    if ema is not None and ck.get("ema") is not None:
-        settings = {k: v for k, v in ema.state_dict().items() if k not in ("module", "step", "remainders")}
-        # A sharded checkpoint's module and remainders were loaded above (in place); those it lacks restart at zero.
-        module = ({"module": ema.module.state_dict(), "remainders": saved_remainders}
-                  if ck.get("shards") is not None else {})
-        ema.load_state_dict({**ck["ema"], **settings, **module})
+def read(path: str, trusted: bool = False, trust: str = "training_params.resume_trusted: true") -> Dict[str, Any]:
+    """A checkpoint file as data (NOTE [checkpoints are data]) in the current schema (NOTE [checkpoint schema])."""
+    ck = load_checkpoint(path, trusted=trusted, trust=trust)
+    if not isinstance(ck, dict) or "global_step" not in ck or "epoch" not in ck:
+        raise ValueError(f"resume: {path} is not a fusetrain checkpoint (a dict with its epoch and global_step); "
+                         f"allowed: a file the Trainer wrote (ckpt_latest.pth, ckpt_best.pth, ...)")
+    return upgrade(ck, path)
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What a run continues: the checkpoint (``path``, its contents; None: a fresh run), the run folder it writes
+    (a resumed run of this experiment continues in its own; None: a new one) and how it reads its data
+    (``data``: the params as kept for the global batch, the per-process batch, the order's seed, a note)."""
+
+    path: Optional[str]
+    checkpoint: Optional[Dict[str, Any]]
+    run_dir: Optional[str]
+    data: elastic.DataPlan
+
+    @property
+    def resumed(self) -> bool:
+        return self.path is not None
+
+    def describe(self) -> str:
+        """One line for the log: what the run continues (a resumed run)."""
+        ck = self.checkpoint or {}
+        where = (f"inside epoch {ck['position']['epoch'] + 1}" if ck.get("position") is not None
+                 else f"after epoch {ck.get('epoch')}")
+        return (f"continuing from {self.path} (optimizer step {ck.get('global_step')}, {where}, written by "
+                f"{ck.get('world_size', 1)} process(es))")
+
+
+def plan_resume(experiment_dir: str, p: TrainingParams, train_loader: Any, world: int) -> ResumePlan:
+    """The resume decision of a run of ``world`` processes, before anything is written: the checkpoint read (or
+    refused) as data, its data plan (NOTE [resume on another process count]) and the training_params changes
+    checked (a change that cannot work raises; the others are reported)."""
+    path = resume_file(experiment_dir, p)
+    ck = read(path, p.resume_trusted) if path is not None else None
+    data = elastic.plan(ck, path, p, train_loader, world)
+    run_dir = None
+    if ck is not None:
+        check_changes(ck.get("training_params"), data.params, path, data.changed)
+        folder = os.path.dirname(os.path.abspath(path))
+        inside = os.path.dirname(folder) == os.path.abspath(experiment_dir) and \
+            os.path.basename(folder).startswith(RUN_PREFIX)
+        run_dir = folder if inside or folder == os.path.abspath(experiment_dir) else None
+    return ResumePlan(path, ck, run_dir, data)

@@ -29,7 +29,7 @@ import re
 import shutil
 import uuid
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from torch import nn
 from ...optim._base import FusedOptimizer
 from .files import UntrustedCheckpointError, atomic_save, load_checkpoint
 
-__all__ = ["SHARDS", "new_name", "save", "load", "collect_garbage", "full_state_dict"]
+__all__ = ["SHARDS", "ShardedState", "collect_garbage", "folder", "full_state_dict", "new_name"]
 
 SHARDS = "shards"
 _CKPT_FILE = re.compile(r"ckpt_.*\.pth")
@@ -91,6 +91,9 @@ def _planner():
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class DataLoadPlanner(DefaultLoadPlanner):
+        def __init__(self) -> None:
+            super().__init__(allow_partial_load=True)  # ShardedState.load: what the folder lacks stays
+
         def load_bytes(self, read_item, value) -> None:
             obj = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
@@ -117,74 +120,76 @@ def new_name(global_step: int) -> str:
     return pick[0]
 
 
-def _states(model: nn.Module, opt, ema_module: Optional[nn.Module],
-            ema_remainders: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+class ShardedState:
+    """The sharded tensors of a ``multi_gpu: fsdp`` run (NOTE [sharded checkpoints]): the model's weights, the
+    optimizer's state with its master weights, and the EMA's module and remainders, which every rank writes into
+    and reads from a shard folder (``torch.distributed.checkpoint``), resharded to any number of processes."""
 
-    model_sd, opt_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optimizer": opt_sd}
-    if ema_module is not None:
-        state["ema"] = get_model_state_dict(ema_module)
-    if ema_remainders:
-        state["ema_remainders"] = dict(ema_remainders)
-    return state
+    def __init__(self, model: nn.Module, opt: Any, ema: Any = None) -> None:
+        self.model, self.opt, self.ema = model, opt, ema
+
+    def _states(self) -> Dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        model_sd, opt_sd = get_state_dict(self.model, self.opt)
+        state = {"model": model_sd, "optimizer": opt_sd}
+        if self.ema is not None:
+            state["ema"] = get_model_state_dict(self.ema.module)
+            remainders = self.ema.remainder_tensors()
+            if remainders:
+                state["ema_remainders"] = dict(remainders)
+        return state
+
+    def save(self, path: str) -> None:
+        """Every rank writes its shards into the folder ``path``."""
+        import torch.distributed.checkpoint as dcp
+
+        # NOTE [replicated tensors from rank 0]: a tensor every rank holds whole (a
+        # buffer: BatchNorm statistics differ per rank without sync_bn; an EMA
+        # buffer's remainder) is written by rank 0, not by whichever rank has the
+        # least to write, so a bfloat16 EMA buffer and its remainder come from one
+        # rank and the file agrees with what rank 0 validated.
+        dcp.save(self._states(), checkpoint_id=path, planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+
+    def load(self, path: str, ckpt_path: str) -> None:
+        """Load the shards of the folder ``path`` (named by the checkpoint file ``ckpt_path``) into this run's
+        tensors, whatever its number of processes; what the folder lacks (an EMA the checkpoint was trained
+        without, remainders it did not keep) stays as it is."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise FileNotFoundError(f"resume: {ckpt_path} names the sharded state {path}, which is missing or "
+                                    f"incomplete (no .metadata); allowed: a checkpoint file next to its {SHARDS}/ "
+                                    f"folder")
+        # DCP loads into existing tensors. A fresh fusetrain optimizer makes its state without stepping; for
+        # another optimizer get_state_dict makes it with one zero-lr step.
+        if isinstance(self.opt, FusedOptimizer):
+            self.opt.init_state()
+        # NOTE [resume hyperparameters]: the groups' settings (lr tensors, betas, ...) stay the run's own.
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        state = self._states()
+        with warnings.catch_warnings():  # one process without a process group: DCP says so
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(state, storage_reader=_reader(path), planner=_planner())
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        for g, current in zip(self.opt.param_groups, settings):
+            g.update(current)
+        if "ema" in state:
+            set_model_state_dict(self.ema.module, state["ema"])
 
 
-def save(experiment_dir: str, name: str, model: nn.Module, opt, ema_module: Optional[nn.Module],
-         ema_remainders: Optional[Dict[str, torch.Tensor]] = None) -> None:
-    """Every rank writes its shards of the model, optimizer and EMA (with the
-    int16 remainders of its bfloat16 tensors, NOTE [ema remainder]) into
-    ``shards/<name>``."""
-    import torch.distributed.checkpoint as dcp
-
-    # NOTE [replicated tensors from rank 0]: a tensor every rank holds whole (a
-    # buffer: BatchNorm statistics differ per rank without sync_bn; an EMA
-    # buffer's remainder) is written by rank 0, not by whichever rank has the
-    # least to write, so a bfloat16 EMA buffer and its remainder come from one
-    # rank and the file agrees with what rank 0 validated.
-    dcp.save(_states(model, opt, ema_module, ema_remainders),
-             checkpoint_id=os.path.join(experiment_dir, SHARDS, name),
-             planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
-
-
-def load(ck: Dict[str, Any], ckpt_path: str, model: nn.Module, opt, ema_module: Optional[nn.Module],
-         ema_remainders: Optional[Dict[str, torch.Tensor]] = None) -> None:
-    """Load the shards a checkpoint file names into the model, optimizer and
-    EMA of this run, whatever its number of processes (resharded by DCP);
-    ``ema_remainders`` (the remainders the checkpoint holds: ``ck["ema"]
-    ["sharded_remainders"]``) are loaded in place."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-    path = folder(ckpt_path, ck["shards"])
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise FileNotFoundError(f"resume: {ckpt_path} names the sharded state {path}, which is missing or "
-                                f"incomplete (no .metadata); allowed: a checkpoint file next to its {SHARDS}/ folder")
-    # DCP loads into existing tensors. A fresh fusetrain optimizer makes its state without stepping; for
-    # another optimizer get_state_dict makes it with one zero-lr step.
-    if isinstance(opt, FusedOptimizer):
-        opt.init_state()
-    with_ema = ck.get("ema") is not None
-    state = _states(model, opt, ema_module if with_ema else None, ema_remainders if with_ema else None)
-    with warnings.catch_warnings():  # one process without a process group: DCP says so
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state, storage_reader=_reader(path), planner=_planner())
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    if "ema" in state:
-        set_model_state_dict(ema_module, state["ema"])
-
-
-def collect_garbage(experiment_dir: str) -> None:
+def collect_garbage(run_dir: str) -> None:
     """Delete the shard folders no checkpoint file names (replaced ones, and
     those of saves a crash interrupted). Rank 0, after writing a checkpoint file."""
-    root = os.path.join(experiment_dir, SHARDS)
+    root = os.path.join(run_dir, SHARDS)
     if not os.path.isdir(root):
         return
     named = set()
-    for f in os.listdir(experiment_dir):
+    for f in os.listdir(run_dir):
         if _CKPT_FILE.fullmatch(f):
             try:
-                named.add(load_checkpoint(os.path.join(experiment_dir, f), mmap=True).get("shards"))
+                named.add(load_checkpoint(os.path.join(run_dir, f), mmap=True).get("shards"))
             except ValueError:  # a file not read as data (an older checkpoint) may name any folder: keep them
                 return
     for name in os.listdir(root):

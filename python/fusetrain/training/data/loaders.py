@@ -6,12 +6,12 @@ and :func:`build_dataloaders`."""
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..._warnings import warn
 from .canvas import DigitCanvas
 from .classification import ImageFolderDataset, MNISTIdx, digits_dataset
 from .formats import CocoDetection, MaskFolderDataset
@@ -132,10 +132,9 @@ def _build_datasets(p: Mapping[str, Any]) -> Tuple[Dataset, Dataset]:
         if root is None or str(root) == "":
             if not _warned_mnist_fallback:
                 _warned_mnist_fallback = True
-                warnings.warn("dataset_params.root is not set for 'mnist': using the embedded scikit-learn digits "
-                              "resized to 28x28 instead of MNIST (1438 train / 359 valid images); set "
-                              "dataset_params.root=/path/to/mnist to train on MNIST's IDX files", UserWarning,
-                              stacklevel=3)
+                warn("dataset_params.root is not set for 'mnist': using the embedded scikit-learn digits "
+                     "resized to 28x28 instead of MNIST (1438 train / 359 valid images); set "
+                     "dataset_params.root=/path/to/mnist to train on MNIST's IDX files", UserWarning)
             return digits_dataset(True, 28), digits_dataset(False, 28)
         return MNISTIdx(str(root), train=True), MNISTIdx(str(root), train=False)
     if name in ("digits_detection", "digits_segmentation"):

@@ -34,12 +34,13 @@ import itertools
 import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+
+from ..._warnings import warn
 
 __all__ = ["DistContext", "DistributedTrainingError", "SINGLE", "env_world", "launched_by_launcher", "find_ddp"]
 
@@ -234,6 +235,16 @@ class DistContext:
         dist.gather_object(obj, out, dst=0)
         return out
 
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's picklable ``obj`` on every rank (``obj`` itself outside a distributed run)."""
+        if not self.enabled:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def barrier(self) -> None:
         """Wait for every rank. On gloo a monitored barrier, which names the ranks
         that did not arrive within ``dist_timeout_s``."""
@@ -270,7 +281,7 @@ class DistContext:
                     self.barrier()
                 dist.destroy_process_group()
         except Exception as exc:  # teardown must not hide the training error
-            warnings.warn(f"could not tear down the process group: {exc}", stacklevel=2)
+            warn(f"could not tear down the process group: {exc}")
 
     def on_failure(self, exc: BaseException, where: str) -> Optional[BaseException]:
         """Called on a rank whose training raised ``exc``. If another rank failed

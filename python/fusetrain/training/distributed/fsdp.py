@@ -16,7 +16,7 @@ forwards even when their shards of a validation set differ by a batch.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn

@@ -34,9 +34,9 @@ import signal
 import subprocess
 import sys
 import threading
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..._warnings import warn
 from ..params.signals import EXIT_PREEMPTED
 
 __all__ = ["EXIT_PREEMPTED", "GracefulStop", "TrainingInterrupted", "check_auto_requeue", "requeues", "requeue",
@@ -99,9 +99,9 @@ def restart_store(rank: int, world: int, timeout: datetime.timedelta) -> Dict[st
         return {}
     if env.get("GROUP_WORLD_SIZE", "1") != "1":
         if rank == 0:
-            warnings.warn("torchrun restarts workers (--max-restarts) on several nodes with a shared rendezvous "
-                          "store: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every torchrun's environment, or "
-                          "restarted workers may hang connecting to the previous round's peers", stacklevel=3)
+            warn("torchrun restarts workers (--max-restarts) on several nodes with a shared rendezvous "
+                 "store: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every torchrun's environment, or "
+                 "restarted workers may hang connecting to the previous round's peers")
         return {}
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout)
     prefix = f"fusetrain/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"

@@ -6,12 +6,12 @@ its share of it; in a distributed run the validation loader reads an exact
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
+from ..._warnings import warn
 from .context import DistContext
 from .global_order import GlobalOrderSampler, SeededSamples
 
@@ -105,8 +105,8 @@ def shard_train_loader(loader, ctx: DistContext, seed: int, batch_size: Optional
     reason = global_order_reason(loader)
     if reason is not None:
         if ctx.enabled and not isinstance(getattr(loader, "sampler", None), DistributedSampler):
-            warnings.warn(f"distributed run: {reason}, so it is not re-wrapped to read its share of the global "
-                          f"order; each rank must load its own shard with the same number of batches", stacklevel=3)
+            warn(f"distributed run: {reason}, so it is not re-wrapped to read its share of the global "
+                 f"order; each rank must load its own shard with the same number of batches")
         return loader
     shuffle, _ = _order_of(loader)
     batch_size = batch_size or loader.batch_size
@@ -129,8 +129,8 @@ def shard_valid_loader(loader, ctx: DistContext):
         return loader
     reason = _rewrap_reason(loader, "the validation loader")
     if reason is not None:
-        warnings.warn(f"distributed run: {reason}, so it is not sharded; every rank validates on what it loads "
-                      f"and the sums are added up across ranks", stacklevel=3)
+        warn(f"distributed run: {reason}, so it is not sharded; every rank validates on what it loads "
+             f"and the sums are added up across ranks")
         return loader
     kw = _loader_kwargs(loader)
     kw.pop("generator")

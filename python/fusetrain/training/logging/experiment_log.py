@@ -17,9 +17,9 @@ import json
 import math
 import os
 import threading
-import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..._warnings import warn
 from ..checkpoint.files import atomic_write
 
 __all__ = ["ExperimentLogger", "NullLogger", "plot_rows", "read_jsonl_rows", "wait_for_plots"]
@@ -57,8 +57,8 @@ def plot_rows(rows: List[Dict[str, Any]], path: str) -> str:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        warnings.warn(f"metrics plot {os.path.basename(path)} not written: matplotlib is not installed; install "
-                      f"it with `pip install matplotlib` or `pip install fusetrain[logging]`", stacklevel=2)
+        warn(f"metrics plot {os.path.basename(path)} not written: matplotlib is not installed; install "
+             f"it with `pip install matplotlib` or `pip install fusetrain[logging]`")
         return ""
     fig = Figure(figsize=(10, 4))
     FigureCanvasAgg(fig)
@@ -99,8 +99,8 @@ def read_jsonl_rows(path: str) -> List[Dict[str, Any]]:
                 raise ValueError(f"a {type(row).__name__}, not an object")
         except ValueError as e:
             if i == last:
-                warnings.warn(f"{path}: line {i + 1} is incomplete (the run was stopped while writing it) and is "
-                              f"dropped: {line[:80]!r}", stacklevel=3)
+                warn(f"{path}: line {i + 1} is incomplete (the run was stopped while writing it) and is "
+                     f"dropped: {line[:80]!r}")
                 break
             raise ValueError(f"{path}: line {i + 1} is not a metrics row ({e}); fix or delete that line to "
                              f"resume") from None
@@ -125,10 +125,10 @@ class ExperimentLogger:
 
             self._tb = SummaryWriter(log_dir=os.path.join(self.directory, "tensorboard"))
         except ImportError as e:  # tensorboard is optional (the `logging` extra)
-            warnings.warn(f"TensorBoard logging disabled: tensorboard is not installed ({e}); "
-                          f"install it with `pip install tensorboard` or `pip install fusetrain[logging]`", stacklevel=3)
+            warn(f"TensorBoard logging disabled: tensorboard is not installed ({e}); "
+                 f"install it with `pip install tensorboard` or `pip install fusetrain[logging]`")
         except Exception as e:
-            warnings.warn(f"TensorBoard logging disabled: {e}", stacklevel=3)
+            warn(f"TensorBoard logging disabled: {e}")
 
     def load_existing(self, up_to_epoch: int, up_to_step: int = 0) -> None:
         """On resume: keep the rows of epochs already done (those of later
@@ -139,15 +139,15 @@ class ExperimentLogger:
             atomic_write(self._steps_jsonl, lambda f: f.writelines(json.dumps(r) + "\n" for r in kept), "w")
         if not os.path.isfile(self._jsonl):
             if up_to_epoch > 0:
-                warnings.warn(f"resume: {self._jsonl} is missing; the metrics history starts at epoch "
-                              f"{up_to_epoch + 1}", stacklevel=3)
+                warn(f"resume: {self._jsonl} is missing; the metrics history starts at epoch "
+                     f"{up_to_epoch + 1}")
             return
         rows = read_jsonl_rows(self._jsonl)
         self.rows = [r for r in rows if r.get("epoch", 0) <= up_to_epoch]
         missing = sorted(set(range(1, up_to_epoch + 1)) - {r.get("epoch") for r in self.rows})
         if missing:
-            warnings.warn(f"resume: {self._jsonl} has no rows for epoch(s) {missing} of the checkpoint's "
-                          f"{up_to_epoch}", stacklevel=3)
+            warn(f"resume: {self._jsonl} has no rows for epoch(s) {missing} of the checkpoint's "
+                 f"{up_to_epoch}")
         atomic_write(self._jsonl, lambda f: f.writelines(json.dumps(r) + "\n" for r in self.rows), "w")
         self._write_csv()
 
@@ -206,7 +206,7 @@ class ExperimentLogger:
             try:
                 plot_rows(rows, path)
             except Exception as e:  # the plot is a convenience, never a failure
-                warnings.warn(f"could not write the metrics plot {path}: {e}", stacklevel=2)
+                warn(f"could not write the metrics plot {path}: {e}")
 
         thread = threading.Thread(target=draw, name=f"fusetrain-plot:{os.path.basename(self.directory)}")
         with _PLOTS_LOCK:

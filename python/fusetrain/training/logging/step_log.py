@@ -19,7 +19,7 @@ import csv
 import json
 import math
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
 

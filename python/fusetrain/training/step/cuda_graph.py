@@ -5,12 +5,13 @@ their replay for every batch, and the undoing of a capture that failed."""
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
+from ..._warnings import warn
 from ... import _ops
 from ..task.batches import copy_into, empty_like_tree, tensor_count
+from .compiled import CompiledModes
 
 __all__ = ["CudaGraphMode"]
 
@@ -28,7 +29,7 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
-class CudaGraphMode:
+class CudaGraphMode(CompiledModes):
     """TrainStep's methods for mode ``"cuda_graph"`` (its state: ``_graphs``, ``_outs``, ``_static``,
     ``_pool``, ``_side_stream``, ``_warm``, ``_host_settings``; set up by TrainStep)."""
 
@@ -65,11 +66,10 @@ class CudaGraphMode:
             if self._graphs.get(True) is not None and host != self._host_settings:
                 if not self._warned_recapture:
                     self._warned_recapture = True
-                    warnings.warn(
-                        "TrainStep(mode='cuda_graph'): an optimizer setting read on the host changed after capture "
-                        f"(per group: max_grad_norm, master_weights, maximize, record: {self._host_settings} -> "
-                        f"{host}); the step is captured again. Schedulable settings (betas, momentum, weight_decay, "
-                        "eps of the element-wise optimizers) change without this", stacklevel=4)
+                    warn("TrainStep(mode='cuda_graph'): an optimizer setting read on the host changed after capture "
+                         f"(per group: max_grad_norm, master_weights, maximize, record: {self._host_settings} -> "
+                         f"{host}); the step is captured again. Schedulable settings (betas, momentum, weight_decay, "
+                         "eps of the element-wise optimizers) change without this")
                 self.invalidate()
                 return self._run_graphed_on_device(x, y, do_step)
             self._host_settings = host

@@ -73,17 +73,16 @@ call :meth:`TrainStep.invalidate` (or build a new step).
 
 from __future__ import annotations
 
-import types
-import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from ..._warnings import warn
 from ...amp import LossScaler, Precision
 from ...ema import ModelEMA
 from ...optim._base import FusedOptimizer
-from ..task.batches import Signature, call_model, detach, signature, to_channels_last
+from ..task.batches import Signature, call_model, detach, to_channels_last
 from ..task.losses import split_loss
 from .cuda_graph import CudaGraphMode
 
@@ -92,18 +91,6 @@ __all__ = ["TrainStep", "MODES"]
 #: The step modes, in order of increasing capture.
 MODES = ("off", "compile", "cuda_graph")
 _COMPILE_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options", "disable")
-
-
-def _fresh(fn: Callable) -> Callable:
-    # NOTE [fresh code object]: dynamo keeps its compiled code (and counts its
-    # recompilations) per code object. The step functions are closures defined
-    # in one place, so every TrainStep would share one cache: a second model
-    # would count as a recompilation of the first, and after
-    # torch._dynamo.config.recompile_limit of them dynamo would silently run the
-    # step eagerly. A copy of the code object gives each TrainStep (and each
-    # rebuild after invalidate()) a cache of its own, freed with it.
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                              fn.__closure__)
 
 
 class TrainStep(CudaGraphMode):
@@ -194,9 +181,9 @@ class TrainStep(CudaGraphMode):
         if mode == "cuda_graph":
             self._check_capturable(optimizer)
         if mode == "compile" and self.fused and any(not isinstance(g["lr"], Tensor) for g in optimizer.param_groups):
-            warnings.warn("TrainStep(mode='compile'): the optimizer's lr is a Python number, so every new value "
-                          "recompiles the step; pass lr=torch.tensor(value, device=...) and change it in place "
-                          "(lr.fill_(v))", stacklevel=2)
+            warn("TrainStep(mode='compile'): the optimizer's lr is a Python number, so every new value "
+                 "recompiles the step; pass lr=torch.tensor(value, device=...) and change it in place "
+                 "(lr.fill_(v))")
 
         self.model = model
         self.loss_fn = loss_fn
@@ -346,28 +333,7 @@ class TrainStep(CudaGraphMode):
 
         self._fwd_bwd, self._tail, self._full = fwd_bwd, tail, full
         if self._mode == "compile":
-            # NOTE [compile split]: dynamo breaks the graph at loss.backward();
-            # AOTAutograd still compiles the backward of the forward graph, and
-            # the code after backward() (the fused tail) is a second graph.
-            # Compiled autograd (torch._dynamo.config.compiled_autograd) would
-            # trace the backward at run time instead: on this project's models it
-            # was slower to compile and no faster per step (docs/design.md,
-            # "Whole-step capture"), so it is left to the user's global setting.
-            c_micro = torch.compile(_fresh(fwd_bwd), **self.compile_options)
-            if self.fused:
-                c_step = torch.compile(_fresh(step_no_zero), **self.compile_options)
-
-                def c_full(x, y):
-                    res = c_step(x, y)
-                    opt.zero_grad(set_to_none=True)
-                    return res
-            else:
-                def c_full(x, y):
-                    res = c_micro(x, y)
-                    tail()
-                    return res
-            self._c = {False: c_micro, True: c_full}
-            self._run = self._run_compiled
+            self._build_compiled(fwd_bwd, step_no_zero if self.fused else None, tail)
         elif self._mode == "cuda_graph":
             self._run = self._run_graphed
         else:
@@ -390,41 +356,3 @@ class TrainStep(CudaGraphMode):
         if do_step:
             self._tail()
         return res
-
-    def _matches(self, x, y) -> bool:
-        sig = signature(x, y)
-        if self._sig is None:
-            self._sig = sig
-            return True
-        if sig == self._sig:
-            return True
-        self._new_sig = sig
-        return False
-
-    def _mismatch(self, x, y, do_step: bool):
-        """A batch the compiled/captured step was not built for: run it eagerly."""
-        new, built = self._new_sig, self._sig
-        if (not new.partial_of(built) or self._prev_mismatch) and not self._warned_shape:
-            self._warned_shape = True
-            what = "captured" if self._mode == "cuda_graph" else "compiled"
-            why = "" if new.spec == "tensor pair" else f" ({new.mismatch(built)})"
-            warnings.warn(
-                f"TrainStep(mode={self._mode!r}): the step was {what} for {built.text()}, but got "
-                f"{new.text()}{why}; such batches run eagerly (slower). Only a smaller last batch of an epoch runs "
-                f"eagerly without this warning. Call invalidate() to rebuild the step for new shapes"
-                + ("" if self._mode == "cuda_graph" else ", or pass compile_options={'dynamic': True}"),
-                stacklevel=3)
-        self._prev_mismatch = True
-        return self._run_eager(x, y, do_step)
-
-    def _run_compiled(self, x, y, do_step: bool):
-        if not self._dynamic and not self._matches(x, y):
-            return self._mismatch(x, y, do_step)
-        self._prev_mismatch = False
-        self._compiled_used = True
-        if do_step and self.fused:
-            self.optimizer.sync_hyperparameters()  # NOTE [device values]
-            self.optimizer._sync_masters()  # NOTE [master re-sync]
-            with self.optimizer.compiled_view():
-                return self._c[do_step](x, y)
-        return self._c[do_step](x, y)

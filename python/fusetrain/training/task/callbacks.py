@@ -88,11 +88,28 @@ class TrainerState:
     stale_epochs: int = 0
     stop_training: bool = False
     stop_reason: str = ""
+    skipped_before: float = 0.0  # optimizer steps the loss scaler skipped in earlier sessions of a resumed run
 
     def request_stop(self, reason: str = "a callback asked to stop") -> None:
         """Stop after the current epoch (validated, logged and checkpointed)."""
         self.stop_training = True
         self.stop_reason = reason
+
+    def skipped_steps(self) -> float:
+        """Optimizer steps the loss scaler skipped over the whole run (one host read)."""
+        scaler = self.scaler
+        live = scaler.skipped_steps if scaler is not None and scaler.is_enabled() else None
+        return self.skipped_before + (float(live.item()) if live is not None else 0.0)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The progress a checkpoint keeps (besides its epoch and step): the best value of the watched metric,
+        the validations without improvement and the skipped steps."""
+        return {"best": dict(self.best), "stale_epochs": self.stale_epochs, "skipped_steps": self.skipped_steps()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.best = dict(state.get("best") or self.best)
+        self.stale_epochs = int(state.get("stale_epochs", 0))
+        self.skipped_before = float(state.get("skipped_steps", 0.0))
 
 
 class Callback:

@@ -16,7 +16,7 @@ from .losses import split_loss
 from .metrics import MetricSet
 from .registry import import_path
 
-__all__ = ["LossSums", "batch_rules", "component_key", "evaluate", "resolve_fn"]
+__all__ = ["LossSums", "batch_rules", "component_key", "evaluate", "prefixed", "resolve_fn"]
 
 
 def resolve_fn(value: Any) -> Any:
@@ -31,6 +31,12 @@ def batch_rules(p: Any) -> Dict[str, Any]:
     ``channels_last``), as :func:`evaluate`'s keyword arguments."""
     return {"split_fn": resolve_fn(p.split_batch), "model_input": resolve_fn(p.model_input),
             "channels_last": p.channels_last}
+
+
+def prefixed(phase: str, name: str, results: Dict[str, float]) -> Dict[str, float]:
+    """``results`` keyed ``<phase>_<key>``, or ``<phase>_<name>_<key>`` for a named loader."""
+    prefix = f"{phase}_{name}_" if name else f"{phase}_"
+    return {prefix + k: v for k, v in results.items()}
 
 
 def component_key(name: str) -> str:

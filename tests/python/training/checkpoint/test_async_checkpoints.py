@@ -11,11 +11,13 @@ import torch
 
 from fusetrain import Callback
 from fusetrain.training.checkpoint import manager as checkpoint_manager
+from fusetrain.training.checkpoint.snapshot import HostSnapshot
 from fusetrain.training.checkpoint.files import load_checkpoint
 
 from _test_helpers import CUDA
 from _train_helpers import one_thread  # noqa: F401  (fixture)
 from _train_helpers import assert_tree_equal, train
+from _test_helpers import run_path
 
 FAST = dict(max_epochs=3, max_train_batches=6, max_valid_batches=2, ckpt_every_n_steps=4, keep_last_ckpts=2,
             save_ckpt_epoch_list=[2])
@@ -47,11 +49,11 @@ def test_background_writes_are_the_foreground_files(tmp_path, monkeypatch):
     for mode in (False, True):
         saved = Saved()
         result, _ = train(tmp_path / str(mode), "exp", callbacks=[saved], async_checkpoints=mode, **FAST)
-        runs[mode] = (result["experiment_dir"], saved.calls)
+        runs[mode] = (result["run_dir"], saved.calls)
     (d_sync, calls_sync), (d_async, calls_async) = runs[False], runs[True]
     half = len(writers) // 2  # the foreground run's writes, then the background run's
     assert half > 3 and writers[:half] == [threading.main_thread().name] * half
-    assert set(writers[half:]) == {checkpoint_manager.WRITER_THREAD + "exp_0"} and len(calls_async) > half
+    assert set(writers[half:]) == {checkpoint_manager.WRITER_THREAD + os.path.basename(d_async) + "_0"} and len(calls_async) > half
     assert files(d_sync) == files(d_async) and "ckpt_epoch_2.pth" in files(d_async)
     for name in files(d_sync):
         a, b = load_checkpoint(os.path.join(d_sync, name)), load_checkpoint(os.path.join(d_async, name))
@@ -74,7 +76,7 @@ def test_a_failed_background_write_raises_and_keeps_the_last_file(tmp_path, monk
     monkeypatch.setattr(checkpoint_manager, "atomic_save", flaky)
     with pytest.raises(OSError, match="disk full"):
         train(tmp_path, "exp", async_checkpoints=True, **dict(FAST, keep_last_ckpts=0))
-    ck = load_checkpoint(os.path.join(tmp_path, "exp", "ckpt_latest.pth"))
+    ck = load_checkpoint(run_path(tmp_path, "exp", "ckpt_latest.pth"))
     assert ck["global_step"] == 4  # the first write, whole
 
 
@@ -83,14 +85,14 @@ def test_resume_continues_from_background_checkpoints(tmp_path):
     train(tmp_path / "b", "exp", async_checkpoints=True, **dict(FAST, max_epochs=2))
     resumed, _ = train(tmp_path / "b", "exp", async_checkpoints=True, resume=True, **FAST)
     for key in ("model", "optimizer"):
-        assert_tree_equal(load_checkpoint(os.path.join(straight["experiment_dir"], "ckpt_latest.pth"))[key],
-                          load_checkpoint(os.path.join(resumed["experiment_dir"], "ckpt_latest.pth"))[key])
+        assert_tree_equal(load_checkpoint(os.path.join(straight["run_dir"], "ckpt_latest.pth"))[key],
+                          load_checkpoint(os.path.join(resumed["run_dir"], "ckpt_latest.pth"))[key])
 
 
 def test_the_snapshot_is_a_host_copy():
     t = torch.ones(3)
     state = {"a": [t, (t, 2)], "b": {"c": t}}
-    host = checkpoint_manager.HostSnapshot()
+    host = HostSnapshot()
     snap = host.take(state)
     host.ready()
     t.add_(1)
@@ -105,7 +107,7 @@ def test_a_cuda_snapshot_is_pinned_queued_and_reused():
     w = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
     odd = torch.ones(6, 4, device="cuda").t()  # not contiguous
     state = {"model": {"w": w, "odd": odd}, "step": torch.tensor(3), "sizes": [w[:5]]}
-    host = checkpoint_manager.HostSnapshot()
+    host = HostSnapshot()
     snap = host.take(state)
     w.mul_(-1)  # queued behind the copies
     host.ready()

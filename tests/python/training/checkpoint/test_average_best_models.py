@@ -66,7 +66,7 @@ PARAMS = dict(max_epochs=4, average_best_models=True, number_of_models_to_averag
 def test_trainer_writes_the_average_of_the_best(tmp_path):
     snaps = Snapshots()
     result, model = train(tmp_path, callbacks=[snaps], **PARAMS)
-    d = result["experiment_dir"]
+    d = result["run_dir"]
     losses = [loss for loss, _ in snaps.epochs]
     assert len(set(losses)) == len(losses)
     best_two = sorted(range(4), key=lambda i: losses[i])[:2]
@@ -89,8 +89,8 @@ def test_a_resumed_run_continues_the_average(tmp_path):
     straight, _ = train(tmp_path, "straight", **PARAMS)
     train(tmp_path, "cut", **dict(PARAMS, max_epochs=2))
     resumed, _ = train(tmp_path, "cut", resume=True, **PARAMS)
-    want = torch.load(os.path.join(straight["experiment_dir"], "average_model.pth"), weights_only=True)
-    got = torch.load(os.path.join(resumed["experiment_dir"], "average_model.pth"), weights_only=True)
+    want = torch.load(os.path.join(straight["run_dir"], "average_model.pth"), weights_only=True)
+    got = torch.load(os.path.join(resumed["run_dir"], "average_model.pth"), weights_only=True)
     assert_tree_equal(got["model"], want["model"])
     assert got["averaged"] == want["averaged"]
 

@@ -67,7 +67,7 @@ def test_pretrained_weights_refused_unless_trusted(tmp_path):
 
 def test_resume_refused_unless_trusted(tmp_path):
     result, _ = train(tmp_path, max_epochs=1)
-    d = result["experiment_dir"]
+    d = result["run_dir"]
     latest = os.path.join(d, "ckpt_latest.pth")
     ck = load_checkpoint(latest)
     _, marker = evil_file(tmp_path, {})
@@ -111,7 +111,7 @@ def test_own_checkpoints_read_as_data(tmp_path):
     result, _ = train(tmp_path, max_epochs=2, ema=True, mixed_precision="fp16", ckpt_every_n_steps=2,
                       keep_last_ckpts=2, save_ckpt_epoch_list=[1], average_best_models=True,
                       number_of_models_to_average=2, metric_to_watch="loss", greater_metric_to_watch_is_better=False)
-    d = result["experiment_dir"]
+    d = result["run_dir"]
     files = [n for n in os.listdir(d) if n.endswith(".pth")]
     assert {"ckpt_latest.pth", "ckpt_best.pth", "ckpt_epoch_1.pth", "average_model.pth",
             "average_model_snapshots.pth"} <= set(files)
@@ -122,19 +122,21 @@ def test_own_checkpoints_read_as_data(tmp_path):
 
 
 def legacy(ck):
-    """A checkpoint as an older fusetrain wrote it: NumPy's random state as a tuple with an array."""
+    """A checkpoint as an older fusetrain wrote it: schema version 1 (no schema_version; the best metric, the
+    stale epochs and the skipped steps at the top level) and NumPy's random state as a tuple with an array."""
     def old_numpy(state):
         return (state["name"], state["key"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
                 state["gauss"])
 
-    out = dict(ck, rng=dict(ck["rng"], numpy=old_numpy(ck["rng"]["numpy"])))
+    out = {k: v for k, v in ck.items() if k not in ("schema_version", "progress")}
+    out.update(ck["progress"], rng=dict(ck["rng"], numpy=old_numpy(ck["rng"]["numpy"])))
     return out
 
 
 def test_older_checkpoints_load_trusted_or_converted(tmp_path):
     straight, straight_model = train(tmp_path, "straight", max_epochs=2)
     half, _ = train(tmp_path, "half", max_epochs=1)
-    latest = os.path.join(half["experiment_dir"], "ckpt_latest.pth")
+    latest = os.path.join(half["run_dir"], "ckpt_latest.pth")
     torch.save(legacy(load_checkpoint(latest)), latest)
     with pytest.raises(UntrustedCheckpointError, match=r"resume_trusted: true.*python -m fusetrain.training.checkpoint.convert"):
         train(tmp_path, "half", max_epochs=2, resume=True)
@@ -145,7 +147,7 @@ def test_older_checkpoints_load_trusted_or_converted(tmp_path):
     assert_tree_equal(straight_model.state_dict(), resumed.state_dict())
     # Trusted as it is, an older file resumes too.
     again, _ = train(tmp_path, "again", max_epochs=1)
-    latest = os.path.join(again["experiment_dir"], "ckpt_latest.pth")
+    latest = os.path.join(again["run_dir"], "ckpt_latest.pth")
     torch.save(legacy(load_checkpoint(latest)), latest)
     _, trusted = train(tmp_path, "again", model=cnn(seed=7), max_epochs=2, resume=True, resume_trusted=True)
     assert_tree_equal(straight_model.state_dict(), trusted.state_dict())
@@ -164,14 +166,15 @@ def test_sharded_state_reads_as_data(tmp_path):
     model(torch.randn(2, 3)).sum().backward()
     opt.step()
     exp = str(tmp_path / "exp")
+    folder = sharded_checkpoints.folder(os.path.join(exp, "ckpt_latest.pth"), "s1")
     with pytest.warns(UserWarning, match="single process"):
-        sharded_checkpoints.save(exp, "s1", model, opt, None)
+        sharded_checkpoints.ShardedState(model, opt).save(folder)
     path = os.path.join(exp, "ckpt_latest.pth")
     checkpoints.atomic_save({"shards": "s1", "model": None, "optimizer": None, "ema": None}, path)
     assert_tree_equal(sharded_checkpoints.full_state_dict(path), model.state_dict())
     other = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
-    sharded_checkpoints.load(load_checkpoint(path), path, other, other_opt, None)
+    sharded_checkpoints.ShardedState(other, other_opt).load(folder, path)
     assert_tree_equal(other.state_dict(), model.state_dict())
     assert_tree_equal(other_opt.state_dict()["state"], opt.state_dict()["state"])
     marker = str(tmp_path / "created")
@@ -180,7 +183,7 @@ def test_sharded_state_reads_as_data(tmp_path):
     with pytest.raises(UntrustedCheckpointError, match=r"\.metadata: .*names io\.open, which is not data"):
         sharded_checkpoints.full_state_dict(path)
     with pytest.raises(UntrustedCheckpointError, match=r"\.metadata: .*names io\.open"):
-        sharded_checkpoints.load(load_checkpoint(path), path, other, other_opt, None)
+        sharded_checkpoints.ShardedState(other, other_opt).load(folder, path)
     assert not os.path.exists(marker)
 
 

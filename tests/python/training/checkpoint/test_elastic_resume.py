@@ -27,6 +27,8 @@ from fusetrain.training.distributed.global_order import GlobalOrderSampler, Seed
 from fusetrain.training.trainer import Trainer
 from fusetrain.training.distributed.preemption import TrainingInterrupted
 
+from _test_helpers import run_path
+
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
 
@@ -145,7 +147,7 @@ def test_sigusr1_on_two_processes_resumes_on_one_and_on_three(tmp_path, variant)
     train(root, "whole", 2, "whole", params, **data)
     with pytest.raises(TrainingInterrupted, match="stopped on SIGUSR1 after optimizer step 2"):
         train(root, "cut", 2, "cut", params, callbacks=[SignalAtStep(2)], **data)
-    ck = load_checkpoint(os.path.join(root, "cut", "ckpt_latest.pth"))
+    ck = load_checkpoint(run_path(root, "cut", "ckpt_latest.pth"))
     assert ck["position"]["batches"] == 2 and ck["data_order"]["world_size"] == 2 and ck["global_step"] == 2
     copy_experiment(root, "cut", "cut_on_3")
     one_params = dict(params, multi_gpu="off") if variant == "fsdp" else params
@@ -164,8 +166,8 @@ def test_sigusr1_on_two_processes_resumes_on_one_and_on_three(tmp_path, variant)
         assert_close(whole[0], got[0], f"{name} model")
         assert_close(whole[1], got[1], f"{name} ema")
     # The kept global batch: 1 process accumulates 2 batches of 6; 3 processes take batches of 4.
-    assert load_checkpoint(os.path.join(root, "cut", "ckpt_latest.pth"))["data_order"]["batch_accumulate"] == 2
-    assert load_checkpoint(os.path.join(root, "cut_on_3", "ckpt_latest.pth"))["data_order"]["batch_size"] == 4
+    assert load_checkpoint(run_path(root, "cut", "ckpt_latest.pth"))["data_order"]["batch_accumulate"] == 2
+    assert load_checkpoint(run_path(root, "cut_on_3", "ckpt_latest.pth"))["data_order"]["batch_size"] == 4
 
 
 
@@ -182,7 +184,7 @@ def test_three_stops_in_one_epoch_each_resumed_on_another_number_of_processes(tm
         with pytest.raises(TrainingInterrupted, match=f"stopped on SIGUSR1 after optimizer step {stop};"), \
                 pytest.warns(UserWarning, match="num_processes: 2 -> None") if processes == 1 else nullcontext():
             train(root, "cut", processes, f"part{part}", params, callbacks=[SignalAtStep(stop)])
-        assert load_checkpoint(os.path.join(root, "cut", "ckpt_latest.pth"))["world_size"] == processes
+        assert load_checkpoint(run_path(root, "cut", "ckpt_latest.pth"))["world_size"] == processes
     train(root, "cut", 2, "part3", params)
     seen = samples(root, [f"part{k}" for k in range(4)])
     assert list(seen) == [0] and sorted(seen[0]) == list(range(N))
@@ -245,7 +247,7 @@ def _checkpoint(position=True):
 
 def test_the_global_batch_is_kept_or_refused():
     from fusetrain.training import resolve_training_params
-    from fusetrain.training.checkpoint import resume_plan as elastic_resume
+    from fusetrain.training.checkpoint import elastic as elastic_resume
     p = resolve_training_params({"max_train_batches": 4})
     one = elastic_resume.plan(_checkpoint(), "c.pth", p, loader(6), 1)
     assert one.params.batch_accumulate == 2 and one.params.max_train_batches == 8 and one.batch_size is None

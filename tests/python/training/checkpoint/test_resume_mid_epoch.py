@@ -20,11 +20,14 @@ from fusetrain.training.schedules import triggers as triggers_mod
 from fusetrain.training.checkpoint.files import load_checkpoint
 from fusetrain.training.distributed.context import DistContext
 from fusetrain.training.checkpoint.position import resume_iterator, rng_state, set_rng_state
+from fusetrain.training.checkpoint.elastic import rank_position
 from fusetrain.training.trainer import Trainer
 from fusetrain.training.distributed.preemption import TrainingInterrupted
 
 from _train_helpers import one_thread  # noqa: F401  (fixture)
 from _train_helpers import assert_tree_equal, child, cnn, finish, loaders, rows_of
+from _test_helpers import latest_run, run_path
+from fusetrain.training.checkpoint.run_folder import latest_checkpoint
 
 BASE = dict(max_epochs=3, max_train_batches=10, max_valid_batches=2, progress_bar=False, device="cpu",
             ckpt_every_n_steps=3)
@@ -51,8 +54,9 @@ def run(tmp_path, name, dropout=0.3, **params):
 
 
 def state_of(d):
-    ck = load_checkpoint(os.path.join(d, "ckpt_latest.pth"))
-    return {k: ck[k] for k in ("model", "optimizer", "ema", "scaler", "global_step", "epoch", "best")}
+    ck = load_checkpoint(os.path.join(latest_run(d), "ckpt_latest.pth"))
+    return {**{k: ck.get(k) for k in ("model", "optimizer", "ema", "scaler", "global_step", "epoch")},
+            "best": ck["progress"]["best"]}
 
 
 def history(d):
@@ -80,7 +84,7 @@ def test_sigint_mid_epoch_then_resume_is_bit_identical(tmp_path, config):
     with pytest.raises(TrainingInterrupted, match=f"stopped on SIGINT after optimizer step {step}; .*ckpt_latest.pth "
                                                   f"continues it with resume=True"):
         run(tmp_path, "cut", callbacks=[SignalAt(step)], **params)
-    ck = load_checkpoint(os.path.join(str(tmp_path), "cut", "ckpt_latest.pth"))
+    ck = load_checkpoint(run_path(str(tmp_path), "cut", "ckpt_latest.pth"))
     assert ck["global_step"] == step and ck["epoch"] == 0 and ck["position"]["batches"] == step * params.get(
         "batch_accumulate", 1)
     with pytest.warns(UserWarning, match="callbacks"):
@@ -93,7 +97,7 @@ def test_sigterm_in_the_last_batches_of_an_epoch_and_a_second_epoch_resume(tmp_p
     run(tmp_path, "whole")
     with pytest.raises(TrainingInterrupted, match="SIGTERM after optimizer step 19"):
         run(tmp_path, "cut", callbacks=[SignalAt(19, signal.SIGTERM)])
-    assert load_checkpoint(os.path.join(str(tmp_path), "cut", "ckpt_latest.pth"))["position"]["epoch"] == 1
+    assert load_checkpoint(run_path(str(tmp_path), "cut", "ckpt_latest.pth"))["position"]["epoch"] == 1
     with pytest.warns(UserWarning, match="callbacks"):
         run(tmp_path, "cut", resume=True)
     assert_same_run(os.path.join(str(tmp_path), "whole"), os.path.join(str(tmp_path), "cut"))
@@ -104,7 +108,7 @@ def test_sigterm_in_the_last_batches_of_an_epoch_and_a_second_epoch_resume(tmp_p
 def test_a_signal_at_the_last_step_of_an_epoch_stops_after_its_checkpoint(tmp_path):
     with pytest.raises(TrainingInterrupted, match="after optimizer step 10"):
         run(tmp_path, "cut", callbacks=[SignalAt(10)])
-    ck = load_checkpoint(os.path.join(str(tmp_path), "cut", "ckpt_latest.pth"))
+    ck = load_checkpoint(run_path(str(tmp_path), "cut", "ckpt_latest.pth"))
     assert ck["epoch"] == 1 and ck.get("position") is None and [r["epoch"] for r in rows_of(ck_dir(tmp_path))] == [1]
 
 
@@ -120,8 +124,7 @@ def test_kill_9_at_random_steps_and_during_checkpoint_writes_then_resume_is_bit_
                   mixed_precision="bf16", ema=True, keep_last_ckpts=2, _model={"dropout": 0.3}, _step_sleep=0.05)
     code, out = finish(child(tmp_path, "whole", "run", **params))
     assert code == 0, out
-    d = os.path.join(str(tmp_path), "cut")
-    latest = os.path.join(d, "ckpt_latest.pth")
+    exp = os.path.join(str(tmp_path), "cut")
     rng = random.Random(0)
     # Steps 5 and 10 in epoch 1, 17 in epoch 2, 28 in epoch 3 (12 steps each). An outside signal comes within
     # about 2 steps (50 ms each) of a step validation (every 5 steps), so each trial starts before the next one's
@@ -129,18 +132,18 @@ def test_kill_9_at_random_steps_and_during_checkpoint_writes_then_resume_is_bit_
     trials = ["kill_step:5", "kill_ckpt_step:10", "outside_kill", "kill_step:17", "outside_sigint",
               "kill_ckpt_step:28"]
     for mode in trials:
-        resume = os.path.exists(latest)
-        before = load_checkpoint(latest)["global_step"] if resume else 0
-        proc = child(tmp_path, "cut", "run" if mode.startswith("outside") else mode, resume=resume, **params)
+        latest = latest_checkpoint(exp)
+        before = load_checkpoint(latest)["global_step"] if latest else 0
+        proc = child(tmp_path, "cut", "run" if mode.startswith("outside") else mode, resume="auto", **params)
         if mode.startswith("outside"):
             for line in proc.stdout:  # a step validation, then a random moment
-                if line.startswith("Step: "):
+                if line.startswith("step "):
                     break
             time.sleep(rng.uniform(0.0, 0.1))
             proc.send_signal(signal.SIGKILL if mode == "outside_kill" else signal.SIGINT)
         code, out = finish(proc)
         assert code != 0, out
-        ck = load_checkpoint(latest)  # always loadable
+        ck = load_checkpoint(latest_checkpoint(exp))  # always loadable
         if mode == "outside_sigint":  # a clean stop: the checkpoint of the step it stopped at
             assert "SIGINT received" in out and "TrainingInterrupted" in out, out
             assert f"after optimizer step {ck['global_step']};" in out
@@ -149,6 +152,7 @@ def test_kill_9_at_random_steps_and_during_checkpoint_writes_then_resume_is_bit_
         assert ck["global_step"] >= before
     code, out = finish(child(tmp_path, "cut", "run", resume=True, **params))
     assert code == 0, out
+    d = latest_run(exp)
     assert_tree_equal(state_of(os.path.join(str(tmp_path), "whole")), state_of(d))
     assert history(os.path.join(str(tmp_path), "whole")) == history(d)
     assert sorted(n for n in os.listdir(d) if n.startswith("ckpt_step_")) == ["ckpt_step_34.pth", "ckpt_step_36.pth"]
@@ -180,7 +184,7 @@ def test_validation_every_n_steps_reports_at_the_step_and_keeps_the_best(tmp_pat
     rec, saved = Recorder(), Saved()
     result = run(tmp_path, "v", valid_every_n_steps=4, ckpt_every_n_steps=0, keep_last_ckpts=0, loggers=[rec],
                  log_interval=2, callbacks=[saved], max_epochs=2, initial_lr=3e-3)
-    d = result["experiment_dir"]
+    d = result["run_dir"]
     with open(os.path.join(d, "valid_steps.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     # Steps 4, 8, 12, 16 (10 steps per epoch; 20 ends an epoch and is validated there).
@@ -203,7 +207,7 @@ def test_validation_every_n_steps_reports_at_the_step_and_keeps_the_best(tmp_pat
 def test_checkpoints_every_n_steps_keep_the_last_k(tmp_path):
     saved = Saved()
     result = run(tmp_path, "k", ckpt_every_n_steps=4, keep_last_ckpts=3, callbacks=[saved])
-    d = result["experiment_dir"]
+    d = result["run_dir"]
     latest_steps = [s for s, n in saved.paths if n == "ckpt_latest.pth"]
     assert latest_steps == [4, 8, 10, 12, 16, 20, 24, 28, 30]  # every 4 steps and each epoch end (10, 20, 30)
     assert sorted(n for n in os.listdir(d) if n.startswith("ckpt_step_")) == [
@@ -284,16 +288,16 @@ def test_a_mid_epoch_position_on_another_number_of_processes():
                                   "world_size": 2}}
     with pytest.raises(ValueError, match=r"middle of epoch 3 by 2 process\(es\) and its train loader did not read "
                                          r"the global order; allowed: resume it with 2"):
-        Trainer._rank_position(shard_order, DistContext(), "x.pth", 8)
-    assert Trainer._rank_position(shard_order, DistContext(rank=1, world_size=2), "x.pth", 4)["rng"] == "r"
+        rank_position(shard_order, DistContext(), "x.pth", 8)
+    assert rank_position(shard_order, DistContext(rank=1, world_size=2), "x.pth", 4)["rng"] == "r"
     # 3 batches of 4 on 2 processes: 24 samples into the global order; 1 process of batch 8 skips 3 batches,
     # 3 processes of batch 2 skip 4 each; rank 0 takes the sums of both old ranks.
     ck = dict(shard_order, data_order=dict(shard_order["data_order"], **{"global": True, "seed": 5}))
-    one = Trainer._rank_position(ck, DistContext(), "x.pth", 8)
+    one = rank_position(ck, DistContext(), "x.pth", 8)
     assert one["batches"] == 3 and one["samples"] == 24 and one["step0"] == 20 and one["rng"] is None
     assert one["sums"]["loss"].item() == 5.0 and one["train_metrics"][0]["tensors"][0].tolist() == [1.0, 8.0]
-    third = [Trainer._rank_position(ck, DistContext(rank=r, world_size=3), "x.pth", 2) for r in range(3)]
+    third = [rank_position(ck, DistContext(rank=r, world_size=3), "x.pth", 2) for r in range(3)]
     assert [t["batches"] for t in third] == [4, 4, 4] and [t["samples"] for t in third] == [24, 0, 0]
     assert third[1]["sums"] is None
     with pytest.raises(ValueError, match=r"24 samples into epoch 3\) is not a whole number of batches of 5"):
-        Trainer._rank_position(ck, DistContext(rank=0, world_size=3), "x.pth", 5)
+        rank_position(ck, DistContext(rank=0, world_size=3), "x.pth", 5)

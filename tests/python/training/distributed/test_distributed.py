@@ -31,6 +31,7 @@ from fusetrain.training.checkpoint.files import load_checkpoint
 from fusetrain.training.data import build_dataloaders
 from fusetrain.models import build_model
 from fusetrain.training.trainer import Trainer
+from _test_helpers import latest_run, run_path
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
@@ -103,7 +104,7 @@ def two_vs_one(tmp_path_factory):
 
 
 def _rows(exp_dir):
-    with open(os.path.join(exp_dir, "metrics.jsonl")) as f:
+    with open(os.path.join(latest_run(exp_dir), "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -123,7 +124,7 @@ def test_two_processes_match_one_process_on_the_same_global_batches(two_vs_one):
     r = two_vs_one
     exp2 = os.path.join(r["root"], "two")
     ck2 = load_checkpoint(os.path.join(exp2, "ckpt_latest.pth"))
-    ck1 = load_checkpoint(os.path.join(r["root"], "one", "ckpt_latest.pth"))
+    ck1 = load_checkpoint(run_path(r["root"], "one", "ckpt_latest.pth"))
     assert ck2["world_size"] == 2 and ck1["world_size"] == 1
     assert ck2["global_step"] == ck1["global_step"] == 4  # 2 epochs x 2 steps
     # The checkpoint holds the plain model (no "module." / "_orig_mod." prefixes).
@@ -152,7 +153,7 @@ def test_two_process_checkpoint_resumes_on_one_process(two_vs_one):
     m2, m1 = _model(seed=5), _model(seed=6)  # weights come from the checkpoints
     res2 = Trainer("two", ckpt_root_dir=r["root"]).train(m2, params, *_loaders(16))
     res1 = Trainer("one", ckpt_root_dir=r["root"]).train(m1, params, *_loaders(16))
-    ck = load_checkpoint(os.path.join(r["root"], "two", "ckpt_latest.pth"))
+    ck = load_checkpoint(run_path(r["root"], "two", "ckpt_latest.pth"))
     assert ck["world_size"] == 1 and ck["global_step"] == 6 and ck["epoch"] == 3
     assert [row["epoch"] for row in _rows(os.path.join(r["root"], "two"))] == [1, 2, 3]
     assert res2["final"]["epoch"] == 3
@@ -189,12 +190,12 @@ def test_two_nodes_on_loopback(tmp_path):
                 q.kill()
             raise
     assert all(p.returncode == 0 for p in procs), "\n----\n".join(outs)
-    ck = load_checkpoint(str(tmp_path / "nodes" / "ckpt_latest.pth"))
+    ck = load_checkpoint(str(run_path(tmp_path, "nodes", "ckpt_latest.pth")))
     assert ck["world_size"] == 2 and ck["epoch"] == 1
     assert [row["epoch"] for row in _rows(str(tmp_path / "nodes"))] == [1]
     # Exactly one process (global rank 0) printed the epoch line and the result.
     text = "".join(outs)
-    assert text.count("Epoch: 1,") == 1 and text.count('"experiment_dir"') == 1
+    assert text.count("epoch 1/1 |") == 1 and text.count('"experiment_dir"') == 1
 
 
 FAILING_SCRIPT = '''
@@ -204,6 +205,7 @@ from torch import nn
 from fusetrain.training.data import build_dataloaders
 from fusetrain.models import build_model
 from fusetrain.training.trainer import Trainer
+
 
 
 class FailOnRankOne(nn.Module):

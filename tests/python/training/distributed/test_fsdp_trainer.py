@@ -27,6 +27,8 @@ from fusetrain.training.data import build_dataloaders
 from fusetrain.training.checkpoint.sharded import SHARDS, full_state_dict
 from fusetrain.training.trainer import Trainer
 
+from _test_helpers import run_path
+
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
 
@@ -78,8 +80,8 @@ def four_vs_one(tmp_path_factory):
 @pytest.mark.dist
 def test_four_sharded_processes_match_one_process(four_vs_one):
     r = four_vs_one
-    path4 = os.path.join(r["root"], "four", "ckpt_latest.pth")
-    ck4, ck1 = load_checkpoint(path4), load_checkpoint(os.path.join(r["root"], "one", "ckpt_latest.pth"))
+    path4 = run_path(r["root"], "four", "ckpt_latest.pth")
+    ck4, ck1 = load_checkpoint(path4), load_checkpoint(run_path(r["root"], "one", "ckpt_latest.pth"))
     assert ck4["world_size"] == 4 and ck4["global_step"] == ck1["global_step"] == 8
     # NOTE [sharded checkpoints]: the file names the shard folder; no full tensors in it.
     assert ck4["model"] is None and ck4["optimizer"] is None and "module" not in ck4["ema"]
@@ -113,11 +115,11 @@ def test_checkpoint_of_four_processes_resumes_on_two_and_on_one(four_vs_one):
     ref = mref.state_dict()
     for what, m in (("2 processes ", m2), ("1 process ", m1)):
         _close_relative_to_change(m.state_dict(), ref, r["init"], 1e-3, what)
-    ck2 = load_checkpoint(os.path.join(r["root"], "four_to_two", "ckpt_latest.pth"))
+    ck2 = load_checkpoint(run_path(r["root"], "four_to_two", "ckpt_latest.pth"))
     assert ck2["world_size"] == 2 and ck2["global_step"] == 12 and ck2["shards"] is not None
-    ck1 = load_checkpoint(os.path.join(r["root"], "four_to_one", "ckpt_latest.pth"))
+    ck1 = load_checkpoint(run_path(r["root"], "four_to_one", "ckpt_latest.pth"))
     assert ck1["world_size"] == 1 and ck1["global_step"] == 12 and ck1["shards"] is None
-    _close_relative_to_change(full_state_dict(os.path.join(r["root"], "four_to_two", "ckpt_latest.pth"), ema=True),
+    _close_relative_to_change(full_state_dict(run_path(r["root"], "four_to_two", "ckpt_latest.pth"), ema=True),
                               ck1["ema"]["module"], r["init"], 1e-3, "ema ")
 
 
@@ -154,7 +156,7 @@ def test_bfloat16_weights_with_lean_state_train_shard_and_resume(tmp_path):
     root = str(tmp_path)
     res = Trainer("lean", ckpt_root_dir=root).train(cnn(), dict(COMMON, max_epochs=1, **lean), *_loaders(8))
     assert torch.isfinite(torch.tensor(res["final"]["train_loss"]))
-    saved = full_state_dict(os.path.join(root, "lean", "ckpt_latest.pth"))
+    saved = full_state_dict(run_path(root, "lean", "ckpt_latest.pth"))
     assert saved and all(v.dtype == torch.bfloat16 for v in saved.values() if v.is_floating_point())
     assert os.path.isdir(os.path.join(root, "lean", SHARDS))
     resumed, whole = cnn(), cnn()
@@ -165,15 +167,15 @@ def test_bfloat16_weights_with_lean_state_train_shard_and_resume(tmp_path):
         assert torch.equal(a, b), k
     # The bfloat16 EMA's int16 remainders (NOTE [ema remainder]) are sharded, saved in the shards and resumed:
     # the resumed run's EMA is the uninterrupted one's.
-    ck = load_checkpoint(os.path.join(root, "lean", "ckpt_latest.pth"))
+    ck = load_checkpoint(run_path(root, "lean", "ckpt_latest.pth"))
     names = ck["ema"]["sharded_remainders"]
     assert names and "remainders" not in ck["ema"] and "module" not in ck["ema"]
     from torch.distributed.checkpoint import FileSystemReader
 
     saved_keys = FileSystemReader(os.path.join(root, "lean", SHARDS, ck["shards"])).read_metadata().state_dict_metadata
     assert all(f"ema_remainders.{n}" in saved_keys for n in names)
-    ema_resumed = full_state_dict(os.path.join(root, "lean", "ckpt_latest.pth"), ema=True)
-    ema_whole = full_state_dict(os.path.join(root, "lean_whole", "ckpt_latest.pth"), ema=True)
+    ema_resumed = full_state_dict(run_path(root, "lean", "ckpt_latest.pth"), ema=True)
+    ema_whole = full_state_dict(run_path(root, "lean_whole", "ckpt_latest.pth"), ema=True)
     assert ema_resumed.keys() == ema_whole.keys()
     for k, v in ema_whole.items():
         assert torch.equal(ema_resumed[k], v), k
@@ -200,12 +202,11 @@ def test_bad_fsdp_params(bad, match):
 
 
 def test_full_checkpoint_does_not_resume_a_sharded_model(monkeypatch):
-    from fusetrain.training.checkpoint import resume
+    from fusetrain.training.checkpoint.components import ModelState
     model = _model()
     monkeypatch.setattr(fsdp, "is_fsdp", lambda m: m is model)
     with pytest.raises(ValueError, match="holds the full state of a run without multi_gpu 'fsdp'"):
-        resume.restore({"model": model.state_dict(), "optimizer": {}}, "x.pth", model,
-                       torch.optim.SGD(model.parameters(), lr=0.1), None, None)
+        ModelState(model).load_state_dict(model.state_dict())
 
 
 def _crash_in_second_save(rank, world, root):

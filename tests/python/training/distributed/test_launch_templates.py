@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_avail
               pytest.mark.dist, pytest.mark.slow]
 
 from _test_helpers import TESTS as HERE  # where the helpers are
+from _test_helpers import run_path
 DOC = os.path.join(HERE, "..", "..", "docs", "distributed.md")
 # A small CPU run: 2 epochs of 4 steps, each step validated on one batch (a "Step: N" line); the ranks agree on
 # a stop after every step (log_interval).
@@ -93,7 +94,7 @@ def test_slurm_sbatch_template(tmp_path):
     code, out = run(args, env)
     assert code != 0 and "SIGUSR1 received: stopping after this step" in out, out  # torchrun reports the stop
     assert calls.read_text() == "requeue 77\n", out
-    latest = tmp_path / "slurm" / "ckpt_latest.pth"
+    latest = run_path(tmp_path, "slurm", "ckpt_latest.pth")
     ck = load_checkpoint(str(latest))
     assert ck["global_step"] == 3 and ck["world_size"] == 2 and ck["position"]["batches"] == 3
     code, out = run(args, env)  # the requeued job: the same script
@@ -110,7 +111,7 @@ def test_kubeflow_trainjob_template(tmp_path):
     cmd = [*trainer["command"], *args, *TINY, "++training_params.callbacks=[_preemption_helpers.SlowSteps]"]
     env = environment(tmp_path, PET_NNODES=1, PET_NPROC_PER_NODE=2, PET_NODE_RANK=0, PET_MASTER_ADDR="127.0.0.1",
                       PET_MASTER_PORT=free_port(), FUSETRAIN_TEST_STEP_SLEEP=0.3)
-    latest = tmp_path / "digits_cnn" / "ckpt_latest.pth"
+    latest = run_path(tmp_path, "digits_cnn", "ckpt_latest.pth")
     # The pod is deleted: SIGTERM to torchrun (the container's command), which passes it on.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []

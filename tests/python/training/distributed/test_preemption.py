@@ -4,6 +4,7 @@ with a checkpoint, ``fusetrain-train`` exits with status 75, under Slurm
 script on PATH records the call), and ``resume: auto`` is one command for
 the first start and every restart."""
 
+import pathlib
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from fusetrain.training.distributed.preemption import GracefulStop, TrainingInte
 from _train_helpers import cnn, loaders
 
 from _test_helpers import TESTS as HERE  # where the helpers are
+from _test_helpers import run_path
 
 
 def test_preemption_params_are_validated():
@@ -71,18 +73,20 @@ def test_a_repeated_preemption_signal_is_ignored_and_sigint_stops_at_once():
 def test_resume_auto_starts_fresh_then_continues(tmp_path, capsys):
     params = dict(max_epochs=1, max_train_batches=2, max_valid_batches=1, progress_bar=False, device="cpu",
                   resume="auto")
-    (tmp_path / "auto").mkdir()
-    (tmp_path / "auto" / "metrics.jsonl").write_text("")  # an attempt that died before its first checkpoint
-    with pytest.warns(UserWarning, match=r"resume: auto found no checkpoint: deleted the earlier run's metrics"):
-        Trainer("auto", ckpt_root_dir=str(tmp_path)).train(cnn(), params, *loaders())
-    assert f"resume: auto: no checkpoint at {tmp_path / 'auto' / 'ckpt_latest.pth'}; starting a fresh run" in \
+    died = tmp_path / "auto" / "RUN_20000101_000000_000000"
+    died.mkdir(parents=True)
+    (died / "metrics.jsonl").write_text("")  # an attempt that died before its first checkpoint
+    first = Trainer("auto", ckpt_root_dir=str(tmp_path)).train(cnn(), params, *loaders())
+    assert f"resume: auto: no run of {tmp_path / 'auto'} has a checkpoint; starting a fresh run" in \
         capsys.readouterr().out
+    assert first["run_dir"] != str(died) and (died / "metrics.jsonl").exists()  # a run folder of its own
     with pytest.warns(UserWarning, match=r"max_epochs: 1 -> 2"):
         result = Trainer("auto", ckpt_root_dir=str(tmp_path)).train(cnn(), dict(params, max_epochs=2), *loaders())
     out = capsys.readouterr().out
-    assert f"resume: auto: continuing from {tmp_path / 'auto' / 'ckpt_latest.pth'} (optimizer step 2, after " \
-           f"epoch 1, written by 1 process(es))" in out
-    assert result["final"]["epoch"] == 2
+    latest = os.path.join(first["run_dir"], "ckpt_latest.pth")
+    assert f"resume: auto: continuing from {latest} (optimizer step 2, after epoch 1, written by 1 process(es))" \
+        in out
+    assert result["final"]["epoch"] == 2 and result["run_dir"] == first["run_dir"]
 
 
 def _scontrol_stand_in(tmp_path):
@@ -115,12 +119,12 @@ def test_sigusr1_under_slurm_checkpoints_requeues_once_and_exits_75(tmp_path):
     assert first.returncode == EXIT_PREEMPTED, out
     assert "SIGUSR1 received: stopping after this step" in out and "auto_requeue: requeued Slurm job 4242" in out
     assert calls.read_text() == "requeue 4242\n"  # once, by rank 0, after the checkpoint
-    ck = load_checkpoint(str(tmp_path / "slurm" / "ckpt_latest.pth"))
+    ck = load_checkpoint(str(run_path(tmp_path, "slurm", "ckpt_latest.pth")))
     assert ck["global_step"] == 3 and ck["position"]["batches"] == 3
     # The requeued job runs the same command: it continues from the checkpoint and finishes.
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     out = second.stdout + second.stderr
     assert second.returncode == 0, out
     assert "resume: auto: continuing from" in out and "inside epoch 1" in out
-    assert load_checkpoint(str(tmp_path / "slurm" / "ckpt_latest.pth"))["global_step"] == 8
+    assert load_checkpoint(str(run_path(tmp_path, "slurm", "ckpt_latest.pth")))["global_step"] == 8
     assert calls.read_text() == "requeue 4242\n"

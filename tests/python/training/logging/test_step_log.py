@@ -2,6 +2,7 @@
 writes them once per interval to the csv/jsonl/TensorBoard loggers (or any
 object with log_scalars/close)."""
 
+import pathlib
 import csv
 import json
 import math
@@ -11,6 +12,8 @@ import torch
 
 from fusetrain.training.logging import step_log
 from fusetrain.training.logging.step_log import StepLog
+
+from _test_helpers import run_path
 
 
 class Recorder:
@@ -95,7 +98,7 @@ def test_trainer_writes_per_step_scalars_with_one_read_per_interval(tmp_path):
                   lr_mode="linear", clip_grad_norm=1.0, log_interval=2, loggers=["jsonl", rec])
     result = Trainer("steps", ckpt_root_dir=str(tmp_path)).train(model, params, tl, vl)
     assert rec.closed and [s for s, _ in rec.rows] == list(range(10))
-    rows = [json.loads(line) for line in (tmp_path / "steps" / "steps.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in pathlib.Path(run_path(tmp_path, "steps", "steps.jsonl")).read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(10))
     assert all(set(r) == {"step", "lr", "loss", "grad_norm"} for r in rows)  # fp32: no loss scale
     assert rows[0]["lr"] == pytest.approx(1e-3) and rows[-1]["lr"] == pytest.approx(0.0, abs=1e-12)
@@ -103,4 +106,4 @@ def test_trainer_writes_per_step_scalars_with_one_read_per_interval(tmp_path):
     # The epoch's mean train loss is the mean of its steps' losses (one batch per step).
     first_epoch = [r["loss"] for r in rows[:5]]
     assert result["final"]["train_loss"] > 0 and sum(first_epoch) / 5 == pytest.approx(
-        json.loads((tmp_path / "steps" / "metrics.jsonl").read_text().splitlines()[0])["train_loss"], rel=1e-5)
+        json.loads(pathlib.Path(run_path(tmp_path, "steps", "metrics.jsonl")).read_text().splitlines()[0])["train_loss"], rel=1e-5)

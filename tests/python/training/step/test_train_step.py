@@ -36,6 +36,7 @@ from fusetrain.training.trainer import Trainer
 
 from _test_helpers import CUDA
 from _train_helpers import InterruptingLoader
+from _test_helpers import run_path
 
 LR = 1e-2
 LOSS = nn.CrossEntropyLoss()
@@ -391,7 +392,7 @@ def test_trainer_compile_step_matches_off(tmp_path):
     assert fc["train_loss"] == pytest.approx(fe["train_loss"], rel=1e-3)
     assert fc["valid_accuracy"] == pytest.approx(fe["valid_accuracy"], abs=0.02)
     assert fc["train_loss"] < 2.2  # it learned (chance is ln 10 = 2.30)
-    ce = load_checkpoint(os.path.join(res_c["experiment_dir"], "ckpt_latest.pth"))
+    ce = load_checkpoint(os.path.join(res_c["run_dir"], "ckpt_latest.pth"))
     assert ce["global_step"] == 2 * 3  # 6 batches per epoch, 3 steps of 2
 
 
@@ -400,7 +401,7 @@ def test_trainer_resume_with_compile_step(tmp_path):
     full, model_full = train(tmp_path, "full", **params)
     with pytest.raises(KeyboardInterrupt):
         train(tmp_path, "split", stop_at_epoch=2, **params)
-    assert load_checkpoint(os.path.join(tmp_path, "split", "ckpt_latest.pth"))["epoch"] == 1
+    assert load_checkpoint(run_path(tmp_path, "split", "ckpt_latest.pth"))["epoch"] == 1
     resumed, model_res = train(tmp_path, "split", **params, resume=True)
     # The same sequence of operations (the eager backend runs dynamo's graphs as
     # they are), with a fresh TrainStep built after the checkpoint was loaded.

@@ -22,12 +22,12 @@ optimizer, EMA and scaler load as at any resume (a sharded run's through
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..._warnings import warn
 from ..distributed.sharding import global_order_reason, order_seed
 from ..params import TrainingParams
 
@@ -115,7 +115,7 @@ def _refuse_or_warn(ck, path, p, seed, mid, was, world, b, a, extra) -> DataPlan
     if mid:
         raise ValueError(f"{text}; allowed: a process count that divides the global batch together with "
                          f"batch_size or batch_accumulate, or a checkpoint written at an epoch end")
-    warnings.warn(f"{text}: training goes on with the global batch {b * a * world}", stacklevel=4)
+    warn(f"{text}: training goes on with the global batch {b * a * world}")
     return DataPlan(p, None, seed)
 
 
