@@ -27,7 +27,7 @@ def read_weights(path: str, use_ema: bool = False, trusted: bool = False,
     a ``.safetensors`` file. Read as data unless ``trusted`` (NOTE [checkpoints are data]); ``key``, ``trust``
     and ``ema_key`` name the settings of the path, of the trust and of ``use_ema`` in messages."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{key}: no file at {path}")
+        raise FileNotFoundError(f"{key}: no file at {path} (checkpoint not found)")
     if path.endswith(".safetensors"):
         try:
             from safetensors.torch import load_file

@@ -603,7 +603,7 @@ _SPECS = [
         `metric_to_watch` so far)."""),
     _p("average_best_models", boolean(), False, """
         Keep the `number_of_models_to_average` best models by `metric_to_watch` (the EMA's weights with `ema`)
-        and write their weight average to `average_model.pth` in the experiment folder after each epoch-end
+        and write their weight average to `average_model.pth` in the run folder after each epoch-end
         validation (a fusetrain checkpoint with the weights under `model`, usable as `pretrained_weights`), as
         SuperGradients' option of the same name does. A model joins when fewer are kept or when it beats the worst
         kept one; a non-finite metric never joins. Floating tensors (weights, BatchNorm running mean and
@@ -642,7 +642,7 @@ _SPECS = [
         `replay`: the batches are loaded and dropped (exact in every case, at the cost of loading them). Loaders
         that cannot skip in their sampler replay in any case."""),
     _p("resume", any_of(boolean(), choice("auto"), description="a bool or 'auto'"), False, """
-        Continue the run from a checkpoint: `resume_path` if set, else the experiment's `ckpt_latest.pth`. The
+        Continue a run from a checkpoint: `resume_path` if set, else the `ckpt_latest.pth` of the experiment's newest run that has one, in that run's folder (`docs/checkpoints.md`). The
         model, optimizer (with master weights), loss scaler, EMA, schedule position, best metric and random states
         are restored, so training continues where it stopped. Hyperparameters come from these training_params:
         what a resume keeps from the checkpoint and what it takes from the new values is listed in
@@ -661,7 +661,7 @@ _SPECS = [
         job with `scontrol requeue $SLURM_JOB_ID`; with `resume: auto` the requeued job continues from the
         checkpoint. Outside Slurm an error (before anything is written)."""),
     _p("resume_path", optional(string("a non-empty string (a checkpoint path)")), None, """
-        The checkpoint file to resume from; setting it implies `resume`. None: the experiment's `ckpt_latest.pth`
+        The checkpoint file to resume from; setting it implies `resume`. None: the newest run's `ckpt_latest.pth`
         when `resume` is true."""),
     _p("resume_trusted", boolean(), False, """
         Read the checkpoint of `resume` with any pickle allowed. A checkpoint is read as data
@@ -670,9 +670,10 @@ _SPECS = [
         from the file. Set it only for a file you trust, or rewrite the file once with `python -m
         fusetrain.training.checkpoint.convert PATH` (`docs/checkpoints.md`)."""),
     _p("overwrite_experiment", boolean(), False, """
-        A fresh run (not `resume`) into an experiment folder that holds an earlier run's files (checkpoints,
-        metrics, TensorBoard events) fails unless this is true; true deletes those files first. Two runs never
-        share a folder: a run holds a lock on it, and a second run fails with an error naming the holder."""),
+        Each fresh run (not `resume`) writes a run folder of its own under the experiment's folder, so runs never
+        share files; true first deletes the experiment's earlier runs (each only when no live run holds it). A
+        run holds a lock on its folder, and a second run into it (two resumes of one run) fails with an error
+        naming the holder."""),
     _p("seed", int_range(min=0), 42, """
         Seed of torch (CPU and CUDA), Python's `random` and NumPy, set at the start of training; a recipe
         (`train_from_recipe`) also sets it before it builds the data and the model, so the initial weights are
@@ -702,7 +703,7 @@ _SPECS = [
         experiment_name)."""),
     _p("export", list_of(regex(r".+\.(pt2|onnx)$", "a file name ending in .pt2 or .onnx"),
                          "a list of file names ending in .pt2 (torch.export) or .onnx"), [], """
-        After training, export the final weights (the EMA's with `ema: true`) to these files in the experiment
+        After training, export the final weights (the EMA's with `ema: true`) to these files in the run
         folder: `.pt2` with `torch.export`, `.onnx` with the ONNX exporter (needs `pip install
         'fusetrain[export]'`, checked before training). The batch dimension is dynamic, and each file is run on the
         first validation batch and must match the eager model (ONNX through onnxruntime); the result lists the
