@@ -79,6 +79,10 @@ def _detached(t: Tensor) -> Tensor:
     return t.detach() if t.requires_grad else t
 
 
+def _capturing(t: Tensor) -> bool:
+    """Whether work on ``t``'s device is being recorded into a CUDA graph rather than run."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
 class ModelEMA:
     """EMA of ``model`` (built from the unwrapped model; ``ema.module`` is a
     plain module for evaluation, and can itself be compiled).
@@ -253,7 +257,9 @@ class ModelEMA:
         total = self._total if self.total_steps is not None else None
         _ops.ema_decay_(self._decay, self._step, total, self.decay_type, self.decay, self.beta, self.warmup,
                         self.warmup_gamma, self.warmup_power)
-        self._decay_written = constant
+        # NOTE [decay written under capture]: a write recorded into a CUDA graph capture has not run (and never
+        # runs if the capture is abandoned), so it counts as written only outside a capture.
+        self._decay_written = None if _capturing(self._decay) else constant
         return self._decay
 
     def _sources(self, model: nn.Module) -> Dict[str, Tensor]:
