@@ -82,7 +82,9 @@ def _objects(value: Any) -> Any:
 
 
 def _read_yaml(path: str) -> Dict[str, Any]:
-    import yaml
+    from ..._optional import require
+
+    yaml = require("yaml", "reading SuperGradients YAML files")
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -166,6 +168,9 @@ def load_sg_params(source: Any, overrides: Optional[Mapping[str, Any]] = None) -
     with ``overrides`` (dotted SG keys -> values, set before interpolations
     resolve), SG's defaults under the keys it does not set and ``_target_``
     nodes evaluated or kept as :class:`SGObject` (NOTE [safe targets])."""
+    from ..._optional import require
+
+    require("omegaconf", "translating SuperGradients training hyperparameters")
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
