@@ -212,3 +212,9 @@ def test_yolox_shortened_the_sg_way_trains_from_the_command_line(tmp_path, capsy
     assert "lr_cooldown_epochs 15 >= max_epochs 1" in out
     result = json.loads(out[out.index("{\n"):])
     assert result["final"]["lr"] == pytest.approx(0.02 / 6)
+
+
+def test_a_bare_name_of_a_shipped_sg_file_is_found():
+    from fusetrain.compat.super_gradients import load_sg_params
+
+    assert load_sg_params("coco2017_yolox_train_params.yaml")["lr_cooldown_epochs"] == 15

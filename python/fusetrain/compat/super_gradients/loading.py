@@ -89,7 +89,7 @@ def _read_yaml(path: str) -> Dict[str, Any]:
     from omegaconf.errors import OmegaConfBaseException
 
     if not os.path.isfile(path):
-        shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sg_recipes", os.path.basename(path))
+        shipped = _shipped(path)
         hint = f" (fusetrain ships a file of that name: {shipped})" if os.path.isfile(shipped) else ""
         raise FileNotFoundError(f"super_gradients: no file at {path}{hint}")
     try:
@@ -119,9 +119,17 @@ def _merge(base: Dict[str, Any], over: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _shipped(path: str) -> str:
+    """The file of ``path``'s name among the SG files fusetrain ships (``SG_RECIPES_DIR``)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "sg_recipes", os.path.basename(path))
+
+
 def _compose(path: str, seen: tuple = ()) -> Dict[str, Any]:
     """The file's keys over those of its defaults list (in order), as Hydra
-    merges them with the file itself last."""
+    merges them with the file itself last. A bare file name that is not in the
+    working directory is looked up among the shipped files."""
+    if not seen and not os.path.dirname(path) and not os.path.isfile(path) and os.path.isfile(_shipped(path)):
+        path = _shipped(path)
     if path in seen:
         raise ValueError(f"super_gradients: {path}: its defaults list includes itself ({' -> '.join(seen)})")
     data = _read_yaml(path)
