@@ -321,3 +321,30 @@ def test_the_readme_bf16_snippet_uses_no_loss_scaler():
     for block in re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M):
         if "bfloat16" in block:
             assert "LossScaler" not in block and "GradScaler" not in block and ".scale(" not in block, block
+
+
+# ---- links ---------------------------------------------------------------------------------------------------------
+
+def _slug(heading):
+    """GitHub's anchor of a heading: lower case, punctuation dropped (not - and _), spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_point_at_files_and_headings_that_exist():
+    problems = []
+    for doc in DOCS + ["CONTRIBUTING.md", "CHANGELOG.md"]:
+        text = open(os.path.join(REPO, doc)).read()
+        prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(REPO, os.path.dirname(doc), path)) if path else \
+                os.path.join(REPO, doc)
+            if not os.path.exists(full):
+                problems.append(f"{doc}: {target}: no file")
+            elif anchor:
+                headings = re.findall(r"^#+ (.*)$", open(full).read(), flags=re.M)
+                if anchor not in {_slug(h) for h in headings}:
+                    problems.append(f"{doc}: {target}: no such heading")
+    assert not problems, "\n".join(problems)

@@ -325,6 +325,9 @@ def test_a_rerun_into_a_used_folder_names_the_overrides(tmp_path, capsys):
             "training_params.max_valid_batches=1", "training_params.progress_bar=false", f"ckpt_root_dir={ckpt}"]
     assert tfr.main(argv) == 0
     capsys.readouterr()
+    from fusetrain.training.experiment_log import wait_for_plots
+
+    wait_for_plots()  # the metrics plot is drawn in the background (NOTE [metrics plot])
     before = sorted(os.listdir(ckpt / "digits_cnn"))
     assert tfr.main(argv) == 2
     err = capsys.readouterr().err
