@@ -114,3 +114,26 @@ function(fusetrain_strip_torch_gencode flags_var)
   string(REGEX REPLACE "  +" " " _flags "${_flags}")
   set(${flags_var} "${_flags}" PARENT_SCOPE)
 endfunction()
+
+# NOTE [local architectures] in CMakeLists.txt: the compute capabilities of the GPUs torch sees on
+# this machine, as machine-code entries ("80-real;90-real"); empty without a GPU. GPUs older than
+# FUSETRAIN_MIN_CUDA_ARCH are left out with a warning.
+function(fusetrain_local_cuda_archs python out_var)
+  execute_process(
+    COMMAND "${python}" -c "import torch
+caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+print(';'.join(f'{a}{b}' for a, b in sorted(caps)))"
+    OUTPUT_VARIABLE caps OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE rc)
+  set(archs "")
+  if(rc EQUAL 0)
+    foreach(cap IN LISTS caps)
+      if(cap LESS FUSETRAIN_MIN_CUDA_ARCH)
+        message(WARNING "fusetrain: a GPU of compute capability ${cap} is left out: the kernels need "
+                        ">= ${FUSETRAIN_MIN_CUDA_ARCH}")
+      else()
+        list(APPEND archs "${cap}-real")
+      endif()
+    endforeach()
+  endif()
+  set(${out_var} "${archs}" PARENT_SCOPE)
+endfunction()

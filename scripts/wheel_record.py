@@ -4,7 +4,7 @@ the wheel as <wheel>.json) and the checks made from it (scripts/gpu-check).
     python3 scripts/wheel_record.py snapshot FILE          # the sources as they are before the build
     python3 scripts/wheel_record.py write WHEEL --snapshot FILE --python PY --archs LIST --seconds S [--tests BINARY]
     python3 scripts/wheel_record.py check-fresh WHEEL      # exit 1 when this tree's sources differ
-    python3 scripts/wheel_record.py contents WHEEL         # exit 1 when _C, libfusetrain_core or _build_config is missing
+    python3 scripts/wheel_record.py contents WHEEL         # exit 1 when _C, libfusetrain_core, _build_config or LICENSE is missing
 
 Only the standard library: it runs under whatever Python calls it.
 """
@@ -27,7 +27,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # with the wheel's copy instead).
 NATIVE_SOURCES = ("csrc", "cmake", "CMakeLists.txt", "pyproject.toml", "tests/cpp")
 PACKAGE = "python/fusetrain"
-REQUIRED_MEMBERS = (r"fusetrain/_C\.cpython-[^/]+\.so", r"fusetrain/libfusetrain_core\.so", r"fusetrain/_build_config\.py")
+REQUIRED_MEMBERS = (r"fusetrain/_C\.cpython-[^/]+\.so", r"fusetrain/libfusetrain_core\.so", r"fusetrain/_build_config\.py",
+                    r"fusetrain-[^/]+\.dist-info/licenses/LICENSE")  # the licence travels with the wheel
 
 
 def record_path(wheel: str) -> str:

@@ -366,5 +366,24 @@ def resolve_precision(mixed_precision: Union[bool, str, None], device: Union[str
             return Precision("bf16" if torch.cuda.is_bf16_supported() else "fp16", device_type)
         return Precision("bf16", device_type)
     if isinstance(mixed_precision, str) and mixed_precision.lower() in _ALIASES:
-        return Precision(_ALIASES[mixed_precision.lower()], device_type)
+        name = _ALIASES[mixed_precision.lower()]
+        if name == "fp16" and device_type == "cpu":
+            _warn_slow_fp16()
+        return Precision(name, device_type)
     raise ValueError(f"mixed_precision: got {mixed_precision!r}; allowed: {_ALLOWED}")
+
+
+_warned_slow_fp16 = False
+
+
+def _warn_slow_fp16() -> None:
+    """NOTE [fp16 on the CPU]: the CPU has no fast float16 kernels, so fp16 autocast there runs
+    slower than float32, and much slower than bf16. Said once per process, naming bf16, which needs
+    no loss scaler either."""
+    global _warned_slow_fp16
+    if _warned_slow_fp16:
+        return
+    _warned_slow_fp16 = True
+    warnings.warn("mixed_precision 'fp16' on the CPU: the CPU has no fast float16 kernels, so this runs slower "
+                  "than float32; use mixed_precision 'bf16' (or true, which picks bf16 on the CPU; no loss scaler "
+                  "needed)", UserWarning, stacklevel=3)

@@ -14,8 +14,7 @@ keys, ``experiment_name`` and ``ckpt_root_dir``.
 
 Overrides use Hydra's syntax::
 
-    training_params.max_epochs=2          # change a key the recipe has
-    +training_params.ema=true             # add a key the recipe does not have
+    training_params.max_epochs=2          # any training_params key, whether the recipe sets it or not
     ~training_params.optimizer_params     # delete a key
     arch_params=seed_mnist                # pick another option of a config group
     dataset_params.root=/data/mnist ckpt_root_dir=/tmp/runs
@@ -40,7 +39,9 @@ written -- ``training_params`` through
 and ``arch_params`` against their key sets -- then the data loaders and the
 model are built and ``fusetrain.Trainer(experiment_name,
 ckpt_root_dir=ckpt_root_dir).train(...)`` runs; its result is printed as JSON.
-Any recipe error (a Hydra composition or override error, a missing ``???``
+Every ``training_params`` key can be set without Hydra's ``+`` (NOTE
+[training_params overrides]): the validator, not Hydra's struct flag, refuses
+a key that does not exist, with the closest valid one. Any recipe error (a Hydra composition or override error, a missing ``???``
 value, an invalid or unknown key, a missing data path) is printed to stderr
 with where it was found and the process exits with status 2, having created
 nothing under the checkpoint root. Running a recipe again into a used
@@ -118,16 +119,34 @@ def _error_text(exc: BaseException) -> str:
     return "\n".join(parts) if parts else type(exc).__name__
 
 
+def _require_hydra() -> None:
+    from ._optional import require
+
+    require("hydra", "the recipes (python -m fusetrain.train_from_recipe)")
+
+
+def _open_override(text: str) -> str:
+    """NOTE [training_params overrides]: Hydra refuses ``training_params.KEY=VALUE`` for a key the
+    recipe's YAML does not list ("Key 'KEY' is not in struct") unless it is written ``+`` or ``++``,
+    but every key of the training_params table may be set. Such an override is given to Hydra as
+    ``++`` (set, adding the key where it is missing), and ``resolve_training_params`` then refuses
+    a key that is not in the table, naming the closest valid one."""
+    if text.startswith("training_params.") and "=" in text.split("@", 1)[0]:
+        return "++" + text
+    return text
+
+
 def compose_recipe(config_name: str = "default", overrides: Sequence[str] = (), config_dir: Optional[str] = None):
     """Compose a recipe with Hydra and return the ``DictConfig`` (values are not
     resolved or validated yet). ``config_dir`` is searched before the shipped
     recipes. Raises :class:`RecipeError` naming the recipe and the search path."""
+    _require_hydra()
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     shipped = recipes_dir()
-    overrides = list(overrides)
+    overrides = [_open_override(o) for o in overrides]
     if config_dir is not None:
         config_dir = os.path.abspath(os.path.expanduser(config_dir))
         if not os.path.isdir(config_dir):
@@ -165,6 +184,7 @@ def load_recipe(config_name: str = "default", overrides: Sequence[str] = (),
     "ckpt_root_dir", "training_params", "dataset_params", "arch_params"}``
     (plain dicts; dataset_params with defaults filled in). Raises
     :class:`RecipeError`."""
+    _require_hydra()
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -320,7 +340,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fusetrain.train_from_recipe",
         description="Train a model from a YAML recipe (Hydra config). Overrides use Hydra's syntax: "
-                    "training_params.max_epochs=2, +training_params.ema=true, arch_params=seed_mnist.")
+                    "training_params.max_epochs=2, training_params.ema=true (any training_params key), arch_params=seed_mnist.")
     p.add_argument("--config-name", "-cn", default="default",
                    help="recipe name (a YAML file without .yaml in the recipe search path); default: default")
     p.add_argument("--config-dir", "-cd", default=None,
@@ -360,6 +380,8 @@ def _load(name: str, args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ._optional import MissingExtra
+
     args = _parser().parse_intermixed_args(argv)  # overrides may come before and after the options
     name = args.config_name
     if name.endswith((".yaml", ".yml")):
@@ -375,6 +397,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     print(f"  {n}")
             return 0
         if args.print_config:
+            _require_hydra()
             from omegaconf import OmegaConf
             print(OmegaConf.to_yaml(compose_recipe(name, args.overrides, args.config_dir)), end="")
             return 0
@@ -383,7 +406,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(plot_lr(recipe, args.plot_lr, where=f"recipe {name!r}"))
             return 0
         result = run_recipe(recipe, where=f"recipe {name!r}")
-    except RecipeError as exc:
+    except (RecipeError, MissingExtra) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RECIPE_ERROR
     except KeyboardInterrupt as exc:

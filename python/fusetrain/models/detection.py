@@ -204,7 +204,9 @@ def decode_dense_detections(pred: Tensor, height: int, width: int, strides: Sequ
     ``max_detections`` are kept. Returns one ``{"boxes" [K, 4] (x1, y1, x2,
     y2 pixels), "scores" [K], "labels" [K]}`` per image. Reads the scores on
     the host (thresholding, NMS): for evaluation, not for a training step."""
-    from torchvision.ops import batched_nms
+    from .._optional import require
+
+    batched_nms = require("torchvision.ops", "decoding detections (non-maximum suppression)").batched_nms
 
     pts, strd = dense_detection_points(height, width, strides)
     pts, strd = pts.to(pred.device), strd.to(pred.device)

@@ -17,7 +17,7 @@ SEG_METRICS = "[{PixelAccuracy: {ignore_label: 255}}, {IoU: {num_classes: 11, ig
 
 #: Small task data: the canvases are generated at start-up.
 CANVASES = ["dataset_params.num_train=64", "dataset_params.num_valid=16", "dataset_params.valid_batch_size=16"]
-#: fp16 autocast on the CPU is slow: one recipe keeps SG's mixed_precision (fp16), the others run fp32.
+#: SG's mixed_precision: true becomes false on a CPU, as in SG; one recipe keeps it (and so runs fp32 the SG way).
 FP32 = ["super_gradients.mixed_precision=false"]
 
 RUNS = {

@@ -94,7 +94,9 @@ def test_the_translated_sgd_steps_like_torch_sgd_with_sg_hyperparameters():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_mixed_precision_is_fp16_with_a_loss_scaler():
+def test_mixed_precision_is_fp16_with_a_loss_scaler(monkeypatch):
+    # On a GPU; on a CPU SG turns mixed precision off (tests/python/training/test_meet_users.py).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     params, report = translate(recipe("imagenet_resnet50"))
     assert params["mixed_precision"] == "fp16"
     p = resolve_training_params(params)

@@ -252,7 +252,7 @@ def _wheel_like_the_tree(path, skip=None):
             if rel.endswith(".py") and name != skip:
                 z.write(os.path.join(REPO, rel), name)
         for name in ("fusetrain/_C.cpython-312-x86_64-linux-gnu.so", "fusetrain/libfusetrain_core.so",
-                     "fusetrain/_build_config.py"):
+                     "fusetrain/_build_config.py", "fusetrain-0.1.0.dist-info/licenses/LICENSE"):
             z.writestr(name, b"")
     with open(wheel_record.record_path(str(path)), "w") as f:
         json.dump(wheel_record.snapshot(), f)
@@ -287,6 +287,7 @@ def test_a_wheel_without_the_native_core_is_refused(tmp_path):
     r = run([sys.executable, "scripts/wheel_record.py", "contents", str(wheel)])
     assert r.returncode == 1
     assert r"fusetrain/_C\.cpython" in r.stderr and r"libfusetrain_core\.so" in r.stderr
+    assert "licenses/LICENSE" in r.stderr, "the licence travels with the wheel"
     assert "_build_config" not in r.stderr
 
 

@@ -199,7 +199,9 @@ def test_no_tqdm_warns_and_runs_without_a_bar(monkeypatch):
 
 
 def test_no_matplotlib_skips_the_plot_with_a_warning(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    # The submodules too: another test in the same process may have imported them already.
+    for name in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)
     logger = ExperimentLogger(str(tmp_path), tensorboard=False)
     logger.log_epoch({"epoch": 1, "train_loss": 0.5})
     with pytest.warns(UserWarning, match="matplotlib is not installed"):

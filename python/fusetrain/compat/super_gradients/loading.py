@@ -82,12 +82,14 @@ def _objects(value: Any) -> Any:
 
 
 def _read_yaml(path: str) -> Dict[str, Any]:
-    import yaml
+    from ..._optional import require
+
+    yaml = require("yaml", "reading SuperGradients YAML files")
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     if not os.path.isfile(path):
-        shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sg_recipes", os.path.basename(path))
+        shipped = _shipped(path)
         hint = f" (fusetrain ships a file of that name: {shipped})" if os.path.isfile(shipped) else ""
         raise FileNotFoundError(f"super_gradients: no file at {path}{hint}")
     try:
@@ -117,9 +119,17 @@ def _merge(base: Dict[str, Any], over: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _shipped(path: str) -> str:
+    """The file of ``path``'s name among the SG files fusetrain ships (``SG_RECIPES_DIR``)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "sg_recipes", os.path.basename(path))
+
+
 def _compose(path: str, seen: tuple = ()) -> Dict[str, Any]:
     """The file's keys over those of its defaults list (in order), as Hydra
-    merges them with the file itself last."""
+    merges them with the file itself last. A bare file name that is not in the
+    working directory is looked up among the shipped files."""
+    if not seen and not os.path.dirname(path) and not os.path.isfile(path) and os.path.isfile(_shipped(path)):
+        path = _shipped(path)
     if path in seen:
         raise ValueError(f"super_gradients: {path}: its defaults list includes itself ({' -> '.join(seen)})")
     data = _read_yaml(path)
@@ -166,6 +176,9 @@ def load_sg_params(source: Any, overrides: Optional[Mapping[str, Any]] = None) -
     with ``overrides`` (dotted SG keys -> values, set before interpolations
     resolve), SG's defaults under the keys it does not set and ``_target_``
     nodes evaluated or kept as :class:`SGObject` (NOTE [safe targets])."""
+    from ..._optional import require
+
+    require("omegaconf", "translating SuperGradients training hyperparameters")
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 

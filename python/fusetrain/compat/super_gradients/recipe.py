@@ -19,8 +19,9 @@ SG_PREFIX = "super_gradients."
 def split_overrides(overrides: Sequence[str]) -> Tuple[List[str], Dict[str, Any], List[str]]:
     """(Hydra overrides for the recipe, SG overrides {key: value}, the
     training_params keys the command line sets)."""
-    import yaml
+    from ..._optional import require
 
+    yaml = require("yaml", "super_gradients.KEY=VALUE overrides")
     hydra, sg, supplied = [], {}, []
     for text in overrides:
         if text.startswith(SG_PREFIX):

@@ -12,6 +12,8 @@ import math
 import os
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+import torch
+
 from ...training.params import TRAINING_PARAMS, TrainingParamsError, resolve_training_params
 from ...training.params.validators import suggestion
 from .defaults import SG_DEFAULTS, SG_OPTIMIZER_DEFAULTS
@@ -135,6 +137,17 @@ def _schedule(t: _Translation) -> None:
         t.fail("lr_mode", ("lr_mode",), f"{mode!r} is not an SG schedule fusetrain has (" + ", ".join(SG_LR_MODES)
                + "); pick a fusetrain lr_mode (docs/training_params.md)")
     lr_mode = t.out.get("lr_mode")
+    warm = int(t.sg.get("lr_warmup_epochs") or 0)
+    if lr_mode not in (None, "step") and cool and warm + cool >= max_epochs:
+        # A recipe shortened for a smoke test (max_epochs=1 with SG's warmup 5 and cooldown 15).
+        t.set("lr_cooldown_epochs", "reproduced", lr_cooldown_epochs=0)
+        if lr_mode != "constant":
+            t.set("lr_mode", "reproduced", lr_mode="constant")
+        t.report.reproduce(f"lr_warmup_epochs {warm} + lr_cooldown_epochs {cool} >= max_epochs {max_epochs}: SG runs "
+                           f"its {mode!r} schedule from epoch lr_warmup_epochs to max_epochs - lr_cooldown_epochs, "
+                           f"which is no epoch of this run, so the rate follows the warmup, then stays at "
+                           f"initial_lr (lr_mode: constant, lr_cooldown_epochs: 0)")
+        lr_mode = "constant"
     if fn is None:
         t.note("lr_schedule_function", "no effect", "(no function)")
     t.set("cosine_final_lr_ratio", "same", cosine_final_lr_ratio=float(t.sg.get("cosine_final_lr_ratio", 0.01)))
@@ -150,7 +163,6 @@ def _schedule(t: _Translation) -> None:
         t.note("lr_updates", "no effect", f"(lr_mode {lr_mode!r} has no decay epochs)")
         t.note("step_lr_update_freq", "no effect", f"(lr_mode {lr_mode!r})")
         return
-    warm = int(t.sg.get("lr_warmup_epochs") or 0)
     if cool:
         t.set("lr_cooldown_epochs", "reproduced", lr_cooldown_epochs=0)
         t.report.reproduce(f"lr_cooldown_epochs {cool} with lr_mode step: SG's step decays go on in the cooldown "
@@ -366,10 +378,18 @@ def _rest(t: _Translation) -> None:
                "counterpart in fusetrain.ModelEMA (decay, decay_type, beta, ...)")
     t.set("silent_mode", "renamed", progress_bar=not bool(t.take("silent_mode")))
     mp = t.take("mixed_precision")
-    if mp:
+    device = t.supply.get("device", "auto")
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if mp and on_cpu:
+        t.set("mixed_precision", "reproduced", mixed_precision=False)
+        t.report.reproduce(f"mixed_precision true on a CPU (device {device!r}"
+                           + (", and this machine has no GPU" if device == "auto" else "")
+                           + "): SG turns mixed precision off there, with a warning, so mixed_precision: false; "
+                           "on a CPU, bf16 is the fast choice (supply mixed_precision: bf16)")
+    elif mp:
         t.set("mixed_precision", "reproduced", mixed_precision="fp16")
-        t.report.reproduce("mixed_precision true: SG runs fp16 autocast with a GradScaler (mixed_precision: fp16, "
-                           "with fusetrain's LossScaler)")
+        t.report.reproduce("mixed_precision true: SG runs fp16 autocast with a GradScaler on a GPU (mixed_precision: "
+                           "fp16, with fusetrain's LossScaler)")
     else:
         t.set("mixed_precision", "same", mixed_precision=False)
     acc = int(t.take("batch_accumulate") or 1)

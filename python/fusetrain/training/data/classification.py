@@ -30,10 +30,9 @@ DIGITS_TRAIN_FRACTION = 0.8
 
 @lru_cache(maxsize=4)
 def _digits_tensors(size: int) -> Tuple[Tensor, Tensor, np.ndarray]:
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("digits_dataset needs scikit-learn (pip install scikit-learn)") from exc
+    from ..._optional import require
+
+    load_digits = require("sklearn.datasets", "the digits dataset").load_digits
     digits = load_digits()
     # Pixel values are integers in [0, 16].
     images = torch.from_numpy(np.asarray(digits.images, dtype=np.float32) / 16.0).unsqueeze(1)

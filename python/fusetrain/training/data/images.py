@@ -15,11 +15,9 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".t
 
 
 def _pil():
-    try:
-        from PIL import Image
-    except ImportError as exc:  # pragma: no cover - Pillow is a dependency
-        raise ImportError("reading images needs Pillow (pip install pillow)") from exc
-    return Image
+    from ..._optional import require
+
+    return require("PIL.Image", "reading and writing images")
 
 
 def read_image(path: str, channels: int = 3, size: Optional[Tuple[int, int]] = None, who: str = "dataset") -> Tensor:

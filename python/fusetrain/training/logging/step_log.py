@@ -117,8 +117,11 @@ def check_logger_packages(names: Sequence[Any]) -> None:
             try:
                 __import__(LOGGERS[n][1])
             except ImportError as e:
+                from .._optional import EXTRAS, install_hint
+
+                how = f"; {install_hint(LOGGERS[n][1])}" if LOGGERS[n][1] in EXTRAS else ""
                 raise ValueError(f"training_params.loggers: {n!r} needs the package {LOGGERS[n][1]!r}, which is not "
-                                 f"installed ({e})") from None
+                                 f"installed ({e}){how}") from None
 
 
 def build_loggers(names: Sequence[Any], params: Mapping[str, Mapping[str, Any]], directory: str,

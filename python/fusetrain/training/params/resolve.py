@@ -18,7 +18,7 @@ from ..task.losses import MODEL_LOSS, loss_factory
 from ..task.metrics import build_metric
 from .table import (FUSED_RESERVED, KEY_HINTS, LOSS_RESERVED, OPTIMIZER_RESERVED, OPTIMIZERS, TRAINING_PARAMS,
                     _V_OPTIMIZER)
-from .synonyms import METRIC_NAME_SYNONYMS
+from .synonyms import KEY_SYNONYMS, METRIC_NAME_SYNONYMS
 from .validators import (ROOT, Invalid, TrainingParamsError, check_keys, init_kwargs, show, suggestion, type_name,
                          unknown_key)
 
@@ -64,11 +64,26 @@ def _check_optimizer(values: Dict[str, Any]) -> List[str]:
                       f"optimizer as cls(param_groups, lr=initial_lr, **optimizer_params)")
     reserved = dict(OPTIMIZER_RESERVED, **(FUSED_RESERVED if issubclass(cls, FusedOptimizer) else {}))
     valid = [n for n in names if n not in reserved]
+    foreign = [k for k in values["optimizer_params"] if k not in valid and k not in reserved]
+    if foreign and not var_kw:
+        owners = _optimizers_taking(foreign[0], cls)
+        if owners:
+            errors.append(f"{ROOT}.optimizer_params: {foreign[0]!r} is not an argument of {cls.__name__}; it is one of "
+                          f"{', '.join(owners)} (set optimizer to one of them, or drop the key); {cls.__name__} takes: "
+                          f"{', '.join(valid)}")
+            return errors
     try:
         check_keys(f"{ROOT}.optimizer_params", values["optimizer_params"], valid, reserved, open_ended=var_kw)
     except Invalid as e:
         errors.append(f"{e} (for optimizer {cls.__name__})" if "unknown key" in str(e) else str(e))
     return errors
+
+
+def _optimizers_taking(key: str, cls: type) -> List[str]:
+    """The built-in optimizers other than ``cls`` whose constructor takes ``key``, read from their
+    signatures (``momentum``: SGD, RMSprop, ...)."""
+    return [name for name, other in OPTIMIZERS.items()
+            if other is not cls and key in init_kwargs(other, skip_first=True)[0]]
 
 
 def _check_loss_params(values: Dict[str, Any]) -> List[str]:
@@ -164,6 +179,30 @@ def watch_candidates(valid_metrics: List[Any]) -> Optional[List[str]]:
     return names
 
 
+def _watch_name(values: Dict[str, Any]) -> str:
+    """metric_to_watch as the validation metrics report it: a name they report written with another
+    case or punctuation, or another library's name for it (``Accuracy``, ``mAP@0.50:0.95``), becomes
+    the reported name (NOTE [metric names] in training/metrics.py); anything else is left as given
+    for :func:`_check_watch`."""
+    watch = values["metric_to_watch"]
+    try:
+        names = watch_candidates(values["valid_metrics"])
+    except (ValueError, TypeError):
+        return watch
+    if names is None or watch in names or watch.startswith("loss"):
+        return watch
+    known = names + ["loss"]
+    folded = _fold(watch)
+    match = next((n for n in known if _fold(n) == folded), None)
+    if match is None:
+        match = next((n for other, n in METRIC_NAME_SYNONYMS.items() if _fold(other) == folded and n in known), None)
+    return match if match is not None else watch
+
+
+def _fold(name: str) -> str:
+    return re.sub(r"[^0-9a-z]", "", name.lower())
+
+
 def _check_watch(values: Dict[str, Any]) -> List[str]:
     watch = values["metric_to_watch"]
     if watch == "loss" and values["loss"] == MODEL_LOSS:
@@ -188,6 +227,7 @@ def _cross_checks(values: Dict[str, Any]) -> List[str]:
     if we > 0 and ws > 0:
         errors.append(f"{ROOT}.lr_warmup_epochs / lr_warmup_steps: got {we!r} and {ws!r}; "
                       f"allowed: at most one of them > 0")
+    values["metric_to_watch"] = _watch_name(values)
     errors += _check_watch(values)
     warmup = we > 0 or ws > 0
     if callable(values["lr_mode"]) and warmup:
@@ -259,6 +299,27 @@ def _check_schedule_extras(values: Dict[str, Any]) -> List[str]:
     return errors
 
 
+def _super_gradients_keys(user: Mapping[str, Any]) -> List[str]:
+    """The keys of ``user`` that are SuperGradients' training hyperparameters and not fusetrain's."""
+    from ...compat.super_gradients.defaults import SG_DEFAULTS  # late: compat imports this package
+
+    return [k for k in user if isinstance(k, str) and k in SG_DEFAULTS and k not in TRAINING_PARAMS]
+
+
+def _super_gradients_message(keys: Sequence[str]) -> str:
+    """One message for a dict of SuperGradients training hyperparameters: the translate() call
+    (which applies SG's defaults and semantics), then the plain renames."""
+    renames = ", ".join(f"{k} -> {KEY_SYNONYMS[k]}" for k in keys if k in KEY_SYNONYMS)
+    return (f"{ROOT}: {', '.join(repr(k) for k in keys)} {'is' if len(keys) == 1 else 'are'} SuperGradients' "
+            f"name{'' if len(keys) == 1 else 's'}: these look like SG training hyperparameters. Translate them "
+            f"(SG's defaults and semantics applied, every key reported):\n"
+            f"    from fusetrain.compat.super_gradients import translate\n"
+            f"    training_params, report = translate(sg_training_params)\n"
+            f"    print(report)\n"
+            f"and pass training_params on (docs/guides/from_super_gradients.md)"
+            + (f"; or rename them yourself: {renames}" if renames else ""))
+
+
 def resolve_training_params(user: Optional[Mapping[str, Any]] = None) -> "TrainingParams":
     """Validate ``user`` (a dict or an OmegaConf DictConfig; None for all
     defaults) and return the complete, normalised :class:`TrainingParams`.
@@ -274,6 +335,9 @@ def resolve_training_params(user: Optional[Mapping[str, Any]] = None) -> "Traini
     if not isinstance(user, Mapping):
         raise TrainingParamsError([f"{ROOT}: got {show(user)} ({type_name(user)}); allowed: a dict (or an "
                                    f"OmegaConf DictConfig) of training parameters"])
+    sg_keys = _super_gradients_keys(user)
+    if len(sg_keys) >= 2:  # one alone is a slip, answered by the synonym table below
+        raise TrainingParamsError([_super_gradients_message(sg_keys)])
     errors: List[str] = []
     for key in user:
         if not isinstance(key, str):

@@ -9,7 +9,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 __all__ = ["KEY_SYNONYMS", "LR_MODE_SYNONYMS", "WARMUP_MODE_SYNONYMS", "METRIC_NAME_SYNONYMS",
-           "OPTIMIZER_SYNONYMS", "LOSS_SYNONYMS", "DEVICE_SYNONYMS"]
+           "OPTIMIZER_SYNONYMS", "LOSS_SYNONYMS", "DEVICE_SYNONYMS", "PRECISION_SYNONYMS"]
 
 #: Key names from other libraries -> the fusetrain key (or nested key) that does the job.
 KEY_SYNONYMS: Mapping[str, str] = MappingProxyType({
@@ -35,7 +35,10 @@ KEY_SYNONYMS: Mapping[str, str] = MappingProxyType({
     "decay_epochs": "lr_updates", "cooldown_epochs": "lr_cooldown_epochs", "clip_grad": "clip_grad_norm",
     "model_ema": "ema", "model_ema_decay": "ema_params.decay", "smoothing": "loss_params.label_smoothing",
     "layer_decay_rate": "layer_decay", "grad_accum_steps": "batch_accumulate", "resume_from": "resume_path",
-    "channels_last_memory": "channels_last",
+    "channels_last_memory": "channels_last", "model_ema_warmup": "ema_params.warmup",
+    # EMA settings as flat keys (timm's model_ema_decay above; SG and others nest them)
+    "ema_decay": "ema_params.decay", "ema_decay_type": "ema_params.decay_type", "ema_beta": "ema_params.beta",
+    "ema_warmup": "ema_params.warmup",
 })
 
 #: lr_mode values of other libraries (SuperGradients' scheduler names and class names, torch's, timm's).
@@ -54,7 +57,16 @@ WARMUP_MODE_SYNONYMS: Mapping[str, str] = MappingProxyType({
     "LinearBatchLRWarmup": "linspace", "linear_batch_step": "linspace", "linear_step": "linear_epoch",
 })
 
-#: Metric names other libraries report -> the name fusetrain's metrics report.
+#: mixed_precision values of other libraries (PyTorch Lightning's precision, timm's amp_dtype, dtype names).
+PRECISION_SYNONYMS: Mapping[str, str] = MappingProxyType({
+    "16-mixed": "fp16", "16": "fp16", "float16": "fp16", "half": "fp16", "amp": "fp16",
+    "bf16-mixed": "bf16", "bfloat16": "bf16", "bf16-true": "bf16 (with weights_dtype: bfloat16)",
+    "32": "fp32", "32-true": "fp32", "float32": "fp32", "float": "fp32", "64": "fp32 (fusetrain trains in float32)",
+})
+
+#: Metric names other libraries report -> the name fusetrain's metrics report. A metric name in
+#: train_metrics / valid_metrics / metric_to_watch that matches one of these (ignoring case and
+#: punctuation) is taken as the fusetrain name (NOTE [metric names] in training/metrics.py).
 METRIC_NAME_SYNONYMS: Mapping[str, str] = MappingProxyType({
     "Accuracy": "accuracy", "Top1": "accuracy", "Top5": "top5", "IoU": "mean_iou", "mIoU": "mean_iou",
     "PixelAccuracy": "pixel_accuracy", "mAP@0.50:0.95": "map", "mAP": "map", "mAP@0.50": "map_50",

@@ -17,10 +17,11 @@ from ...optim import SGD, Adadelta, Adam, AdamP, AdamW, Lamb, Lion, Muon, NAdam,
 from ..task.batches import MODEL_INPUT_MODES
 from ..task.callbacks import CALLBACKS, Callback
 from ..task.losses import LOSS_ALIASES, MODEL_LOSS, loss_factory
-from ..task.metrics import METRICS, Metric
+from ..task.metrics import METRICS, Metric, metric_name
 from ..task.registry import import_path, resolve_name, split_spec
 from .signals import EXIT_PREEMPTED, parse_signal
-from .synonyms import DEVICE_SYNONYMS, KEY_SYNONYMS, LR_MODE_SYNONYMS, OPTIMIZER_SYNONYMS, WARMUP_MODE_SYNONYMS
+from .synonyms import (DEVICE_SYNONYMS, KEY_SYNONYMS, LR_MODE_SYNONYMS, OPTIMIZER_SYNONYMS, PRECISION_SYNONYMS,
+                       WARMUP_MODE_SYNONYMS)
 from .validators import (Invalid, Validator, show, any_of, boolean, callable_value, choice, dict_of, float_range,
                          int_range, kwargs_of, list_of, optional, record, regex, reject, str_dict, string,
                          subclass_of)
@@ -114,8 +115,10 @@ def _loss_check(v: Any, path: str) -> Any:
 _V_LOSS = Validator(LOSS_DESC, _loss_check)
 
 
-def _named_items(kind: str, registry: Mapping[str, Any], instance_of: Any, unique: bool) -> Validator:
-    """A list of {kind}s: registered names, class paths, ``{name: {arguments}}`` or objects."""
+def _named_items(kind: str, registry: Mapping[str, Any], instance_of: Any, unique: bool,
+                 canonical: Callable[[Any], Any] = lambda name: name) -> Validator:
+    """A list of {kind}s: registered names, class paths, ``{name: {arguments}}`` or objects;
+    ``canonical`` turns a name into the one it stands for (NOTE [metric names])."""
     desc = (f"a list of {kind}s, each a registered name (" + ", ".join(repr(n) for n in sorted(registry))
             + f"), a class path, a one-entry mapping {{name: {{arguments}}}}, or a {kind} object"
             + (" (no duplicates)" if unique else ""))
@@ -124,10 +127,11 @@ def _named_items(kind: str, registry: Mapping[str, Any], instance_of: Any, uniqu
         if isinstance(v, (str, Mapping)):
             try:
                 name, kwargs = split_spec(v, path)
+                name = canonical(name)
                 resolve_name(name, registry, path, kind)
             except ValueError as e:
                 raise Invalid(str(e)) from None
-            return {name: kwargs} if isinstance(v, Mapping) else v
+            return {name: kwargs} if isinstance(v, Mapping) else name
         if not instance_of(v):
             reject(path, v, f"a {kind} name, a class path, {{name: {{arguments}}}} or a {kind} object")
         return v
@@ -154,7 +158,7 @@ def _is_metric_object(v: Any) -> bool:
     return isinstance(v, torchmetrics.Metric)
 
 
-_V_METRICS = _named_items("metric", METRICS, _is_metric_object, unique=True)
+_V_METRICS = _named_items("metric", METRICS, _is_metric_object, unique=True, canonical=metric_name)
 _V_CALLBACKS = _named_items("callback", CALLBACKS, lambda v: isinstance(v, Callback), unique=False)
 
 
@@ -456,7 +460,8 @@ _SPECS = [
         Keep the normalisation layers with running statistics (BatchNorm and friends) whose parameters are all
         frozen in eval mode during training: their running mean and variance stay those of the pretrained
         weights."""),
-    _p("mixed_precision", any_of(boolean(), choice(*PRECISIONS, case_insensitive=True)), False, """
+    _p("mixed_precision", any_of(boolean(), choice(*PRECISIONS, case_insensitive=True, hints=PRECISION_SYNONYMS)),
+       False, """
         Precision of the forward passes (training and validation), resolved for the training device by
         `fusetrain.resolve_precision`. `false` or `fp32`: float32 throughout. `bf16`: `torch.autocast` with
         bfloat16, no loss scaling. `fp16`: autocast with float16 and a `fusetrain.LossScaler` (see

@@ -106,10 +106,11 @@ class DetectionMAP(TorchMetric):
     image's boxes until ``compute``: a validation metric."""
 
     def __init__(self, **kwargs: Any) -> None:
-        try:
-            from torchmetrics.detection import MeanAveragePrecision
-        except ImportError as exc:  # pragma: no cover - torchmetrics is a dependency
-            raise ImportError("the 'map' metric needs torchmetrics and pycocotools") from exc
+        from ..._optional import require
+
+        for module in ("pycocotools", "torchvision"):  # torchmetrics' COCO evaluation and box IoU
+            require(module, "the 'map' metric")
+        MeanAveragePrecision = require("torchmetrics.detection", "the 'map' metric").MeanAveragePrecision
         super().__init__(MeanAveragePrecision(**kwargs), "map")
 
     @torch.no_grad()

@@ -20,7 +20,9 @@ a dict whose ``"detections"`` entry is one.
 
 from __future__ import annotations
 
+import importlib
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -34,7 +36,7 @@ from .registry import build_named, registrar
 
 __all__ = ["Metric", "SumMetric", "Accuracy", "MeanLoss", "MeanIoU", "PixelAccuracy", "DetectionMAP", "TorchMetric",
            "MetricInputError", "MetricSet", "METRICS", "register_metric", "build_metric", "metric_names",
-           "prediction"]
+           "metric_name", "prediction"]
 
 
 class Accuracy(SumMetric):
@@ -199,6 +201,44 @@ def metric_names() -> List[str]:
     return sorted(METRICS)
 
 
+def _fold(name: str) -> str:
+    return re.sub(r"[^0-9a-z]", "", name.lower())
+
+
+def metric_name(name: Any) -> Any:
+    """NOTE [metric names]: the name a metric is registered under for a name written the way
+    another library writes it. A registered name is itself; otherwise the registered name it
+    matches ignoring case and punctuation (``Accuracy``, ``Pixel-Accuracy``), then another
+    library's name for a registered metric (SuperGradients' ``IoU``, ``mIoU``, ``Top1``:
+    ``params.synonyms.METRIC_NAME_SYNONYMS``), then a ``torchmetrics`` class of that name, any
+    case (``MulticlassF1Score`` becomes the class path ``torchmetrics.MulticlassF1Score``).
+    Anything else (a class path, an unknown name, a non-string) is returned unchanged, for the
+    registry to resolve or refuse with the closest names."""
+    if not isinstance(name, str) or name in METRICS or re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", name):
+        return name
+    folded = _fold(name)
+    for known in METRICS:
+        if _fold(known) == folded:
+            return known
+    from ..params.synonyms import METRIC_NAME_SYNONYMS  # late: params imports this module
+
+    for other, known in METRIC_NAME_SYNONYMS.items():
+        if _fold(other) == folded and known in METRICS:
+            return known
+    for module in ("torchmetrics", "torchmetrics.classification", "torchmetrics.regression",
+                   "torchmetrics.segmentation"):
+        try:
+            base = importlib.import_module("torchmetrics").Metric
+            tm = importlib.import_module(module)
+        except ImportError:
+            continue
+        for attr in dir(tm):
+            cls = getattr(tm, attr, None)
+            if _fold(attr) == folded and isinstance(cls, type) and issubclass(cls, base):
+                return f"{module}.{attr}"
+    return name
+
+
 def _is_torchmetric(obj: Any) -> bool:
     try:
         import torchmetrics
@@ -216,7 +256,12 @@ def as_metric(obj: Any, where: str) -> Metric:
 
 
 def build_metric(spec: Any, where: str = "metric") -> Metric:
-    """A :class:`Metric` from a name, ``{name: kwargs}``, class path or object."""
+    """A :class:`Metric` from a name (any spelling :func:`metric_name` knows), ``{name: kwargs}``,
+    class path or object."""
+    if isinstance(spec, str):
+        spec = metric_name(spec)
+    elif isinstance(spec, Mapping) and len(spec) == 1:
+        spec = {metric_name(k): v for k, v in spec.items()}
     return as_metric(build_named(spec, METRICS, where, "metric"), where)
 
 

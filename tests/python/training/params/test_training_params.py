@@ -431,8 +431,12 @@ def test_optimizer_params_build_the_optimizer(name, kwargs):
 def test_optimizer_params_checked_against_signature():
     assert _error({"optimizer_params": {"betaz": [0.9, 0.99]}}) == (
         "training_params.optimizer_params: unknown key 'betaz'; did you mean 'betas'? (for optimizer AdamW)")
+    # A key another built-in optimizer takes names that optimizer (tests/python/training/test_meet_users.py).
     msg = _error({"optimizer": "SGD", "optimizer_params": {"betas": [0.9, 0.99]}})
-    assert msg.startswith("training_params.optimizer_params: unknown key 'betas'; valid keys: momentum, dampening, ")
+    assert msg.startswith("training_params.optimizer_params: 'betas' is not an argument of SGD; it is one of AdamW, ")
+    assert "SGD takes: momentum, dampening, " in msg
+    msg = _error({"optimizer": "SGD", "optimizer_params": {"betaz": [0.9, 0.99]}})
+    assert msg.startswith("training_params.optimizer_params: unknown key 'betaz'; valid keys: momentum, dampening, ")
     assert msg.endswith("(for optimizer SGD)")
     assert _error({"optimizer_params": {"lr": 0.1}}) == (
         "training_params.optimizer_params: key 'lr' is not allowed; set the learning rate with "
