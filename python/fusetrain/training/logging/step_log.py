@@ -117,7 +117,7 @@ def check_logger_packages(names: Sequence[Any]) -> None:
             try:
                 __import__(LOGGERS[n][1])
             except ImportError as e:
-                from .._optional import EXTRAS, install_hint
+                from ..._optional import EXTRAS, install_hint
 
                 how = f"; {install_hint(LOGGERS[n][1])}" if LOGGERS[n][1] in EXTRAS else ""
                 raise ValueError(f"training_params.loggers: {n!r} needs the package {LOGGERS[n][1]!r}, which is not "

@@ -8,6 +8,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
+from ..task.metrics import METRIC_NAME_SYNONYMS  # beside metric_name, which reads it
+
 __all__ = ["KEY_SYNONYMS", "LR_MODE_SYNONYMS", "WARMUP_MODE_SYNONYMS", "METRIC_NAME_SYNONYMS",
            "OPTIMIZER_SYNONYMS", "LOSS_SYNONYMS", "DEVICE_SYNONYMS", "PRECISION_SYNONYMS"]
 
@@ -62,15 +64,6 @@ PRECISION_SYNONYMS: Mapping[str, str] = MappingProxyType({
     "16-mixed": "fp16", "16": "fp16", "float16": "fp16", "half": "fp16", "amp": "fp16",
     "bf16-mixed": "bf16", "bfloat16": "bf16", "bf16-true": "bf16 (with weights_dtype: bfloat16)",
     "32": "fp32", "32-true": "fp32", "float32": "fp32", "float": "fp32", "64": "fp32 (fusetrain trains in float32)",
-})
-
-#: Metric names other libraries report -> the name fusetrain's metrics report. A metric name in
-#: train_metrics / valid_metrics / metric_to_watch that matches one of these (ignoring case and
-#: punctuation) is taken as the fusetrain name (NOTE [metric names] in training/metrics.py).
-METRIC_NAME_SYNONYMS: Mapping[str, str] = MappingProxyType({
-    "Accuracy": "accuracy", "Top1": "accuracy", "Top5": "top5", "IoU": "mean_iou", "mIoU": "mean_iou",
-    "PixelAccuracy": "pixel_accuracy", "mAP@0.50:0.95": "map", "mAP": "map", "mAP@0.50": "map_50",
-    "mAP@0.5": "map_50", "mAP@0.75": "map_75", "Loss": "loss", "val_loss": "loss", "val_acc": "accuracy",
 })
 
 #: Optimizer names of other libraries.

@@ -24,6 +24,7 @@ import importlib
 import math
 import re
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -201,6 +202,16 @@ def metric_names() -> List[str]:
     return sorted(METRICS)
 
 
+#: Metric names other libraries report -> the name fusetrain's metrics report. A metric name in
+#: train_metrics / valid_metrics / metric_to_watch that matches one of these (ignoring case and
+#: punctuation) is taken as the fusetrain name (NOTE [metric names]).
+METRIC_NAME_SYNONYMS: Mapping[str, str] = MappingProxyType({
+    "Accuracy": "accuracy", "Top1": "accuracy", "Top5": "top5", "IoU": "mean_iou", "mIoU": "mean_iou",
+    "PixelAccuracy": "pixel_accuracy", "mAP@0.50:0.95": "map", "mAP": "map", "mAP@0.50": "map_50",
+    "mAP@0.5": "map_50", "mAP@0.75": "map_75", "Loss": "loss", "val_loss": "loss", "val_acc": "accuracy",
+})
+
+
 def _fold(name: str) -> str:
     return re.sub(r"[^0-9a-z]", "", name.lower())
 
@@ -210,7 +221,7 @@ def metric_name(name: Any) -> Any:
     another library writes it. A registered name is itself; otherwise the registered name it
     matches ignoring case and punctuation (``Accuracy``, ``Pixel-Accuracy``), then another
     library's name for a registered metric (SuperGradients' ``IoU``, ``mIoU``, ``Top1``:
-    ``params.synonyms.METRIC_NAME_SYNONYMS``), then a ``torchmetrics`` class of that name, any
+    ``METRIC_NAME_SYNONYMS``), then a ``torchmetrics`` class of that name, any
     case (``MulticlassF1Score`` becomes the class path ``torchmetrics.MulticlassF1Score``).
     Anything else (a class path, an unknown name, a non-string) is returned unchanged, for the
     registry to resolve or refuse with the closest names."""
@@ -220,8 +231,6 @@ def metric_name(name: Any) -> Any:
     for known in METRICS:
         if _fold(known) == folded:
             return known
-    from ..params.synonyms import METRIC_NAME_SYNONYMS  # late: params imports this module
-
     for other, known in METRIC_NAME_SYNONYMS.items():
         if _fold(other) == folded and known in METRICS:
             return known
