@@ -45,6 +45,15 @@ void ema_decay_impl(EmaDecayKernel kernel, const at::Tensor& decay_out, const at
   check_scalar(op, "step", step);
   TORCH_CHECK_VALUE(step.device() == decay_out.device(), op, ": step is on ", step.device(), " but decay_out is on ",
                     decay_out.device());
+  if (total_steps.has_value() && total_steps->defined() && total_steps->device() != decay_out.device()) {
+    // NOTE [ema_decay_ devices]: the dispatcher picks the kernel of the device of any tensor argument, the
+    // optional total_steps included (a CUDA total_steps beside a CPU decay_out reaches the CUDA kernel). The
+    // schedule runs where decay_out is: total_steps is moved there and the op dispatched again.
+    check_scalar(op, "total_steps", *total_steps);
+    fusetrain::ema_decay_(decay_out, step, total_steps->to(decay_out.device()), decay_type, decay, beta, warmup,
+                          warmup_gamma, warmup_power);
+    return;
+  }
   TORCH_CHECK_VALUE(decay >= 0.0 && decay <= 1.0, op, ": decay must be in [0, 1], got ", decay);
   TORCH_CHECK_VALUE(beta > 0.0 && warmup_gamma > 0.0 && warmup_power > 0.0, op,
                     ": beta, warmup_gamma and warmup_power must be > 0, got ", beta, ", ", warmup_gamma, ", ",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusetrain  # noqa: F401
-from _test_helpers import DEVICES, kind_record, kind_step
+from _test_helpers import CUDA, DEVICES, kind_record, kind_step
 from fusetrain import _ops
 
 SEED = 4321
@@ -212,6 +212,19 @@ def test_ema_decay_takes_one_element_tensors_of_any_shape_and_a_total_on_the_hos
     expected = decay_reference(41.0, "exp", 0.999, 15.0, 500.0, True, 1.0, 0.75)
     assert out.shape == (1,) and out.item() == pytest.approx(expected, rel=2e-6)
     assert step.item() == 41.0 and total.item() == 500.0
+
+
+@CUDA
+@pytest.mark.parametrize("where", ["total on the GPU", "total on the host"])
+def test_ema_decay_with_total_steps_on_another_device_runs_where_decay_out_is(where):
+    # NOTE [ema_decay_ devices]: a CUDA total_steps sends the call to the CUDA kernel first.
+    out_dev, total_dev = ("cpu", "cuda") if where == "total on the GPU" else ("cuda", "cpu")
+    out = torch.zeros((), device=out_dev)
+    _ops.ema_decay_(out, torch.tensor(37.0, device=out_dev), torch.tensor(400.0, device=total_dev), "exp", 0.9998,
+                    15.0, True, 2.0, 0.75)
+    ref = torch.zeros(())
+    _ops.ema_decay_(ref, torch.tensor(37.0), torch.tensor(400.0), "exp", 0.9998, 15.0, True, 2.0, 0.75)
+    assert out.device.type == out_dev and torch.allclose(out.cpu(), ref, rtol=1e-6, atol=0)
 
 
 def test_ema_decay_bad_input():
