@@ -36,7 +36,7 @@ from ._param_state import ParamState
 from ._settings import _check_block_size, _check_master_weights, _check_range, _check_state_dtype
 from ._state_dicts import StateDicts
 from ._state_layout import _LOW, _conform, _fits, _same
-from ._table_class import TableClass
+from ._table_class import _PLANS, TableClass
 from ._update_riders import UpdateRiders
 
 # Complex params are updated as real views (torch.view_as_real), as torch.optim
@@ -225,19 +225,22 @@ class FusedOptimizer(TableClass, ParamState, GroupValues, UpdateRiders, StateDic
 
     def _kind_fields(self, group: Dict[str, Any]) -> List[float]:
         """The optimizer's own fields of the group record, in the table's order."""
+        plan = _PLANS.get(type(self)) or self._record_plan()
+        own = self._kind_values(group) if self._own_fields else None
         try:
-            return [float(v) for v in self._record_of(group)]
+            return [float(get(self, group, own)) for get in plan]
         except KeyError as e:
             raise KeyError(f"{self._opt_name}: a param group has no '{e.args[0]}', an option of the "
                            f"'{self._kind}' record ({', '.join(KINDS[self._kind]['field_names'])})") from None
 
     def _state_plan(self):
         """Per class, made once: the state names when no state is conditional (else None), and each state as
-        (slot, name, the record position of its condition field or None, when_set)."""
+        (slot, name, the getter of its condition field or None, when_set)."""
         plan = _STATE_PLANS.get(type(self))
         if plan is None:
             kind = KINDS[self._kind]
-            rules = tuple((slot, name, None if when is None else kind["field_names"].index(when), when_set)
+            getters = _PLANS.get(type(self)) or self._record_plan()
+            rules = tuple((slot, name, None if when is None else getters[kind["field_names"].index(when)], when_set)
                           for slot, name, when, when_set in kind["state_rules"])
             fixed = None
             if all(when is None for _, _, when, _ in rules):
@@ -255,10 +258,10 @@ class FusedOptimizer(TableClass, ParamState, GroupValues, UpdateRiders, StateDic
         fixed, rules = _STATE_PLANS.get(type(self)) or self._state_plan()
         if fixed is not None:
             return fixed
-        record = self._record_of(group)
+        own = self._kind_values(group) if self._own_fields else None
         names: List[Optional[str]] = [None, None, None]
         for slot, name, when, when_set in rules:
-            if when is not None and (record[when] != 0) != when_set:
+            if when is not None and (when(self, group, own) != 0) != when_set:
                 continue
             names[slot] = name
         while names and names[-1] is None:

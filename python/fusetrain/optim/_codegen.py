@@ -12,9 +12,9 @@ import argparse
 import math
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ._table import CLASSES, COMPOSITE, ELEMENTWISE, INTERNAL, KIND_TABLE, Field, Kind, OptimizerClass, table_digest
+from ._table import CLASSES, COMPOSITE, ELEMENTWISE, INTERNAL, KIND_TABLE, Field, Kind, table_digest
 
 __all__ = ["table_digest", "render_ops_markdown", "section_of", "generated_files", "main"]
 
@@ -128,7 +128,7 @@ def render_kernel_table() -> str:
         used = ", ".join("true" if k.slot_used(s) else "false" for s in range(3))
         optional = ", ".join("true" if k.slot_optional(s) else "false" for s in range(3))
         scalar = "State" if k.scalar_state is not None else ("Input" if k.aux == "input" else "None")
-        out += [f"template <>", f"struct KindTraits<OptimKind::{k.cpp}> {{",
+        out += ["template <>", f"struct KindTraits<OptimKind::{k.cpp}> {{",
                 f"  using Fields = {k.cpp}Fields;",
                 f"  static constexpr bool kSlotUsed[3] = {{{used}}};",
                 f"  static constexpr bool kSlotOptional[3] = {{{optional}}};",
@@ -303,7 +303,7 @@ def render_cpp_classes() -> str:
         out.append(f"  static constexpr const char* kName = {_cstr(name)};")
         out.append(f"  static constexpr const char* kKind = {_cstr(kind.name)};")
         out.append(f"  static constexpr bool kMaximize = {'true' if cls.maximize else 'false'};")
-        init = f"FusedOptions(lr)" + (f" {{ max_grad_norm_ = {_cnum(cls.max_grad_norm)}; }}"
+        init = "FusedOptions(lr)" + (f" {{ max_grad_norm_ = {_cnum(cls.max_grad_norm)}; }}"
                                       if cls.max_grad_norm is not None else " {}")
         out.append(f"  {o}(double lr = {_cnum(cls.lr)}) : {init}")
         for oname, fields in opts:

@@ -16,7 +16,6 @@ import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch import Tensor
 
 from .. import _C
 from ._kinds import check_native
