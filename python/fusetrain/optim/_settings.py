@@ -4,6 +4,7 @@ allowed, raised before any state changes."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional
 
 import torch
@@ -69,6 +70,8 @@ def _check_range(opt: str, name: str, value: Any, low: float, high: Optional[flo
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{opt}: {name} must be a float, got {type(value).__name__} {value!r}")
+    if math.isnan(value):
+        raise ValueError(f"{opt}: {name} must be a number, got {value}")
     ok = value >= low and (high is None or (value <= high if high_inclusive else value < high))
     if not ok:
         allowed = f">= {low}" if high is None else f"in [{low}, {high}{']' if high_inclusive else ')'}"

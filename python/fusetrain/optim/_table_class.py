@@ -55,10 +55,8 @@ def _fill_defaults(cls: type) -> None:
 
 def _check_real(opt: str, name: str, f: Field, value: Any) -> float:
     """A real option (or a part of a tuple option) in its field's range, or a clear error naming it."""
-    if f.low is None:  # any number
+    if f.low is None:  # any number but NaN
         _check_range(opt, name, value, -math.inf)
-        if math.isnan(float(value)):
-            raise ValueError(f"{opt}: {name} must be a number, got {value}")
     else:
         _check_range(opt, name, value, f.low, None if math.isinf(f.high) else f.high, f.high_closed)
     return float(value)
