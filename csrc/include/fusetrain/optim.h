@@ -1,11 +1,10 @@
 // fusetrain's fused optimizers for LibTorch programs.
 //
-// fusetrain::Adam, AdamW, SGD, Lion, RMSprop, RMSpropTF, Adadelta, RAdam,
-// NAdam, Lamb, AdamP and Muon (the optimizer table's classes: their options
-// and classes are in fusetrain/optim_table.h, generated from it) derive from
-// torch::optim::Optimizer, so they plug into LibTorch loops, LR schedulers
-// (which go through options().get_lr()/set_lr()) and torch::save/torch::load
-// of optimizer state.
+// The optimizer table's classes (e.g. fusetrain::AdamW, SGD, Muon: their
+// options and classes are in fusetrain/optim_table.h, generated from the
+// table) derive from torch::optim::Optimizer, so they plug into LibTorch
+// loops, LR schedulers (which go through options().get_lr()/set_lr()) and
+// torch::save/torch::load of optimizer state.
 // Each step runs fusetrain's multi-tensor kernels (one pass over all params of
 // a group); clipping, the skip on non-finite gradients, loss unscaling and an
 // attached EMA are folded into the same pass without any host-device sync.
@@ -46,13 +45,21 @@ enum class MasterForm : int64_t { Float32 = 1, Remainder = 2, Stochastic = 3 };
 // at least 4096 elements, NOTE [8-bit state]). The lean forms (a master_form
 // other than Float32, bfloat16 or int8 state) are for the element-wise
 // optimizers.
+// Each written once, here, as X(type, name, default): the members below,
+// FusedOptions' accessors and its serialization expand this list.
+#define FUSETRAIN_COMMON_OPTIONS(X)                 \
+  X(double, lr, 1e-3)                               \
+  X(bool, maximize, false)                          \
+  X(double, max_grad_norm, 0.0)                     \
+  X(bool, master_weights, false)                    \
+  X(MasterForm, master_form, MasterForm::Float32)   \
+  X(at::ScalarType, state_dtype, at::kFloat)        \
+  X(int64_t, state_block_size, 256)
 struct FusedCommonOptions {
   virtual ~FusedCommonOptions() = default;
-  double lr_ = 1e-3, max_grad_norm_ = 0.0;
-  bool maximize_ = false, master_weights_ = false;
-  MasterForm master_form_ = MasterForm::Float32;
-  at::ScalarType state_dtype_ = at::kFloat;
-  int64_t state_block_size_ = 256;
+#define FUSETRAIN_COMMON_MEMBER(T, name, initial) T name##_ = initial;
+  FUSETRAIN_COMMON_OPTIONS(FUSETRAIN_COMMON_MEMBER)
+#undef FUSETRAIN_COMMON_MEMBER
 };
 
 namespace options_detail {
@@ -100,19 +107,13 @@ inline double choice(const char* option, const std::string& value, const std::st
 template <typename Derived>
 struct FusedOptions : torch::optim::OptimizerCloneableOptions<Derived>, FusedCommonOptions {
   explicit FusedOptions(double lr) { lr_ = lr; }
-#define FUSETRAIN_COMMON_OPTION(T, name)               \
+#define FUSETRAIN_COMMON_OPTION(T, name, initial)      \
   Derived& name(const T& value) noexcept {             \
     name##_ = value;                                   \
     return static_cast<Derived&>(*this);               \
   }                                                    \
   const T& name() const noexcept { return name##_; }
-  FUSETRAIN_COMMON_OPTION(double, lr)
-  FUSETRAIN_COMMON_OPTION(bool, maximize)
-  FUSETRAIN_COMMON_OPTION(double, max_grad_norm)
-  FUSETRAIN_COMMON_OPTION(bool, master_weights)
-  FUSETRAIN_COMMON_OPTION(MasterForm, master_form)
-  FUSETRAIN_COMMON_OPTION(at::ScalarType, state_dtype)
-  FUSETRAIN_COMMON_OPTION(int64_t, state_block_size)
+  FUSETRAIN_COMMON_OPTIONS(FUSETRAIN_COMMON_OPTION)
 #undef FUSETRAIN_COMMON_OPTION
   double get_lr() const override { return lr_; }
   void set_lr(const double lr) override { lr_ = lr; }
@@ -126,13 +127,9 @@ struct FusedOptions : torch::optim::OptimizerCloneableOptions<Derived>, FusedCom
  private:
   template <typename Archive, typename Self>
   static void all_fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "lr", self.lr_);
-    options_detail::io(archive, "maximize", self.maximize_);
-    options_detail::io(archive, "max_grad_norm", self.max_grad_norm_);
-    options_detail::io(archive, "master_weights", self.master_weights_);
-    options_detail::io(archive, "master_form", self.master_form_);
-    options_detail::io(archive, "state_dtype", self.state_dtype_);
-    options_detail::io(archive, "state_block_size", self.state_block_size_);
+#define FUSETRAIN_COMMON_IO(T, name, initial) options_detail::io(archive, #name, self.name##_);
+    FUSETRAIN_COMMON_OPTIONS(FUSETRAIN_COMMON_IO)
+#undef FUSETRAIN_COMMON_IO
     Derived::fields(archive, self);
   }
 };
