@@ -1,6 +1,7 @@
 // fusetrain::FusedOptimizer, the base of the C++ optimizers (see fusetrain/optim.h):
 // state containers, lr tensors and the step as one fusetrain::fused_step_ call.
-// The concrete optimizers are in optimizers.cpp.
+// The concrete optimizers are the optimizer table's (fusetrain/optim_table.h,
+// generated): everything here reads the kind table.
 #include <fusetrain/amp.h>
 #include <fusetrain/optim.h>
 
@@ -18,9 +19,8 @@
 #include <string>
 #include <tuple>
 
-#include "../ops/optim_kind.h"
-#include "capture.h"
-#include "optim_internal.h"
+#include "../ops/kind_registry.h"
+#include "../ops/capture.h"
 
 namespace fusetrain {
 namespace {
@@ -37,80 +37,69 @@ void check_not_capturing(const at::Device& dev, const char* what) {
   if (detail::stream_is_capturing(dev)) fail_capturing(dev, what);
 }
 
-// FusedParamState's states, in the order of its members.
-constexpr const char* kStateNames[] = {"exp_avg",    "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
-                                       "square_avg", "grad_avg",   "acc_delta",      "mu_product"};
+// Params below this size keep float32 state in an int8 group (NOTE [8-bit
+// state]; python/fusetrain/optim/_int8_state.py's MIN_NUMEL).
+constexpr int64_t kInt8MinNumel = 4096;
+
+// NOTE [float64 params] in csrc/ops/fused_update.cpp: float64 state for float64
+// params, float32 for the others unless the group keeps bfloat16 or int8
+// state (NOTE [lean state], NOTE [8-bit state] in csrc/common/lean_state.h).
+at::ScalarType state_dtype_of(const at::Tensor& p, at::ScalarType group_dtype) {
+  if (p.scalar_type() == at::kDouble) return at::kDouble;
+  if (group_dtype == at::kChar) return p.numel() >= kInt8MinNumel ? at::kChar : at::kFloat;
+  return group_dtype;
+}
+// Whether a param of a group with these options keeps a `master` tensor.
+bool keeps_master(const FusedCommonOptions& o, const at::Tensor& p) {
+  const bool low = p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16;
+  return o.master_weights_ && low && o.master_form_ != MasterForm::Stochastic;
+}
 
 }  // namespace
 
-using api_detail::keeps_master;
-using api_detail::state_zeros_like;
-
-// ---- param state ---------------------------------------------------------------
-void FusedParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_exp_avg_sq);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum_buffer);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(square_avg);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(grad_avg);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(acc_delta);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(mu_product);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master);
-  for (const auto& [name, t] : scales_)
-    if (t.defined()) archive.write(name + "_scales", t);
-}
-void FusedParamState::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, step);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_sq);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, max_exp_avg_sq);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, momentum_buffer);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, square_avg);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, grad_avg);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, acc_delta);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, mu_product);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, master);
-  scales_.clear();
-  for (const char* name : kStateNames) {
-    torch::Tensor t;
-    if (archive.try_read(std::string(name) + "_scales", t)) scales_[name] = t;
-  }
-}
-
-torch::Tensor* FusedParamState::find(const char* name) {
-  torch::Tensor* const slots[] = {&exp_avg_,    &exp_avg_sq_, &max_exp_avg_sq_, &momentum_buffer_,
-                                  &square_avg_, &grad_avg_,   &acc_delta_,      &mu_product_};
-  static_assert(std::size(slots) == std::size(kStateNames), "FusedParamState: one name per state");
-  for (size_t i = 0; i < std::size(kStateNames); ++i)
-    if (std::strcmp(kStateNames[i], name) == 0) return slots[i];
-  return nullptr;
-}
-
 // ---- FusedOptimizer ------------------------------------------------------------
-void FusedOptimizer::check_kind() {
+void FusedOptimizer::check_kind(const char* name, bool takes_maximize) {
   const auto& spec = detail::find_kind(kind());
   KindValues values;
-  kind_fields(defaults(), values);
+  try {
+    kind_fields(defaults(), values);
+  } catch (const c10::ValueError& e) {  // an option the record cannot take (a choice's value)
+    TORCH_CHECK_VALUE(false, "fusetrain::", name, ": ", e.what_without_backtrace());
+  }
   std::vector<bool> seen(spec.fields.size(), false);
   field_slot_.clear();
-  for (const auto& [name, _] : values) {
-    const int j = spec.field_index(name);
-    TORCH_CHECK(j >= 0, "fusetrain: the '", kind(), "' optimizer gives a record field '", name,
-                "' that its entry in the kind table lacks (csrc/ops/fused_", kind(), ".cpp)");
-    TORCH_CHECK(!seen[j], "fusetrain: the '", kind(), "' optimizer gives the record field '", name, "' twice");
+  for (const auto& [field, _] : values) {
+    const int j = spec.field_index(field);
+    TORCH_CHECK(j >= 0, "fusetrain: the '", kind(), "' optimizer gives a record field '", field,
+                "' that its entry in the kind table lacks (python/fusetrain/optim/_table.py)");
+    TORCH_CHECK(!seen[j], "fusetrain: the '", kind(), "' optimizer gives the record field '", field, "' twice");
     seen[j] = true;
     field_slot_.push_back(j);
   }
   for (size_t j = 0; j < seen.size(); ++j)
     TORCH_CHECK(seen[j], "fusetrain: the '", kind(), "' optimizer gives no value for the record field '",
                 spec.fields[j].name, "' of its kind table entry");
-  for (const auto& s : spec.states)
-    TORCH_CHECK(FusedParamState().find(s.name) != nullptr, "fusetrain: FusedParamState has no state '", s.name,
-                "' of the kind '", kind(), "'");
   spec_ = &spec;
-  check_lean(dynamic_cast<const FusedCommonOptions&>(defaults()));
+  // Each group's options (the defaults' when there is none), as fused_step_ will check them, and before it.
+  const size_t n = param_groups_.size();
+  for (size_t g = 0; g < std::max<size_t>(n, 1); ++g) {
+    const auto& o = n > 0 ? param_groups_[g].options() : defaults();
+    const auto& common = dynamic_cast<const FusedCommonOptions&>(o);
+    const std::string where = std::string("fusetrain::") + name + (n > 1 ? " (group " + std::to_string(g) + ")" : "");
+    TORCH_CHECK_VALUE(common.lr_ >= 0.0, where, ": lr must be >= 0, got ", common.lr_);
+    TORCH_CHECK_VALUE(common.max_grad_norm_ >= 0.0, where, ": max_grad_norm must be >= 0 (0: no clipping), got ",
+                      common.max_grad_norm_);
+    TORCH_CHECK_VALUE(takes_maximize || !common.maximize_, where, ": maximize is not supported");
+    check_lean(common);
+    std::vector<double> record;
+    try {
+      record = kind_record(o);
+    } catch (const c10::ValueError& e) {
+      TORCH_CHECK_VALUE(false, where, ": ", e.what_without_backtrace());
+    }
+    spec.check(where, record.data());
+    if (n > 0) spec.check_params(where, record.data(), param_groups_[g].params());
+  }
 }
 
 void FusedOptimizer::check_lean(const FusedCommonOptions& o) const {
@@ -143,7 +132,7 @@ std::vector<double> FusedOptimizer::kind_record(const torch::optim::OptimizerOpt
 
 void FusedOptimizer::init_state(FusedParamState& s, const at::Tensor& p, const double* fields,
                                 const FusedCommonOptions& options) const {
-  const at::ScalarType dtype = api_detail::state_dtype_of(p, options.state_dtype_);
+  const at::ScalarType dtype = state_dtype_of(p, options.state_dtype_);
   for (int k = 0; k < 3; ++k) {
     const detail::KindState* st = spec_->slot_state(fields, k);
     if (st == nullptr) continue;
@@ -162,7 +151,7 @@ void FusedOptimizer::init_state(FusedParamState& s, const at::Tensor& p, const d
       *t = at::full_like(p, code, p.options().dtype(at::kChar), at::MemoryFormat::Preserve);
       s.scales(st->name) = at::full({(p.numel() + block - 1) / block}, q.scale, p.options().dtype(at::kFloat));
     } else {
-      *t = state_zeros_like(p, dtype);
+      *t = at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
       if (v != 0.0) t->fill_(v);
     }
   }
@@ -328,15 +317,12 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
     if (ready) {
       FusedParamState probe = *s;
       init_state(probe, p, fields.data(), common);  // defines what is missing; nothing is missing when ready
-      for (const auto* t : {&probe.step(), &probe.exp_avg(), &probe.exp_avg_sq(), &probe.max_exp_avg_sq(),
-                            &probe.momentum_buffer(), &probe.square_avg(), &probe.grad_avg(), &probe.acc_delta(),
-                            &probe.mu_product(), &probe.master()})
+      for (const auto* t : {&probe.step(), &probe.master()})
         ready = ready && (!t->defined() || t->device() == p.device());
-      ready = ready && probe.exp_avg().is_same(s->exp_avg()) && probe.exp_avg_sq().is_same(s->exp_avg_sq()) &&
-              probe.max_exp_avg_sq().is_same(s->max_exp_avg_sq()) &&
-              probe.momentum_buffer().is_same(s->momentum_buffer()) && probe.square_avg().is_same(s->square_avg()) &&
-              probe.grad_avg().is_same(s->grad_avg()) && probe.acc_delta().is_same(s->acc_delta()) &&
-              probe.mu_product().is_same(s->mu_product());
+      for (const char* name : FusedParamState::kStateNames) {
+        const at::Tensor& t = *probe.find(name);
+        ready = ready && (!t.defined() || t.device() == p.device()) && t.is_same(*s->find(name));
+      }
       for (const auto& [name, sc] : probe.all_scales())
         ready = ready && sc.is_same(s->scales(name)) && sc.device() == p.device();
     }
@@ -352,14 +338,11 @@ FusedParamState& FusedOptimizer::ensure_state(const at::Tensor& p, const torch::
   auto to_dev = [&](const at::Tensor& t) { return t.defined() && t.device() != p.device() ? t.to(p.device()) : t; };
   if (!s->step().defined()) s->step(at::zeros({}, p.options().dtype(at::kFloat)));
   s->step(to_dev(s->step()).to(at::kFloat));
-  s->exp_avg(to_dev(s->exp_avg()));
-  s->exp_avg_sq(to_dev(s->exp_avg_sq()));
-  s->max_exp_avg_sq(to_dev(s->max_exp_avg_sq()));
-  s->momentum_buffer(to_dev(s->momentum_buffer()));
-  s->square_avg(to_dev(s->square_avg()));
-  s->grad_avg(to_dev(s->grad_avg()));
-  s->acc_delta(to_dev(s->acc_delta()));
-  if (s->mu_product().defined()) s->mu_product(to_dev(s->mu_product()).to(at::kFloat));
+  for (size_t i = 0; i < std::size(FusedParamState::kStateNames); ++i) {
+    at::Tensor& t = *s->find(FusedParamState::kStateNames[i]);
+    t = to_dev(t);
+    if (t.defined() && FusedParamState::kScalarStates[i]) t = t.to(at::kFloat);  // 0-d float32, like step
+  }
   s->master(to_dev(s->master()));
   for (const auto& [name, sc] : s->all_scales()) s->scales(name) = to_dev(sc);
   init_state(*s, p, fields.data(), common);  // fills whatever is still missing
@@ -391,8 +374,7 @@ void FusedOptimizer::refresh_device_values() {
     if (key.first >= param_groups_.size() || !entry.lr.defined()) continue;
     const auto& opts = param_groups_[key.first].options();
     const std::vector<double> fields = kind_record(opts);
-    spec_->check(std::string(kind()) + " (group " + std::to_string(key.first) + ")",
-                 detail::KindRecord{spec_, fields.data()});
+    spec_->check(std::string(kind()) + " (group " + std::to_string(key.first) + ")", fields.data());
     device_scalars(key.first, entry.lr.device(), opts.get_lr(), fields);
   }
 }

@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "capture.h"
+#include "../ops/capture.h"
 
 #ifdef FUSETRAIN_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>

@@ -2,7 +2,7 @@
 // csrc/cuda/syncbn_kernel.cu), written once like optim_math.h.
 #pragma once
 
-#include "optim_math.h"  // FT_HD
+#include "device_math.h"  // FT_HD
 
 namespace fusetrain {
 namespace detail {

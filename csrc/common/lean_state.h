@@ -31,7 +31,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "optim_math.h"  // FT_HD
+#include "device_math.h"  // FT_HD
 
 namespace fusetrain {
 namespace detail {

@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 #include "blocks.h"
 #include "work_items.h"
 

@@ -1,4 +1,4 @@
-// CPU kernels for the fused optimizer update (every kind of optim_kinds.h).
+// CPU kernels for the fused optimizer update (every kind of kind_dispatch.h).
 //
 // Work is split into (tensor, chunk) items run by at::parallel_for. Inside an
 // item, elements are processed in blocks: params/grads are converted to fp32
@@ -35,8 +35,10 @@ inline at::vec::Vectorized<C> vsign(at::vec::Vectorized<C> x) {
 }  // namespace detail
 }  // namespace fusetrain
 
+#include "../common/kind_dispatch.h"
 #include "../common/lean_state.h"
-#include "../common/optim_kinds.h"
+#include "../common/op_kernels.h"
+#include "../common/step_math.h"
 #include "bf16_lanes.h"
 #include "blocks.h"
 #include "q8_lanes.h"
@@ -436,7 +438,7 @@ void fused_update_cpu(const UpdateLists& l, const OptimHyper& launch, const Upda
 }  // namespace fusetrain
 
 // The device's update kernel for fusetrain::fused_step_ (register_update_kernel
-// in csrc/common/update_args.h).
+// in csrc/common/update_launch.h).
 namespace {
 const bool registered =
     (fusetrain::detail::register_update_kernel(c10::DeviceType::CPU, &fusetrain::detail::fused_update_cpu), true);

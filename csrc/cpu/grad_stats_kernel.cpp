@@ -12,7 +12,7 @@
 #include <cmath>
 #include <vector>
 
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 #include "work_items.h"
 
 namespace fusetrain {

@@ -2,7 +2,7 @@
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 
 namespace fusetrain {
 namespace detail {

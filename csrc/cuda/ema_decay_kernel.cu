@@ -5,7 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 
 namespace fusetrain {
 namespace detail {

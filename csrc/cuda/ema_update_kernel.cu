@@ -10,7 +10,7 @@
 #include <type_traits>
 
 #include "../common/lean_state.h"
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 #include "multi_tensor_apply.cuh"
 
 namespace fusetrain {

@@ -1,4 +1,4 @@
-// CUDA kernels for the fused optimizer update (every kind of optim_kinds.h).
+// CUDA kernels for the fused optimizer update (every kind of kind_dispatch.h).
 //
 // One pass: each element of param, grad and state is read once and written
 // once; the unscale/clip multiplier, the non-finite skip, master weights and
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocks<S>) fused_update_ker
   const bool count = a.stalled != nullptr && !io.full();
   int n_stalled = 0;
 
-  // NOTE [optional states] (optim_kinds.h): H1..H3 say at compile time whether a state is present.
+  // NOTE [optional states] (kind_dispatch.h): H1..H3 say at compile time whether a state is present.
   auto update_vectors = [&](int64_t vec_end, auto has1, auto has2, auto has3) {
     constexpr bool H1 = decltype(has1)::value, H2 = decltype(has2)::value, H3 = decltype(has3)::value;
     for (int64_t i = static_cast<int64_t>(threadIdx.x) * kILP; i < vec_end; i += kBlockThreads * kILP) {
@@ -300,7 +300,7 @@ void fused_update_cuda(const UpdateLists& l, const OptimHyper& h, const UpdateSc
 }  // namespace fusetrain
 
 // The device's update kernel for fusetrain::fused_step_ (register_update_kernel
-// in csrc/common/update_args.h).
+// in csrc/common/update_launch.h).
 namespace {
 const bool registered =
     (fusetrain::detail::register_update_kernel(c10::DeviceType::CUDA, &fusetrain::detail::fused_update_cuda), true);

@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 
 namespace fusetrain {
 namespace detail {

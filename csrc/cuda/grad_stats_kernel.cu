@@ -11,7 +11,7 @@
 
 #include <algorithm>
 
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 #include "multi_tensor_apply.cuh"
 
 namespace fusetrain {

@@ -55,7 +55,7 @@ struct TensorListMeta {
   void* addrs[Depth][MaxTensors];
   int64_t numel[MaxTensors];
   float* step[MaxTensors];
-  float* aux[MaxTensors];  // NOTE [tensor scalars] in csrc/common/update_args.h
+  float* aux[MaxTensors];  // NOTE [tensor scalars] in csrc/common/update_launch.h
   int32_t index[MaxTensors];  // the tensor's position in its list
   uint16_t block_to_tensor[MaxBlocks];
   int32_t block_to_chunk[MaxBlocks];

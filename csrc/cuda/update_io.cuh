@@ -11,8 +11,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "../common/kind_dispatch.h"
 #include "../common/lean_state.h"
-#include "../common/optim_kinds.h"
+#include "../common/step_math.h"
 #include "multi_tensor_apply.cuh"
 
 namespace fusetrain {
@@ -36,11 +37,11 @@ struct KernelArgs {
 
 // NOTE [block hyper]: the step's settings with the device values written over
 // them (read_device_values), made once per CUDA block in shared memory. The
-// values land at byte offsets known only at run time, so a copy in each
-// thread's registers cannot be: it is a stack frame of the struct's size
-// (about 440 bytes) in local memory, written by every thread of every block
-// (the update pass then reaches 81% of the copy bandwidth on an H200, 99%
-// with the block's copy). Both update kernels read the block's copy.
+// values land in fields known only at run time, so a copy in each thread's
+// registers cannot be: it would be a stack frame of the struct's size in
+// local memory, written by every thread of every block (the update pass
+// reached 81% of the copy bandwidth on an H200 so, 99% with the block's
+// copy). Both update kernels read the block's copy.
 __device__ __forceinline__ const OptimHyper& block_hyper(const KernelArgs& a) {
   __shared__ alignas(OptimHyper) unsigned char storage[sizeof(OptimHyper)];
   OptimHyper& h = *reinterpret_cast<OptimHyper*>(storage);

@@ -92,7 +92,7 @@ at::Tensor full_precision_param(at::TensorList params, at::TensorList master_par
 void run_apply_pass(const char* op, UpdateKernel kernel, const std::vector<size_t>& idx,
                     const std::vector<at::Tensor>& dirs, const std::vector<at::Tensor>& aux, at::TensorList params,
                     at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
-                    const at::Tensor& lr, const ApplyHyper& hyper, const OptT& found_inf, const OptT& ema_decay,
+                    const at::Tensor& lr, const ApplyFields& fields, const OptT& found_inf, const OptT& ema_decay,
                     bool count_step) {
   UpdateLists l;
   l.aux_name = "decay inputs";
@@ -106,8 +106,7 @@ void run_apply_pass(const char* op, UpdateKernel kernel, const std::vector<size_
     if (!aux.empty()) l.aux.push_back(aux[k]);
   }
   OptimHyper h;
-  h.kind = OptimKind::Apply;
-  h.apply = hyper;
+  h.set(OptimKind::Apply, fields);
   h.count_step = count_step;
   run_fused_update(op, l, h, UpdateScalars{lr, at::Tensor(), opt_or_undef(found_inf), at::Tensor(),
                                            opt_or_undef(ema_decay)},
@@ -118,7 +117,7 @@ std::vector<at::Tensor> run_direction_pass(const char* op, UpdateKernel kernel, 
                                            at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                                            at::TensorList exp_avg_sqs, const std::vector<at::Tensor>& weights,
                                            at::TensorList state_steps, const at::Tensor& lr,
-                                           const DirectionHyper& hyper, bool maximize, const OptT& inv_scale,
+                                           const DirectionFields& fields, bool maximize, const OptT& inv_scale,
                                            const OptT& found_inf, const OptT& grad_norm, double max_grad_norm) {
   UpdateLists l;
   l.state_names[0] = "exp_avgs";
@@ -134,11 +133,10 @@ std::vector<at::Tensor> run_direction_pass(const char* op, UpdateKernel kernel, 
     l.steps.push_back(state_steps[i]);
     l.state1.push_back(exp_avgs[i]);
     l.state2.push_back(exp_avg_sqs[i]);
-    if (hyper.l2_decay != 0.0) l.state3.push_back(weights[k]);
+    if (fields.l2_decay != 0.0) l.state3.push_back(weights[k]);
   }
   OptimHyper h;
-  h.kind = OptimKind::Direction;
-  h.direction = hyper;
+  h.set(OptimKind::Direction, fields);
   h.maximize = maximize;
   h.max_grad_norm = max_grad_norm;
   run_fused_update(op, l, h, UpdateScalars{lr, opt_or_undef(inv_scale), opt_or_undef(found_inf),

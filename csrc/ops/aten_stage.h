@@ -13,7 +13,7 @@
 //   2. the reductions, with ATen operations (norms, cosine similarities,
 //      Newton-Schulz);
 //   3. one fused pass of kind Apply: p = p * (1 - lr * decay) - lr * ratio *
-//      direction, with the skip, master weights and the EMA (ApplyHyper).
+//      direction, with the skip, master weights and the EMA (ApplyMath).
 // Where an ATen stage updates state (Muon's momentum), a skipped step must
 // leave it as it was without a host branch: the gradient's non-finite entries
 // are zeroed and the update's weights multiplied by (1 - found_inf).
@@ -23,13 +23,15 @@
 
 #include <vector>
 
-#include "../common/update_args.h"
+#include "../common/kind_table.h"
+#include "../common/op_kernels.h"
+#include "../common/update_launch.h"
 
 namespace fusetrain {
 namespace detail {
 
 // The multiplier of every gradient element as a 0-d device tensor (undefined
-// for 1): grad_multiplier of optim_math.h, in float32.
+// for 1): grad_multiplier of step_math.h, in float32.
 at::Tensor grad_multiplier_tensor(const OptT& inv_scale, const OptT& grad_norm, double max_grad_norm);
 
 // 1 - found_inf as a 0-d tensor, or undefined without a flag.
@@ -59,18 +61,18 @@ at::Tensor full_precision_param(at::TensorList params, at::TensorList master_par
 void run_apply_pass(const char* op, UpdateKernel kernel, const std::vector<size_t>& idx,
                     const std::vector<at::Tensor>& dirs, const std::vector<at::Tensor>& aux, at::TensorList params,
                     at::TensorList state_steps, at::TensorList master_params, at::TensorList ema_params,
-                    const at::Tensor& lr, const ApplyHyper& hyper, const OptT& found_inf, const OptT& ema_decay,
+                    const at::Tensor& lr, const ApplyFields& fields, const OptT& found_inf, const OptT& ema_decay,
                     bool count_step = true);
 
 // The direction pass (kind Direction) over params `idx`: updates exp_avgs and
 // exp_avg_sqs and returns the directions (new tensors in the state dtype).
 // `weights` (the full-precision weights, one per index) are read when
-// hyper.l2_decay != 0, else may be empty.
+// fields.l2_decay != 0, else may be empty.
 std::vector<at::Tensor> run_direction_pass(const char* op, UpdateKernel kernel, const std::vector<size_t>& idx,
                                            at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                                            at::TensorList exp_avg_sqs, const std::vector<at::Tensor>& weights,
                                            at::TensorList state_steps, const at::Tensor& lr,
-                                           const DirectionHyper& hyper, bool maximize, const OptT& inv_scale,
+                                           const DirectionFields& fields, bool maximize, const OptT& inv_scale,
                                            const OptT& found_inf, const OptT& grad_norm, double max_grad_norm);
 
 }  // namespace detail

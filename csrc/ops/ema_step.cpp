@@ -21,7 +21,7 @@
 
 #include "fusetrain/ops.h"
 
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 
 namespace fusetrain {
 namespace detail {

@@ -7,7 +7,7 @@
 #include <ATen/ops/empty_strided.h>
 #include <torch/library.h>
 
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 
 namespace fusetrain {
 namespace detail {

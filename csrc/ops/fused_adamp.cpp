@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "aten_stage.h"
-#include "optim_kind.h"
+#include "kind_registry.h"
 
 namespace fusetrain {
 namespace detail {
@@ -47,16 +47,6 @@ std::pair<at::Tensor, at::Tensor> project(const at::Tensor& w, const at::Tensor&
   return {projected.view(u.sizes()), at::logical_or(use_ch, use_l).to(at::kFloat)};
 }
 
-
-void check(const std::string& op, const KindRecord& r) {
-  check_in(op, r, "beta1", 0.0, 1.0);
-  check_in(op, r, "beta2", 0.0, 1.0);
-  check_in(op, r, "eps", 0.0);
-  check_in(op, r, "weight_decay", 0.0);
-  check_in(op, r, "delta", 0.0);
-  check_in(op, r, "wd_ratio", 0.0);
-}
-
 void run(const KindCall& c) {
   const char* op = c.op;
   const UpdateKernel kernel = c.kernel;
@@ -74,11 +64,22 @@ void run(const KindCall& c) {
   if (n == 0) return;
 
   // 1. moments and the Adam direction over 1 - beta1^t (one fused pass; counts the step)
-  DirectionHyper dh{beta1, beta2, eps, 1.0 - beta1, /*l2_decay=*/0.0, /*bias_correction=*/true, nesterov};
+  DirectionFields dh{};
+  dh.beta1 = beta1;
+  dh.beta2 = beta2;
+  dh.eps = eps;
+  dh.beta3 = 1.0 - beta1;
+  dh.l2_decay = 0.0;
+  dh.bias_correction = 1.0;
+  dh.nesterov = nesterov ? 1.0 : 0.0;
   // 3. the decay: weight_decay, times wd_ratio where the projection was taken (aux 1)
-  ApplyHyper ah{weight_decay};
+  ApplyFields ah{};
+  ah.weight_decay = weight_decay;
+  ah.lr_ratio = 1.0;
+  ah.aux_scales_step = 0.0;
   ah.aux_base = 1.0;
   ah.aux_mul = wd_ratio - 1.0;
+  ah.decay_max_lr = 0.0;
   const at::Tensor not_projected = at::zeros({}, lr.options().dtype(at::kFloat));
 
   std::map<int, std::vector<size_t>> by_dtype;  // the state dtype of each param
@@ -106,20 +107,7 @@ void run(const KindCall& c) {
   }
 }
 
-const KindSpec& kind = register_kind({
-    "adamp",
-    "AdamP (timm's AdamP; NOTE [adamp projection] in csrc/ops/fused_adamp.cpp)",
-    {{"beta1", "real", "first-moment decay"},
-     {"beta2", "real", "second-moment decay"},
-     {"eps", "real", "added to the denominator and the norms"},
-     {"weight_decay", "real", "decoupled weight decay (times wd_ratio where projected)"},
-     {"delta", "real", "cosine threshold of the projection"},
-     {"wd_ratio", "real", "the weight decay's factor where the projection is taken"},
-     {"nesterov", "flag", "Nesterov momentum in the direction"}},
-    {{0, "exp_avg"}, {1, "exp_avg_sq"}},
-    &check,
-    &run,
-});
+const bool registered = set_kind_run("adamp", &run);
 
 }  // namespace
 }  // namespace detail

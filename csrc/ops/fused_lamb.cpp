@@ -9,20 +9,12 @@
 #include <vector>
 
 #include "aten_stage.h"
-#include "optim_kind.h"
+#include "kind_registry.h"
 
 namespace fusetrain {
 namespace detail {
 
 namespace {
-
-void check(const std::string& op, const KindRecord& r) {
-  check_in(op, r, "beta1", 0.0, 1.0);
-  check_in(op, r, "beta2", 0.0, 1.0);
-  check_in(op, r, "eps", 0.0);
-  check_in(op, r, "weight_decay", 0.0);
-  check_in(op, r, "decay_max_lr", 0.0);
-}
 
 void run(const KindCall& c) {
   const char* op = c.op;
@@ -31,7 +23,8 @@ void run(const KindCall& c) {
   const at::TensorList state_steps = c.steps, master_params = c.masters, ema_params = c.emas;
   const at::Tensor& lr = c.lr;
   const double beta1 = c["beta1"], beta2 = c["beta2"], eps = c["eps"], weight_decay = c["weight_decay"];
-  const double decay_max_lr = c["decay_max_lr"];
+  // timm's corrected weight decay: the decoupled decay scaled by lr / max_lr (the constructor's lr).
+  const double decay_max_lr = c.flag("corrected_weight_decay") ? c["max_lr"] : 0.0;
   const bool bias_correction = c.flag("bias_correction"), grad_averaging = c.flag("grad_averaging");
   const bool trust_clip = c.flag("trust_clip"), always_adapt = c.flag("always_adapt"), caution = c.flag("caution");
   const bool decoupled_weight_decay = c.flag("decoupled_weight_decay"), maximize = c.maximize;
@@ -47,10 +40,20 @@ void run(const KindCall& c) {
   // L2 decay joins the direction after the caution mask (timm's order): in the
   // pass, or after the mask when there is one.
   const double l2 = decoupled ? 0.0 : weight_decay;
-  DirectionHyper dh{beta1, beta2, eps, grad_averaging ? 1.0 - beta1 : 1.0, caution ? 0.0 : l2, bias_correction,
-                    /*nesterov=*/false};
-  ApplyHyper ah{decoupled ? weight_decay : 0.0};
-  ah.aux_scales_step = true;  // aux: the trust ratio
+  DirectionFields dh{};
+  dh.beta1 = beta1;
+  dh.beta2 = beta2;
+  dh.eps = eps;
+  dh.beta3 = grad_averaging ? 1.0 - beta1 : 1.0;
+  dh.l2_decay = caution ? 0.0 : l2;
+  dh.bias_correction = bias_correction;
+  dh.nesterov = 0.0;
+  ApplyFields ah{};
+  ah.weight_decay = decoupled ? weight_decay : 0.0;
+  ah.lr_ratio = 1.0;
+  ah.aux_scales_step = 1.0;  // aux: the trust ratio
+  ah.aux_base = 0.0;
+  ah.aux_mul = 1.0;
   ah.decay_max_lr = decoupled ? decay_max_lr : 0.0;
   // The trust ratio reads the weights after the decoupled decay (timm's order):
   // ||w * (1 - lr * decay)|| = ||w|| * |1 - lr * decay|.
@@ -108,24 +111,7 @@ void run(const KindCall& c) {
   }
 }
 
-const KindSpec& kind = register_kind({
-    "lamb",
-    "Lamb (timm's Lamb; its clipping is max_grad_norm)",
-    {{"beta1", "real", "first-moment decay"},
-     {"beta2", "real", "second-moment decay"},
-     {"eps", "real", "added to the denominator"},
-     {"weight_decay", "real", "L2 (or decoupled) weight decay"},
-     {"bias_correction", "flag", "divide the moments by 1 - beta^t"},
-     {"grad_averaging", "flag", "exp_avg takes (1 - beta1) * g (else g)"},
-     {"trust_clip", "flag", "the trust ratio is at most 1"},
-     {"always_adapt", "flag", "apply the trust ratio also without weight decay"},
-     {"caution", "flag", "drop the update's entries whose sign disagrees with the gradient's"},
-     {"decoupled_weight_decay", "flag", "p *= 1 - lr * weight_decay"},
-     {"decay_max_lr", "real", "> 0: the decoupled decay is scaled by lr / decay_max_lr"}},
-    {{0, "exp_avg"}, {1, "exp_avg_sq"}},
-    &check,
-    &run,
-});
+const bool registered = set_kind_run("lamb", &run);
 
 }  // namespace
 }  // namespace detail

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "aten_stage.h"
-#include "optim_kind.h"
+#include "kind_registry.h"
 
 namespace fusetrain {
 namespace detail {
@@ -61,28 +61,22 @@ double lr_ratio(const std::string& fn, int64_t r, int64_t c) {
   return std::sqrt(std::max(1.0, rd / cd));
 }
 
-void check(const std::string& op, const KindRecord& r) {
-  check_in(op, r, "momentum", 0.0);
-  check_in(op, r, "weight_decay", 0.0);
-  check_in(op, r, "eps", 0.0);
-  check_in(op, r, "ns_steps", 0.0, 100.0);
-  TORCH_CHECK_VALUE(r["ns_steps"] == static_cast<double>(static_cast<int64_t>(r["ns_steps"])), op,
-                    ": ns_steps must be an integer, got ", r["ns_steps"]);
-  check_in(op, r, "adamw_beta1", 0.0, 1.0);
-  check_in(op, r, "adamw_beta2", 0.0, 1.0);
-  check_in(op, r, "adamw_eps", 0.0);
-}
-
 // NOTE [muon groups]: a Muon optimizer holds two kinds of groups: use_muon
 // groups (matrices and convolution filters: state momentum_buffer) and the
 // others (AdamW with the group's lr and weight_decay, adamw_beta1,
 // adamw_beta2 and adamw_eps: state exp_avg, exp_avg_sq). Both take the one
 // global norm and non-finite flag of the stats pass.
 void run_adamw(const KindCall& c) {
+  AdamFields a{};
+  a.beta1 = c["adamw_beta1"];
+  a.beta2 = c["adamw_beta2"];
+  a.weight_decay = c["weight_decay"];
+  a.eps = c["adamw_eps"];
+  a.amsgrad = 0.0;
+  a.decoupled_weight_decay = 1.0;
+  a.bias_correction = 1.0;
   OptimHyper h;
-  h.kind = OptimKind::Adam;
-  h.adam = AdamHyper{c["adamw_beta1"], c["adamw_beta2"], c["adamw_eps"], c["weight_decay"],
-                     /*decoupled_weight_decay=*/true, /*amsgrad=*/false, /*bias_correction=*/true};
+  h.set(OptimKind::Adam, a);
   run_kind_update(c, h, c.state[0], c.state[1], {});
 }
 
@@ -110,8 +104,7 @@ void run(const KindCall& c) {
   std::map<std::tuple<int64_t, int64_t, int>, std::vector<size_t>> batches;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    TORCH_CHECK(p.dim() >= 2, op, ": params[", i, "] has shape ", p.sizes(),
-                "; Muon updates matrices and convolution filters (2 or more dims): give 1-D params to AdamW");
+    // 2 or more dims: the table's param rule (fused_step_ checks it first).
     const at::ScalarType sd = p.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     // A convolution filter is the matrix out_channels x (in_channels * kernel size).
     const int64_t rows = p.size(0);
@@ -159,31 +152,19 @@ void run(const KindCall& c) {
       for (at::Tensor& o : ortho) o = o.to(at::kDouble);
     // 3. apply
     for (size_t k = 0; k < idx.size(); ++k) ortho[k] = ortho[k].view(params[idx[k]].sizes());
-    run_apply_pass(op, kernel, idx, ortho, {}, params, state_steps, master_params, ema_params, lr,
-                   ApplyHyper{weight_decay, lr_ratio(adjust, rows, cols)}, found_inf, ema_decay);
+    ApplyFields ah{};
+    ah.weight_decay = weight_decay;
+    ah.lr_ratio = lr_ratio(adjust, rows, cols);
+    ah.aux_scales_step = 0.0;
+    ah.aux_base = 0.0;
+    ah.aux_mul = 1.0;
+    ah.decay_max_lr = 0.0;
+    run_apply_pass(op, kernel, idx, ortho, {}, params, state_steps, master_params, ema_params, lr, ah, found_inf,
+                   ema_decay);
   }
 }
 
-const KindSpec& kind = register_kind({
-    "muon",
-    "Muon (torch.optim.Muon's update) for use_muon groups, AdamW for the others (NOTE [muon groups])",
-    {{"use_muon", "flag", "a Muon group (else AdamW)"},
-     {"momentum", "real", "momentum factor"},
-     {"nesterov", "flag", "Nesterov momentum"},
-     {"weight_decay", "real", "decoupled weight decay (both kinds of groups)"},
-     {"ns_a", "real", "Newton-Schulz coefficient a"},
-     {"ns_b", "real", "Newton-Schulz coefficient b"},
-     {"ns_c", "real", "Newton-Schulz coefficient c"},
-     {"eps", "real", "floor of the Newton-Schulz normalisation"},
-     {"ns_steps", "int", "Newton-Schulz iterations"},
-     {"match_rms_adamw", "flag", "adjust_lr_fn 'match_rms_adamw' (else 'original')"},
-     {"adamw_beta1", "real", "AdamW groups: first-moment decay"},
-     {"adamw_beta2", "real", "AdamW groups: second-moment decay"},
-     {"adamw_eps", "real", "AdamW groups: added to the denominator"}},
-    {{0, "momentum_buffer", "use_muon"}, {0, "exp_avg", "use_muon", false}, {1, "exp_avg_sq", "use_muon", false}},
-    &check,
-    &run,
-});
+const bool registered = set_kind_run("muon", &run);
 
 }  // namespace
 }  // namespace detail

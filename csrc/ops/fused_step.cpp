@@ -6,7 +6,7 @@
 //   2. the results into the caller's persistent buffers (NOTE [persistent step
 //      results] in python/fusetrain/training/step.py);
 //   3. one update pass per group (and per master-weight partition) through the
-//      optimizer kind's entry in the kind table (optim_kind.h), with
+//      optimizer kind's entry in the kind table (kind_registry.h), with
 //      unscaling, clipping, the non-finite skip and the EMA folded in.
 // It holds no kernel: each group's update takes its device's kernel, so it is
 // registered once, for every backend.
@@ -21,8 +21,9 @@
 #include <string>
 #include <vector>
 
+#include "capture.h"
 #include "fusetrain/ops.h"
-#include "optim_kind.h"
+#include "kind_registry.h"
 
 namespace fusetrain {
 namespace detail {
@@ -33,15 +34,19 @@ namespace {
 // (flags as 0 or 1; master_weights 0 none, 1 float32 masters, 2 int16
 // remainders, 3 stochastic rounding: NOTE [lean state] in
 // csrc/common/lean_state.h), then the optimizer's own fields, in the order of
-// its entry in the kind table (NOTE [kind table] in optim_kind.h; listed in
+// its entry in the kind table (NOTE [kind table] in kind_registry.h; listed in
 // docs/ops.md). The state lists hold entries only for the groups whose entry
 // keeps them (e.g. adam's state3 = max_exp_avg_sq for amsgrad groups);
 // master_params one per float16/bfloat16 param of a group with masters (1 or
 // 2); ema_params one per param of a has_ema group. With `group_values` (one per
 // group, of a kind with schedulable fields) the kernels read those fields from
 // the group's values tensor (NOTE [device values] in
-// csrc/common/update_args.h); the record's copies of them are checked and
-// decide which states a group keeps. `state_scales` holds the block scales of
+// csrc/common/update_launch.h); the record's copies of them are checked and
+// decide which states a group keeps. A values tensor on the CPU for params
+// elsewhere is read here, on the host, checked with the record and passed to
+// the kernels as its fields (NOTE [compiled settings] in
+// python/fusetrain/optim/_group_values.py); one on the params' device is
+// read by the kernels. `state_scales` holds the block scales of
 // int8 state tensors (NOTE [8-bit state] in csrc/common/lean_state.h): group
 // by group, slot by slot (state1, state2, state3), one per param whose state
 // tensor in that slot is int8. `ema_remainders`, when not empty, holds one
@@ -161,7 +166,11 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                                                grad_norm->scalar_type() == at::kFloat),
                     "fused_step_: grad_norm must be a float32 tensor with one element");
 
-  // Every group's record is checked before anything is written.
+  // Every group's record (with the values a CPU values tensor holds) is checked before anything is written.
+  std::vector<std::vector<double>> host_records(groups);  // per group read from a CPU values tensor, else empty
+  auto own_fields = [&](size_t g) -> const double* {
+    return host_records[g].empty() ? hyper.data() + g * fields + kCommon : host_records[g].data();
+  };
   bool clips = false;
   size_t first = 0;  // the group's first param
   const at::TensorList states[3] = {state1, state2, state3};
@@ -172,19 +181,30 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
   for (size_t g = 0; g < groups; ++g) {
     const double* f = hyper.data() + g * fields;
     const std::string where = "fused_step_ (" + std::string(spec.name) + ", group " + std::to_string(g) + ")";
-    spec.check(where, KindRecord{&spec, f + kCommon});
+    const size_t size = group_sizes[g] > 0 ? static_cast<size_t>(group_sizes[g]) : 0;
+    const at::TensorList group_params = params.slice(std::min(first, params.size()),
+                                                     std::min(size, params.size() - std::min(first, params.size())));
+    if (!group_values.empty() && group_values[g].is_cpu()) {
+      TORCH_CHECK_VALUE(group_params.empty() || !stream_is_capturing(group_params[0].device()), where,
+                        ": group_values is on the CPU, but a CUDA graph is being captured: the graph would keep its "
+                        "values; give it on ", group_params[0].device());
+      host_records[g].assign(f + kCommon, f + fields);
+      const double* v = group_values[g].data_ptr<double>();
+      for (size_t k = 0; k < n_values; ++k) host_records[g][spec.value_positions[k]] = v[k];
+    }
+    spec.check(where, own_fields(g));
+    spec.check_params(where, own_fields(g), group_params);
     TORCH_CHECK_VALUE(f[1] == 0.0 || f[1] == 1.0 || f[1] == 2.0 || f[1] == 3.0, where,
                       ": master_weights must be 0 (none), 1 (float32), 2 (remainder) or 3 (stochastic), got ", f[1]);
     TORCH_CHECK_VALUE(f[1] < 2.0 || spec.lean, where, ": master_weights ", f[1] == 2.0 ? "remainder" : "stochastic",
                       " is for the element-wise optimizers (NOTE [lean state])");
-    const size_t size = group_sizes[g] > 0 ? static_cast<size_t>(group_sizes[g]) : 0;
     for (size_t i = first; f[1] >= 2.0 && i < std::min(first + size, params.size()); ++i) {
       TORCH_CHECK_VALUE(params[i].scalar_type() != at::kHalf, where, ": params[", i, "] is float16 but the group's "
                         "master_weights are ", f[1] == 2.0 ? "remainders" : "stochastic",
                         ", which keep bfloat16 params (use float32 masters for float16)");
     }
     for (int k = 0; k < 3; ++k) {
-      if (!spec.uses_slot(f + kCommon, k)) continue;
+      if (!spec.uses_slot(own_fields(g), k)) continue;
       for (size_t i = state_pos[k]; i < std::min(state_pos[k] + size, states[k].size()); ++i)
         n_scales += states[k][i].defined() && states[k][i].scalar_type() == at::kChar;
       state_pos[k] += size;
@@ -251,7 +271,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
     l.grads = gc.take(n);
     l.steps = tc.take(n);
     for (int k = 0; k < 3; ++k) {
-      l.s[k] = sc[k].take(spec.uses_slot(f + kCommon, k) ? n : 0);
+      l.s[k] = sc[k].take(spec.uses_slot(own_fields(g), k) ? n : 0);
       size_t q8 = 0;
       for (const auto& t : l.s[k]) q8 += t.defined() && t.scalar_type() == at::kChar;
       const at::TensorList taken = qc.take(q8);
@@ -285,10 +305,11 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
                               : lrs[g].to(dev, at::kFloat);
     KindCall call;
     call.spec = &spec;
-    call.fields = f + kCommon;
+    call.fields = own_fields(g);
     call.kernel = update_kernel(dev.type());
     call.lr = lr;
-    if (!group_values.empty()) call.values = group_values[g].device() == dev ? group_values[g] : group_values[g].to(dev);
+    if (!group_values.empty() && host_records[g].empty())
+      call.values = group_values[g].device() == dev ? group_values[g] : group_values[g].to(dev);
     call.maximize = f[3] != 0.0;
     call.master_mode = mode;
     call.inv_scale = on(inv_scale.has_value() ? *inv_scale : at::Tensor(), dev);
@@ -311,7 +332,7 @@ void fused_step_impl(c10::string_view optimizer, at::TensorList params, at::Tens
       call.masters = part.masters;
       call.emas = part.emas;
       call.ema_rems = part.ema_rems;
-      spec.run(call);
+      run_kind(call);
     };
     if (!masters || full.empty()) {
       run(l);

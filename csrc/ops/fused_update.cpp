@@ -1,6 +1,6 @@
 // Checks and dtype bucketing shared by the fused optimizer updates (every
-// kind of csrc/ops/optim_kind.h); the kernel is the device's
-// (register_update_kernel in csrc/common/update_args.h).
+// kind of the kind table, csrc/ops/kind_registry.h); the kernel is the device's
+// (register_update_kernel in csrc/common/update_launch.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty_strided.h>
@@ -12,8 +12,8 @@
 #include <map>
 #include <utility>
 
-#include "../common/optim_kinds.h"
-#include "../common/update_args.h"
+#include "../common/kind_dispatch.h"
+#include "../common/op_kernels.h"
 
 namespace fusetrain {
 namespace detail {
@@ -232,7 +232,7 @@ void run_fused_update(const char* op, const UpdateLists& lists, const OptimHyper
                 g0.device());
     TORCH_CHECK(g0.sizes() == pp.sizes(), op, ": grads[", i, "] has shape ", g0.sizes(), " but params[", i,
                 "] has shape ", pp.sizes());
-    // The grads the kernels read (NOTE [kernel grads] in csrc/common/optim_kinds.h):
+    // The grads the kernels read (NOTE [kernel grads] in csrc/common/kind_dispatch.h):
     // the param's dtype or float32; other dtypes are converted to float32.
     const at::ScalarType gt = g0.scalar_type() == pp.scalar_type() || g0.scalar_type() == at::kFloat
                                   ? g0.scalar_type()

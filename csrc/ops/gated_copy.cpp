@@ -6,7 +6,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 
 namespace fusetrain {
 namespace detail {

@@ -4,7 +4,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 
 namespace fusetrain {
 namespace detail {

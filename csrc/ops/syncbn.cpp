@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "../common/syncbn.h"
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 
 namespace fusetrain {
 namespace detail {

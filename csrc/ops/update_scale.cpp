@@ -3,7 +3,7 @@
 // Semantics of torch.amp.GradScaler.update (torch._amp_update_scale_).
 #include <torch/library.h>
 
-#include "../common/update_args.h"
+#include "../common/op_kernels.h"
 
 namespace fusetrain {
 namespace detail {

@@ -4,8 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "../api/capture.h"
-#include "../ops/optim_kind.h"
+#include "../ops/capture.h"
+#include "../ops/kind_registry.h"
 #include "fusetrain/build_info.h"
 
 namespace py = pybind11;
@@ -38,16 +38,19 @@ PYBIND11_MODULE(_C, m) {
         fusetrain::detail::abandon_capture(static_cast<c10::DeviceIndex>(device), pool);
       },
       "After a failed CUDA-graph capture: end the allocators' routing into the graph's pool and release it "
-      "(NOTE [failed capture] in csrc/api/capture.h).");
+      "(NOTE [failed capture] in csrc/ops/capture.h).");
   m.def(
       "optim_kinds",
       []() {
         py::list out;
+        auto name_or_none = [](const char* n) { return n ? py::object(py::str(n)) : py::object(py::none()); };
         for (const auto* spec : fusetrain::detail::all_kinds()) {
           py::list fields, states;
           for (const auto& f : spec->fields)
-            fields.append(py::dict(py::arg("name") = f.name, py::arg("type") = f.type, py::arg("doc") = f.doc));
-          auto name_or_none = [](const char* n) { return n ? py::object(py::str(n)) : py::object(py::none()); };
+            fields.append(py::dict(py::arg("name") = f.name, py::arg("type") = f.type, py::arg("doc") = f.doc,
+                                   py::arg("default") = f.default_value, py::arg("low") = f.low,
+                                   py::arg("high") = f.high, py::arg("high_closed") = f.high_closed,
+                                   py::arg("choices") = name_or_none(f.choices)));
           for (const auto& s : spec->states) {
             states.append(py::dict(py::arg("slot") = s.slot, py::arg("name") = s.name,
                                    py::arg("when") = name_or_none(s.when), py::arg("when_set") = s.when_set,
@@ -62,9 +65,12 @@ PYBIND11_MODULE(_C, m) {
         }
         return out;
       },
-      "The optimizer kinds of fusetrain::fused_step_ (NOTE [kind table] in csrc/ops/optim_kind.h): each kind's "
-      "name, its record's fields in order, its per-param state, its schedulable fields and whether it takes lean "
-      "state (NOTE [lean state] in csrc/common/lean_state.h).");
+      "The optimizer kinds of fusetrain::fused_step_ (NOTE [kind table] in csrc/ops/kind_registry.h), generated "
+      "from the optimizer table: each kind's name, its record's fields in order (default, allowed range), its "
+      "per-param state, its schedulable fields and whether it takes lean state (NOTE [lean state] in "
+      "csrc/common/lean_state.h).");
+  m.def("optim_table_digest", &fusetrain::detail::optim_table_digest,
+        "The digest of the optimizer table (python/fusetrain/optim/_table.py) this library was generated from.");
   m.def(
       "check_kind_record",
       [](const std::string& kind, const std::vector<double>& fields) {
@@ -72,7 +78,7 @@ PYBIND11_MODULE(_C, m) {
           const auto& spec = fusetrain::detail::find_kind(kind);
           TORCH_CHECK_VALUE(fields.size() == spec.fields.size(), "check_kind_record: kind '", kind, "' has ",
                             spec.fields.size(), " fields, got ", fields.size());
-          spec.check(kind, fusetrain::detail::KindRecord{&spec, fields.data()});
+          spec.check(kind, fields.data());
         } catch (const c10::ValueError& e) {
           throw py::value_error(e.what_without_backtrace());
         }

@@ -20,9 +20,12 @@ def build_info() -> dict:
 
 
 def optim_kinds() -> list:
-    """The optimizer kinds of ``fused_step_`` (the C++ kind table): for each,
-    its ``name``, ``doc``, its record's own ``fields`` in order (``name``,
-    ``type``, ``doc``) and its per-param ``states`` (``slot`` in state1..3,
+    """The optimizer kinds of ``fused_step_`` (the C++ kind table, generated
+    from the optimizer table, fusetrain/optim/_table.py): for each, its
+    ``name``, ``doc``, its record's own ``fields`` in order (``name``,
+    ``type``, ``doc``, ``default``, the allowed range ``low``, ``high``,
+    ``high_closed``, a choice's ``choices``) and its per-param ``states``
+    (``slot`` in state1..3,
     ``name``, the condition field ``when`` and ``when_set``, ``scalar``,
     ``initial`` and ``initial_when``) and its ``value_fields``: the fields a
     schedule may change, read on the device from a group's values tensor."""
@@ -32,7 +35,7 @@ def optim_kinds() -> list:
 def abandon_capture(device: torch.device, pool: tuple) -> None:
     """After a CUDA-graph capture that failed before it ended: end the device
     and pinned-host allocators' routing into the graph's memory pool and
-    release the pool (NOTE [failed capture] in csrc/api/capture.h)."""
+    release the pool (NOTE [failed capture] in csrc/ops/capture.h)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     _C._abandon_capture(index, tuple(pool))
 
@@ -85,8 +88,10 @@ def fused_step_(optimizer: str, params, grads, state_steps, state1, state2, stat
     fields are in ``optim_kinds()`` and docs/ops.md). ``grad_norm_out``
     and ``found_inf_out`` receive the global norm (NaN when none was measured)
     and the step's non-finite flag. ``group_values``: one float64 vector per
-    group on its params' device holding the kind's ``value_fields``, which the
-    kernels then read there (NOTE [device values] in csrc/common/update_args.h).
+    group holding the kind's ``value_fields``: on its params' device the
+    kernels read them there (NOTE [device values] in
+    csrc/common/update_launch.h); on the CPU the op reads and checks them on
+    the host (NOTE [compiled settings] in fusetrain/optim/_group_values.py).
     ``state_scales``: the block scales of int8 state tensors (NOTE [group
     records]; NOTE [8-bit state] in csrc/common/lean_state.h).
     ``ema_remainders``: one int16 tensor per bfloat16 entry of ``ema_params``

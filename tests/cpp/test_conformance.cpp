@@ -92,10 +92,10 @@ std::unique_ptr<fusetrain::FusedOptimizer> make_optimizer(const Case& c, std::ve
                                                    .momentum(0.5).centered(true).max_grad_norm(clip)
                                                    .master_weights(master));
   if (name == "rmsprop_tf")
-    return make<fusetrain::RMSprop>(c, params, fusetrain::RMSpropOptions(lr).alpha(0.9).eps(1e-3).weight_decay(0.01)
-                                                   .momentum(0.9).tf_style(true).lr_in_momentum(true)
-                                                   .decoupled_weight_decay(true).max_grad_norm(clip)
-                                                   .master_weights(master));
+    return make<fusetrain::RMSpropTF>(c, params, fusetrain::RMSpropTFOptions(lr).alpha(0.9).eps(1e-3)
+                                                     .weight_decay(0.01).momentum(0.9).lr_in_momentum(true)
+                                                     .decoupled_decay(true).max_grad_norm(clip)
+                                                     .master_weights(master));
   if (name == "muon") {  // the matrices in a Muon group, the vector in an AdamW group (as Python's Muon splits)
     const auto o = fusetrain::MuonOptions(lr).weight_decay(0.05).adjust_lr_fn("match_rms_adamw").max_grad_norm(clip)
                        .master_weights(master);

@@ -68,7 +68,7 @@ struct AdamMissingAField : fusetrain::Adam {
     if (drop) v.pop_back();
     else v.emplace_back("momentum", 0.9);
   }
-  void recheck() { check_kind(); }
+  void recheck() { check_kind("Adam"); }
 };
 
 TEST(CppApiOptim, RecordFieldsAreCheckedAgainstTheKindTable) {
@@ -215,16 +215,19 @@ TEST(CppApiOptim, RMSpropTFStyleMatchesAReference) {
     auto init = make_params(6);
     auto a = clone_params(init), b = clone_params(init);
     const double lr = 1.0 / 256;
-    fusetrain::RMSprop ours(a, fusetrain::RMSpropOptions(lr).alpha(0.9).eps(1e-3).momentum(c.momentum)
-                                   .weight_decay(c.wd).centered(c.centered).tf_style(true)
-                                   .lr_in_momentum(c.lr_in_momentum).decoupled_weight_decay(c.decoupled));
+    fusetrain::RMSpropTF ours(a, fusetrain::RMSpropTFOptions(lr).alpha(0.9).eps(1e-3).momentum(c.momentum)
+                                     .weight_decay(c.wd).centered(c.centered).lr_in_momentum(c.lr_in_momentum)
+                                     .decoupled_decay(c.decoupled));
     RMSpropTFReference ref{b, lr, 0.9, 1e-3, c.wd, c.momentum, c.centered, c.lr_in_momentum, c.decoupled};
     compare(ours, ref, a, b);
     const auto& st = static_cast<const fusetrain::FusedParamState&>(*ours.state().at(a[0].unsafeGetTensorImpl()));
     EXPECT_TRUE(torch::allclose(st.square_avg(), ref.sq[0]));
   }
-  auto p = make_params(7);
-  EXPECT_THROW(fusetrain::RMSprop(p, fusetrain::RMSpropOptions(0.1).lr_in_momentum(true)), c10::ValueError);
+  // timm's defaults: alpha 0.9, eps 1e-10, lr_in_momentum.
+  const fusetrain::RMSpropTFOptions d;
+  EXPECT_EQ(d.alpha(), 0.9);
+  EXPECT_EQ(d.eps(), 1e-10);
+  EXPECT_TRUE(d.lr_in_momentum());
 }
 
 TEST(CppApiOptim, MuonGroupsAndChecks) {
@@ -469,13 +472,21 @@ TEST(CppApiOptim, BadOptionsRaise) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   };
-  expect_msg([&] { fusetrain::AdamW(ps, fusetrain::AdamWOptions(-1.0)); }, "fusetrain::AdamW: invalid learning rate");
+  // The table's checks, named by the class (NOTE [optimizer table]).
+  expect_msg([&] { fusetrain::AdamW(ps, fusetrain::AdamWOptions(-1.0)); }, "fusetrain::AdamW: lr must be >= 0, got -1");
   expect_msg([&] { fusetrain::Adam(ps, fusetrain::AdamOptions().betas({1.0, 0.9})); },
-             "invalid beta parameter at index 0");
+             "fusetrain::Adam: beta1 must be in [0, 1), got 1");
   expect_msg([&] { fusetrain::Lion(ps, fusetrain::LionOptions().betas({0.9, -0.1})); },
-             "invalid beta parameter at index 1");
-  expect_msg([&] { fusetrain::SGD(ps, fusetrain::SGDOptions(-0.1)); }, "fusetrain::SGD: invalid learning rate");
-  expect_msg([&] { fusetrain::SGD(ps, fusetrain::SGDOptions(0.1).nesterov(true)); }, "nesterov");
+             "fusetrain::Lion: beta2 must be in [0, 1), got -0.1");
+  expect_msg([&] { fusetrain::SGD(ps, fusetrain::SGDOptions(-0.1)); }, "fusetrain::SGD: lr must be >= 0, got -0.1");
+  expect_msg([&] { fusetrain::SGD(ps, fusetrain::SGDOptions(0.1).nesterov(true)); },
+             "fusetrain::SGD: nesterov needs momentum > 0, got momentum=0");
+  expect_msg([&] { fusetrain::RMSprop(ps, fusetrain::RMSpropOptions(0.1).eps(std::nan(""))); },
+             "fusetrain::RMSprop: eps must be >= 0, got nan");
+  expect_msg([&] { fusetrain::Muon({ps[1]}, fusetrain::MuonOptions(0.02).adjust_lr_fn("rms")); },
+             "fusetrain::Muon: adjust_lr_fn must be one of 'original', 'match_rms_adamw', got 'rms'");
+  expect_msg([&] { fusetrain::Muon({ps[1]}, fusetrain::MuonOptions().maximize(true)); },
+             "fusetrain::Muon: maximize is not supported");
   expect_msg([&] { fusetrain::LossScaler(fusetrain::LossScalerOptions().backoff_factor(2.0)); }, "backoff_factor");
   // mismatched dtype between a param and its grad's shape is rejected by the op
   auto p = torch::randn({4}).set_requires_grad(true);

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "../../csrc/ops/optim_kind.h"
+#include "../../csrc/ops/kind_registry.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// The scalar helpers of csrc/common/optim_math.h: the CUDA kernels use them
+// The scalar helpers of csrc/common/device_math.h: the CUDA kernels use them
 // (the CPU kernels use the Vectorized overloads), so they are checked here,
 // on any machine, against std:: references.
 #include <gtest/gtest.h>
@@ -6,7 +6,7 @@
 #include <cmath>
 #include <limits>
 
-#include "../../csrc/common/optim_math.h"
+#include "../../csrc/common/device_math.h"
 
 namespace {
 

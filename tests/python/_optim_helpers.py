@@ -1,14 +1,18 @@
-"""Helpers of the optimizer test modules (test_optim_suite.py, test_optim_op_suite.py; test_device_values.py
-uses a comparison): the optimizer table (fusetrain's class, its reference and the hyper-parameters
-the behaviour tests start from), the Lion reference, parameter and gradient
-makers, the float32 CPU reference copies, and comparisons of params, state and
-snapshots. ``from _optim_helpers import ...`` (pytest puts tests/python on sys.path)."""
+"""Helpers of the optimizer test modules (test_optim_suite.py, test_optim_family.py, test_lamb_adamp.py,
+test_rmsprop_tf.py, test_muon.py, test_optim_op_suite.py; test_device_values.py uses a comparison): the
+optimizer case table (one row per optimizer of the optimizer table: fusetrain's class, its reference, the
+hyper-parameters the behaviour tests start from and the configurations compared over many steps), the Lion
+and RMSpropTF references, parameter and gradient makers, the float32 CPU reference copies, and comparisons of
+params, state and snapshots. ``from _optim_helpers import ...`` (pytest puts tests/python on sys.path)."""
 
-from typing import NamedTuple
+import importlib
+import inspect
+from typing import Any, NamedTuple, Tuple
 
 import torch
 
 import fusetrain.optim as fo
+from fusetrain.optim._table import CLASSES
 
 LOW = [torch.float16, torch.bfloat16]
 SHAPES = [(1,), (7,), (13, 17), (1031,), (3, 5, 7)]
@@ -131,35 +135,138 @@ class RefLion(torch.optim.Optimizer):
                 m.mul_(beta2).add_(g, alpha=1 - beta2)
 
 
+class RefRMSpropTF(torch.optim.Optimizer):
+    """timm's RMSpropTF semantics in plain PyTorch ops, one tensor at a time."""
+
+    def __init__(self, params, lr=1e-2, alpha=0.9, eps=1e-10, weight_decay=0.0, momentum=0.0, centered=False,
+                 decoupled_decay=False, lr_in_momentum=True, maximize=False):
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                                      centered=centered, decoupled_decay=decoupled_decay,
+                                      lr_in_momentum=lr_in_momentum, maximize=maximize))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, alpha, wd, mom = group["lr"], group["alpha"], group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = -p.grad if group["maximize"] else p.grad
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["square_avg"] = torch.ones_like(p)
+                    if mom > 0:
+                        st["momentum_buffer"] = torch.zeros_like(p)
+                    if group["centered"]:
+                        st["grad_avg"] = torch.zeros_like(p)
+                st["step"] += 1
+                if wd != 0:
+                    if group["decoupled_decay"]:
+                        p.mul_(1.0 - lr * wd)
+                    else:
+                        g = g.add(p, alpha=wd)
+                sq = st["square_avg"]
+                sq.add_(g.pow(2) - sq, alpha=1.0 - alpha)
+                if group["centered"]:
+                    ga = st["grad_avg"]
+                    ga.add_(g - ga, alpha=1.0 - alpha)
+                    avg = sq.addcmul(ga, ga, value=-1).add(group["eps"]).sqrt_()
+                else:
+                    avg = sq.add(group["eps"]).sqrt_()
+                if mom > 0:
+                    buf = st["momentum_buffer"]
+                    if group["lr_in_momentum"]:
+                        buf.mul_(mom).addcdiv_(g, avg, value=lr)
+                        p.add_(-buf)
+                    else:
+                        buf.mul_(mom).addcdiv_(g, avg)
+                        p.add_(buf, alpha=-lr)
+                else:
+                    p.addcdiv_(g, avg, value=-lr)
+
+
 class Optim(NamedTuple):
     ours: type
-    reference: type
+    #: what it is compared with: torch.optim's counterpart in the optimizer table, else a reference class or
+    #: "module:name" of one imported when first used (timm's)
+    ref: Any
     #: the hyper-parameters a behaviour test starts from (a case's overrides replace some)
     hp: dict
     #: how many steps the long comparisons run
-    steps: int = STEPS
+    steps: int
+    #: an lr exact in float32 (the device lr) for the configuration comparisons
+    lr: float
+    #: configurations compared with the reference over many steps, in float32 and float64
+    configs: Tuple[dict, ...]
+
+    @property
+    def reference(self) -> Any:
+        if isinstance(self.ref, str):
+            module, _, name = self.ref.partition(":")
+            return getattr(importlib.import_module(module), name)
+        return self.ref
 
 
-#: NOTE [optimizer table]: one row per optimizer; a test names the rows (and per-row overrides) it applies to.
-#: The rows of test_optim_family.py (which compares them over many configurations) run the long comparisons
-#: for 30 steps, the length of that module's own.
+def row(name: str, hp: dict, steps: int = STEPS, lr: float = 2.0**-7, configs: Tuple[dict, ...] = (),
+        reference: Any = None) -> Optim:
+    """The row of optimizer ``name`` of the optimizer table: fusetrain's class and, unless given, torch's
+    counterpart are the table's."""
+    _, decl = CLASSES[name]
+    if reference is None and decl.torch is not None:
+        reference = getattr(torch.optim, decl.torch)
+    return Optim(getattr(fo, name), reference, hp, steps, lr, tuple(configs))
+
+
+#: NOTE [optimizer case table]: one row per optimizer of the optimizer table (tests/python/ops/test_kind_table.py
+#: checks that every one has a row); a test names the rows (and per-row overrides) it applies to. The rows
+#: whose configurations test_optim_family.py compares run the long comparisons for 30 steps, the length of
+#: that module's own.
 OPTIMS = {
-    "Adam": Optim(fo.Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
-    "AdamW": Optim(fo.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
-    "SGD": Optim(fo.SGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1)),
-    "Lion": Optim(fo.Lion, RefLion, dict(lr=1e-2, weight_decay=0.1)),
-    "RMSprop": Optim(fo.RMSprop, torch.optim.RMSprop,
-                     dict(lr=2.0**-8, centered=True, momentum=0.5, weight_decay=0.01, alpha=0.9), 30),
-    "Adadelta": Optim(fo.Adadelta, torch.optim.Adadelta, dict(lr=0.5, rho=0.5, weight_decay=0.1, eps=1e-4), 30),
-    "RAdam": Optim(fo.RAdam, torch.optim.RAdam, dict(lr=2.0**-7, weight_decay=0.1, decoupled_weight_decay=True), 30),
-    "NAdam": Optim(fo.NAdam, torch.optim.NAdam, dict(lr=2.0**-7, weight_decay=0.1, momentum_decay=0.01), 30),
+    "Adam": row("Adam", dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    "AdamW": row("AdamW", dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    "SGD": row("SGD", dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1)),
+    "Lion": row("Lion", dict(lr=1e-2, weight_decay=0.1), reference=RefLion),
+    "RMSprop": row("RMSprop", dict(lr=2.0**-8, centered=True, momentum=0.5, weight_decay=0.01, alpha=0.9), 30,
+                   lr=2.0**-8, configs=({}, dict(momentum=0.9), dict(centered=True),
+                                        dict(centered=True, momentum=0.5, weight_decay=0.01, alpha=0.9),
+                                        dict(maximize=True))),
+    "RMSpropTF": row("RMSpropTF", dict(lr=2.0**-8, momentum=0.9), 30, lr=2.0**-8, reference=RefRMSpropTF,
+                     configs=({}, dict(momentum=0.9), dict(momentum=0.9, lr_in_momentum=False), dict(centered=True),
+                              dict(centered=True, momentum=0.5, weight_decay=0.01, alpha=0.8),
+                              dict(weight_decay=0.1, decoupled_decay=True),
+                              dict(momentum=0.9, weight_decay=0.05, decoupled_decay=True, eps=1e-3),
+                              dict(maximize=True, momentum=0.9))),
+    "Adadelta": row("Adadelta", dict(lr=0.5, rho=0.5, weight_decay=0.1, eps=1e-4), 30, lr=0.5,
+                    configs=({}, dict(rho=0.5, weight_decay=0.1, eps=1e-4), dict(maximize=True))),
+    "RAdam": row("RAdam", dict(lr=2.0**-7, weight_decay=0.1, decoupled_weight_decay=True), 30,
+                 configs=({}, dict(weight_decay=0.1), dict(weight_decay=0.1, decoupled_weight_decay=True),
+                          dict(betas=(0.8, 0.9), maximize=True))),
+    "NAdam": row("NAdam", dict(lr=2.0**-7, weight_decay=0.1, momentum_decay=0.01), 30,
+                 configs=({}, dict(weight_decay=0.1),
+                          dict(weight_decay=0.1, decoupled_weight_decay=True, momentum_decay=0.01),
+                          dict(betas=(0.8, 0.9), maximize=True))),
+    "Lamb": row("Lamb", {}, reference="timm.optim:Lamb",
+                configs=({}, dict(weight_decay=0.0), dict(weight_decay=0.0, always_adapt=True),
+                         dict(trust_clip=True, weight_decay=0.1), dict(decoupled_decay=True, weight_decay=0.1),
+                         dict(decoupled_decay=True, corrected_weight_decay=True, weight_decay=0.1),
+                         dict(caution=True), dict(max_grad_norm=None),
+                         dict(bias_correction=False, grad_averaging=False, betas=(0.8, 0.9)))),
+    "AdamP": row("AdamP", {}, reference="timm.optim:AdamP",
+                 configs=({}, dict(weight_decay=0.1), dict(nesterov=True, weight_decay=0.1),
+                          dict(delta=1.0, wd_ratio=0.5, weight_decay=0.1), dict(betas=(0.8, 0.9), eps=1e-4))),
+    "Muon": row("Muon", {}, 15, lr=2.0**-6,
+                configs=({}, dict(nesterov=False, momentum=0.9, weight_decay=0.0),
+                         dict(adjust_lr_fn="match_rms_adamw", weight_decay=0.05, ns_steps=3))),
 }
 
 
 def reference(name, params, **hp):
     """The reference optimizer of row ``name`` (torch's for-loop implementation where torch has one)."""
     cls = OPTIMS[name].reference
-    return cls(params, **hp) if cls is RefLion else cls(params, foreach=False, **hp)
+    if "foreach" in inspect.signature(cls).parameters:
+        hp = dict(hp, foreach=False)
+    return cls(params, **hp)
 
 
 def fused(name, params, hp=None, **ours_only):

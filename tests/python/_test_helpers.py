@@ -84,19 +84,16 @@ def step_with_schedule_clip_and_skip(ref_opt, ours_opt, ref_params, ours_params,
             s.step()
 
 
-#: Values of the record fields (the kind table's, fusetrain._ops.optim_kinds()) that kind_step fills in
-#: when a call does not name them: the optimizers' defaults for their flags and options.
-KIND_DEFAULTS = {
-    "adam": dict(amsgrad=False, decoupled_weight_decay=False, bias_correction=True),
-    "sgd": dict(dampening=0.0, nesterov=False),
-    "rmsprop": dict(tf_style=False, lr_in_momentum=False, decoupled_weight_decay=False),
-    "radam": dict(decoupled_weight_decay=False),
-    "nadam": dict(momentum_decay=4e-3, decoupled_weight_decay=False),
-    "lamb": dict(bias_correction=True, grad_averaging=True, trust_clip=False, always_adapt=False, caution=False,
-                 decoupled_weight_decay=False, decay_max_lr=0.0),
-    "adamp": dict(delta=0.1, wd_ratio=0.1, nesterov=False),
-    "muon": dict(use_muon=True, match_rms_adamw=False, adamw_beta1=0.9, adamw_beta2=0.95, adamw_eps=1e-8),
-}
+def _kind_defaults():
+    """Each kind's record fields at the optimizer table's defaults (a choice at its first value's index)."""
+    from fusetrain.optim._table import KIND_TABLE
+
+    return {k.name: {f.name: (f.choices.index(f.default) if f.type == "choice" else f.default) for f in k.fields}
+            for k in KIND_TABLE}
+
+
+#: The record fields that kind_step fills in when a call does not name them: the optimizer table's defaults.
+KIND_DEFAULTS = _kind_defaults()
 
 
 def kind_record(kind, *, max_grad_norm=0.0, master=False, ema=False, maximize=False, **fields):

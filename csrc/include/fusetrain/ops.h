@@ -52,9 +52,9 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, co
                    const std::optional<at::Tensor>& skipped_steps = std::nullopt);
 
 // The whole tail of an optimizer step for every group of one optimizer (a kind
-// of the kind table: "adam", "sgd", "lion", "rmsprop", "adadelta", "radam",
-// "nadam", "lamb", "adamp" or "muon"; docs/ops.md): the stats pass when a group clips or the
-// gradients are loss-scaled without a flag, then one update pass per group.
+// of the kind table, generated from the optimizer table: docs/ops.md lists
+// them): the stats pass when a group clips or the gradients are loss-scaled
+// without a flag, then one update pass per group.
 // Lists are flattened over groups; group_sizes, lrs (0-d float32 each) and
 // hyper (one record per group) describe the groups: NOTE [group records] in
 // csrc/ops/fused_step.cpp. grad_norm_out / found_inf_out (0-d float32), when
@@ -63,10 +63,11 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, co
 // (unscaled) gradients measured by the caller (sharded parameters: the norm
 // over every shard, NOTE [sharded steps] in python/fusetrain/optim/_base.py):
 // clipping uses it and no stats pass runs for it. group_values, when not
-// empty, holds one float64 vector per group on its params' device with the
-// kind's schedulable fields (optim_kinds(); NOTE [device values] in
-// csrc/common/update_args.h): the kernels read those fields there, so a
-// compiled or captured step follows their changes. state_scales: the block
+// empty, holds one float64 vector per group with the kind's schedulable
+// fields (optim_kinds(); NOTE [device values] in
+// csrc/common/update_launch.h): on its params' device the kernels read those
+// fields there, so a compiled or captured step follows their changes; on the
+// CPU the op reads and checks them on the host (not while capturing). state_scales: the block
 // scales of int8 state tensors (NOTE [group records]; NOTE [8-bit state] in
 // csrc/common/lean_state.h). ema_remainders, when not empty: one int16
 // tensor per bfloat16 entry of ema_params, in order (NOTE [ema remainder]).

@@ -1,10 +1,10 @@
 // fusetrain's fused optimizers for LibTorch programs.
 //
-// fusetrain::Adam, AdamW, SGD, Lion, RMSprop, Adadelta, RAdam, NAdam, Lamb, AdamP and
-// Muon derive from
-// torch::optim::Optimizer, so
-// they plug into LibTorch loops, LR schedulers (which go through
-// options().get_lr()/set_lr()) and torch::save/torch::load of optimizer state.
+// The optimizer table's classes (e.g. fusetrain::AdamW, SGD, Muon: their
+// options and classes are in fusetrain/optim_table.h, generated from the
+// table) derive from torch::optim::Optimizer, so they plug into LibTorch
+// loops, LR schedulers (which go through options().get_lr()/set_lr()) and
+// torch::save/torch::load of optimizer state.
 // Each step runs fusetrain's multi-tensor kernels (one pass over all params of
 // a group); clipping, the skip on non-finite gradients, loss unscaling and an
 // attached EMA are folded into the same pass without any host-device sync.
@@ -16,6 +16,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/serialize.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <string>
@@ -27,46 +28,7 @@ namespace fusetrain {
 
 class ModelEMA;
 
-// Per-parameter state shared by all fusetrain optimizers. `step` is a 0-d
-// float32 tensor on the param's device (incremented on the device by the
-// kernels); the other tensors are float32 (float64 for float64 params) and
-// undefined when unused.
-struct FusedParamState : public torch::optim::OptimizerCloneableParamState<FusedParamState> {
-  TORCH_ARG(torch::Tensor, step);
-  TORCH_ARG(torch::Tensor, exp_avg);
-  TORCH_ARG(torch::Tensor, exp_avg_sq);
-  TORCH_ARG(torch::Tensor, max_exp_avg_sq);
-  TORCH_ARG(torch::Tensor, momentum_buffer);
-  TORCH_ARG(torch::Tensor, square_avg);  // RMSprop, Adadelta
-  TORCH_ARG(torch::Tensor, grad_avg);    // centered RMSprop
-  TORCH_ARG(torch::Tensor, acc_delta);   // Adadelta
-  TORCH_ARG(torch::Tensor, mu_product);  // NAdam: 0-d float32, like step
-  TORCH_ARG(torch::Tensor, master);  // fp32 master copy (or int16 remainder) of an fp16/bf16 param
-
- public:
-  // The state tensor of this name (a state name of the kind table), or null.
-  torch::Tensor* find(const char* name);
-  // The float32 block scales of the int8 state of this name (NOTE [8-bit
-  // state] in csrc/common/lean_state.h; undefined for another dtype).
-  torch::Tensor& scales(const std::string& name) { return scales_[name]; }
-  const std::map<std::string, torch::Tensor>& all_scales() const { return scales_; }
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-
- private:
-  std::map<std::string, torch::Tensor> scales_;
-};
-using AdamParamState = FusedParamState;
-using AdamWParamState = FusedParamState;
-using SGDParamState = FusedParamState;
-using LionParamState = FusedParamState;
-using RMSpropParamState = FusedParamState;
-using AdadeltaParamState = FusedParamState;
-using RAdamParamState = FusedParamState;
-using NAdamParamState = FusedParamState;
-using LambParamState = FusedParamState;
-using AdamPParamState = FusedParamState;
-using MuonParamState = FusedParamState;
+struct FusedParamState;  // fusetrain/optim_table.h
 
 // How master_weights keeps the full value of fp16/bf16 params (NOTE [lean
 // state] in csrc/common/lean_state.h): an fp32 copy in the state's `master`,
@@ -74,7 +36,7 @@ using MuonParamState = FusedParamState;
 // value), or none, the param written with stochastic rounding (bfloat16).
 enum class MasterForm : int64_t { Float32 = 1, Remainder = 2, Stochastic = 3 };
 
-// The options every fusetrain optimizer has: lr, weight_decay, maximize,
+// The options every fusetrain optimizer has: lr, maximize,
 // max_grad_norm (global L2 norm clipping over all groups; 0 = off),
 // master_weights (keep the full value of fp16/bf16 params, in master_form)
 // and state_dtype (at::kFloat; at::kBFloat16: the moments in bfloat16,
@@ -83,13 +45,21 @@ enum class MasterForm : int64_t { Float32 = 1, Remainder = 2, Stochastic = 3 };
 // at least 4096 elements, NOTE [8-bit state]). The lean forms (a master_form
 // other than Float32, bfloat16 or int8 state) are for the element-wise
 // optimizers.
+// Each written once, here, as X(type, name, default): the members below,
+// FusedOptions' accessors and its serialization expand this list.
+#define FUSETRAIN_COMMON_OPTIONS(X)                 \
+  X(double, lr, 1e-3)                               \
+  X(bool, maximize, false)                          \
+  X(double, max_grad_norm, 0.0)                     \
+  X(bool, master_weights, false)                    \
+  X(MasterForm, master_form, MasterForm::Float32)   \
+  X(at::ScalarType, state_dtype, at::kFloat)        \
+  X(int64_t, state_block_size, 256)
 struct FusedCommonOptions {
   virtual ~FusedCommonOptions() = default;
-  double lr_ = 1e-3, weight_decay_ = 0.0, max_grad_norm_ = 0.0;
-  bool maximize_ = false, master_weights_ = false;
-  MasterForm master_form_ = MasterForm::Float32;
-  at::ScalarType state_dtype_ = at::kFloat;
-  int64_t state_block_size_ = 256;
+#define FUSETRAIN_COMMON_MEMBER(T, name, initial) T name##_ = initial;
+  FUSETRAIN_COMMON_OPTIONS(FUSETRAIN_COMMON_MEMBER)
+#undef FUSETRAIN_COMMON_MEMBER
 };
 
 namespace options_detail {
@@ -118,32 +88,32 @@ inline void io(torch::serialize::InputArchive& archive, const char* key, at::Sca
   c10::IValue v;
   if (archive.try_read(key, v)) value = static_cast<at::ScalarType>(v.toInt());
 }
+// The record value of a choice option: the index of `value` among `choices` ("a|b|..."; `allowed` says them).
+inline double choice(const char* option, const std::string& value, const std::string& choices, const char* allowed) {
+  size_t start = 0;
+  for (int index = 0; start <= choices.size(); ++index) {
+    const size_t end = std::min(choices.find('|', start), choices.size());
+    if (choices.compare(start, end - start, value) == 0 && value.size() == end - start) return index;
+    start = end + 1;
+  }
+  TORCH_CHECK_VALUE(false, option, " must be one of ", allowed, ", got '", value, "'");
+}
 }  // namespace options_detail
 
 // The options of one optimizer: the common ones here (their setters return
-// Derived&, so they chain with its own), its own in Derived, which lists them
-// for (de)serialization in `static void fields(Archive&, Self&)`.
+// Derived&, so they chain with its own), its own in Derived (generated from
+// the optimizer table), which lists them for (de)serialization in
+// `static void fields(Archive&, Self&)`.
 template <typename Derived>
 struct FusedOptions : torch::optim::OptimizerCloneableOptions<Derived>, FusedCommonOptions {
-  explicit FusedOptions(double lr, double weight_decay = 0.0, double max_grad_norm = 0.0) {
-    lr_ = lr;
-    weight_decay_ = weight_decay;
-    max_grad_norm_ = max_grad_norm;
-  }
-#define FUSETRAIN_COMMON_OPTION(T, name)               \
+  explicit FusedOptions(double lr) { lr_ = lr; }
+#define FUSETRAIN_COMMON_OPTION(T, name, initial)      \
   Derived& name(const T& value) noexcept {             \
     name##_ = value;                                   \
     return static_cast<Derived&>(*this);               \
   }                                                    \
   const T& name() const noexcept { return name##_; }
-  FUSETRAIN_COMMON_OPTION(double, lr)
-  FUSETRAIN_COMMON_OPTION(double, weight_decay)
-  FUSETRAIN_COMMON_OPTION(bool, maximize)
-  FUSETRAIN_COMMON_OPTION(double, max_grad_norm)
-  FUSETRAIN_COMMON_OPTION(bool, master_weights)
-  FUSETRAIN_COMMON_OPTION(MasterForm, master_form)
-  FUSETRAIN_COMMON_OPTION(at::ScalarType, state_dtype)
-  FUSETRAIN_COMMON_OPTION(int64_t, state_block_size)
+  FUSETRAIN_COMMON_OPTIONS(FUSETRAIN_COMMON_OPTION)
 #undef FUSETRAIN_COMMON_OPTION
   double get_lr() const override { return lr_; }
   void set_lr(const double lr) override { lr_ = lr; }
@@ -157,240 +127,10 @@ struct FusedOptions : torch::optim::OptimizerCloneableOptions<Derived>, FusedCom
  private:
   template <typename Archive, typename Self>
   static void all_fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "lr", self.lr_);
-    options_detail::io(archive, "weight_decay", self.weight_decay_);
-    options_detail::io(archive, "maximize", self.maximize_);
-    options_detail::io(archive, "max_grad_norm", self.max_grad_norm_);
-    options_detail::io(archive, "master_weights", self.master_weights_);
-    options_detail::io(archive, "master_form", self.master_form_);
-    options_detail::io(archive, "state_dtype", self.state_dtype_);
-    options_detail::io(archive, "state_block_size", self.state_block_size_);
+#define FUSETRAIN_COMMON_IO(T, name, initial) options_detail::io(archive, #name, self.name##_);
+    FUSETRAIN_COMMON_OPTIONS(FUSETRAIN_COMMON_IO)
+#undef FUSETRAIN_COMMON_IO
     Derived::fields(archive, self);
-  }
-};
-
-struct AdamOptions : FusedOptions<AdamOptions> {
-  AdamOptions(double lr = 1e-3) : FusedOptions(lr) {}
-  typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
-  TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(bool, amsgrad) = false;
-  TORCH_ARG(bool, bias_correction) = true;  // false: the BertAdam form
-
- public:
-  template <typename Archive, typename Self>
-  static void fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "betas", self.betas_);
-    options_detail::io(archive, "eps", self.eps_);
-    options_detail::io(archive, "amsgrad", self.amsgrad_);
-    options_detail::io(archive, "bias_correction", self.bias_correction_);
-  }
-};
-
-struct AdamWOptions : FusedOptions<AdamWOptions> {
-  AdamWOptions(double lr = 1e-3) : FusedOptions(lr, 1e-2) {}
-  typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
-  TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(bool, amsgrad) = false;
-  TORCH_ARG(bool, bias_correction) = true;  // false: the BertAdam form
-
- public:
-  template <typename Archive, typename Self>
-  static void fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "betas", self.betas_);
-    options_detail::io(archive, "eps", self.eps_);
-    options_detail::io(archive, "amsgrad", self.amsgrad_);
-    options_detail::io(archive, "bias_correction", self.bias_correction_);
-  }
-};
-
-struct SGDOptions : FusedOptions<SGDOptions> {
-  SGDOptions(double lr = 1e-3) : FusedOptions(lr) {}
-  TORCH_ARG(double, momentum) = 0.0;
-  TORCH_ARG(double, dampening) = 0.0;
-  TORCH_ARG(bool, nesterov) = false;
-
- public:
-  template <typename Archive, typename Self>
-  static void fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "momentum", self.momentum_);
-    options_detail::io(archive, "dampening", self.dampening_);
-    options_detail::io(archive, "nesterov", self.nesterov_);
-  }
-};
-
-struct LionOptions : FusedOptions<LionOptions> {
-  LionOptions(double lr = 1e-4) : FusedOptions(lr) {}
-  typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.99);
-
- public:
-  template <typename Archive, typename Self>
-  static void fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "betas", self.betas_);
-  }
-};
-
-struct RMSpropOptions : FusedOptions<RMSpropOptions> {
-  RMSpropOptions(double lr = 1e-2) : FusedOptions(lr) {}
-  TORCH_ARG(double, alpha) = 0.99;
-  TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, momentum) = 0.0;
-  TORCH_ARG(bool, centered) = false;
-  // timm's RMSpropTF (TensorFlow's form, NOTE [rmsprop tf] in csrc/common/rms_math.h): square_avg starts at 1;
-  // lr_in_momentum and decoupled_weight_decay need it. Its usual settings: alpha 0.9, eps 1e-10 (or 1e-3),
-  // lr_in_momentum true.
-  TORCH_ARG(bool, tf_style) = false;
-  TORCH_ARG(bool, lr_in_momentum) = false;
-  TORCH_ARG(bool, decoupled_weight_decay) = false;
-
- public:
-  template <typename Archive, typename Self>
-  static void fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "alpha", self.alpha_);
-    options_detail::io(archive, "eps", self.eps_);
-    options_detail::io(archive, "momentum", self.momentum_);
-    options_detail::io(archive, "centered", self.centered_);
-    options_detail::io(archive, "tf_style", self.tf_style_);
-    options_detail::io(archive, "lr_in_momentum", self.lr_in_momentum_);
-    options_detail::io(archive, "decoupled_weight_decay", self.decoupled_weight_decay_);
-  }
-};
-
-struct AdadeltaOptions : FusedOptions<AdadeltaOptions> {
-  AdadeltaOptions(double lr = 1.0) : FusedOptions(lr) {}
-  TORCH_ARG(double, rho) = 0.9;
-  TORCH_ARG(double, eps) = 1e-6;
-
- public:
-  template <typename Archive, typename Self>
-  static void fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "rho", self.rho_);
-    options_detail::io(archive, "eps", self.eps_);
-  }
-};
-
-struct RAdamOptions : FusedOptions<RAdamOptions> {
-  RAdamOptions(double lr = 1e-3) : FusedOptions(lr) {}
-  typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
-  TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(bool, decoupled_weight_decay) = false;
-
- public:
-  template <typename Archive, typename Self>
-  static void fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "betas", self.betas_);
-    options_detail::io(archive, "eps", self.eps_);
-    options_detail::io(archive, "decoupled_weight_decay", self.decoupled_weight_decay_);
-  }
-};
-
-struct NAdamOptions : FusedOptions<NAdamOptions> {
-  NAdamOptions(double lr = 2e-3) : FusedOptions(lr) {}
-  typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
-  TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, momentum_decay) = 4e-3;
-  TORCH_ARG(bool, decoupled_weight_decay) = false;
-
- public:
-  template <typename Archive, typename Self>
-  static void fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "betas", self.betas_);
-    options_detail::io(archive, "eps", self.eps_);
-    options_detail::io(archive, "momentum_decay", self.momentum_decay_);
-    options_detail::io(archive, "decoupled_weight_decay", self.decoupled_weight_decay_);
-  }
-};
-
-// Lamb with timm's semantics and defaults (NOTE [apply pass] in
-// csrc/ops/aten_stage.h); its built-in clipping is max_grad_norm (default 1).
-// corrected_weight_decay scales the decoupled decay by lr / defaults().lr().
-struct LambOptions : FusedOptions<LambOptions> {
-  LambOptions(double lr = 1e-3) : FusedOptions(lr, 0.01, 1.0) {}
-  typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
-  TORCH_ARG(double, eps) = 1e-6;
-  TORCH_ARG(bool, bias_correction) = true;
-  TORCH_ARG(bool, grad_averaging) = true;
-  TORCH_ARG(bool, trust_clip) = false;
-  TORCH_ARG(bool, always_adapt) = false;
-  TORCH_ARG(bool, caution) = false;
-  TORCH_ARG(bool, decoupled_weight_decay) = false;
-  TORCH_ARG(bool, corrected_weight_decay) = false;
-
- public:
-  template <typename Archive, typename Self>
-  static void fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "betas", self.betas_);
-    options_detail::io(archive, "eps", self.eps_);
-    options_detail::io(archive, "bias_correction", self.bias_correction_);
-    options_detail::io(archive, "grad_averaging", self.grad_averaging_);
-    options_detail::io(archive, "trust_clip", self.trust_clip_);
-    options_detail::io(archive, "always_adapt", self.always_adapt_);
-    options_detail::io(archive, "caution", self.caution_);
-    options_detail::io(archive, "decoupled_weight_decay", self.decoupled_weight_decay_);
-    options_detail::io(archive, "corrected_weight_decay", self.corrected_weight_decay_);
-  }
-};
-
-// AdamP with timm's semantics and defaults (NOTE [adamp projection] in
-// csrc/ops/fused_adamp.cpp).
-struct AdamPOptions : FusedOptions<AdamPOptions> {
-  AdamPOptions(double lr = 1e-3) : FusedOptions(lr) {}
-  typedef std::tuple<double, double> betas_t;
-  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
-  TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, delta) = 0.1;
-  TORCH_ARG(double, wd_ratio) = 0.1;
-  TORCH_ARG(bool, nesterov) = false;
-
- public:
-  template <typename Archive, typename Self>
-  static void fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "betas", self.betas_);
-    options_detail::io(archive, "eps", self.eps_);
-    options_detail::io(archive, "delta", self.delta_);
-    options_detail::io(archive, "wd_ratio", self.wd_ratio_);
-    options_detail::io(archive, "nesterov", self.nesterov_);
-  }
-};
-
-// Muon (torch.optim.Muon's update, NOTE [muon apply] in csrc/ops/fused_muon.cpp)
-// for the params of use_muon groups (2 or more dims each; a convolution filter
-// is the matrix out_channels x the rest), AdamW with adamw_betas, adamw_eps and
-// the group's lr and weight_decay for the params of the others: give biases,
-// norms and embeddings a group with use_muon(false). adjust_lr_fn: "original"
-// or "match_rms_adamw" (then one lr suits both kinds). maximize is not
-// supported (an error when true).
-struct MuonOptions : FusedOptions<MuonOptions> {
-  MuonOptions(double lr = 1e-3) : FusedOptions(lr, 0.1) {}
-  typedef std::tuple<double, double> betas_t;
-  typedef std::tuple<double, double, double> coefficients_t;
-  TORCH_ARG(double, momentum) = 0.95;
-  TORCH_ARG(bool, nesterov) = true;
-  TORCH_ARG(coefficients_t, ns_coefficients) = std::make_tuple(3.4445, -4.775, 2.0315);
-  TORCH_ARG(double, eps) = 1e-7;
-  TORCH_ARG(int64_t, ns_steps) = 5;
-  TORCH_ARG(std::string, adjust_lr_fn) = "original";
-  TORCH_ARG(bool, use_muon) = true;
-  TORCH_ARG(betas_t, adamw_betas) = std::make_tuple(0.9, 0.95);
-  TORCH_ARG(double, adamw_eps) = 1e-8;
-
- public:
-  template <typename Archive, typename Self>
-  static void fields(Archive& archive, Self& self) {
-    options_detail::io(archive, "momentum", self.momentum_);
-    options_detail::io(archive, "nesterov", self.nesterov_);
-    options_detail::io(archive, "ns_coefficients", self.ns_coefficients_);
-    options_detail::io(archive, "eps", self.eps_);
-    options_detail::io(archive, "ns_steps", self.ns_steps_);
-    options_detail::io(archive, "adjust_lr_fn", self.adjust_lr_fn_);
-    options_detail::io(archive, "use_muon", self.use_muon_);
-    options_detail::io(archive, "adamw_betas", self.adamw_betas_);
-    options_detail::io(archive, "adamw_eps", self.adamw_eps_);
   }
 };
 
@@ -403,7 +143,7 @@ struct FusedLists {
 };
 
 // An optimizer's own fields of a group record, by name (NOTE [kind table] in
-// csrc/ops/optim_kind.h): the kind table orders them.
+// csrc/ops/kind_registry.h): the kind table orders them.
 using KindValues = std::vector<std::pair<const char*, double>>;
 
 namespace detail {
@@ -445,7 +185,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
 
   // Refills each group's lr tensor and values tensor (its schedulable
   // settings: betas, momentum, weight decay, eps, ...; NOTE [device values]
-  // in csrc/common/update_args.h) where the group's options changed since the
+  // in csrc/common/update_launch.h) where the group's options changed since the
   // last step, checking them first (step() does this itself).
   // fusetrain::TrainStep calls it before replaying a captured step, so set_lr,
   // LR schedulers and schedules of those settings apply without a recapture.
@@ -474,9 +214,12 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // name, from kind_fields. The state a group keeps is the kind's (the table's).
   virtual const char* kind() const = 0;
   virtual void kind_fields(const torch::optim::OptimizerOptions& o, KindValues& values) const = 0;
-  // Checks kind_fields against the kind table (each field named once); every
+  // Checks kind_fields against the kind table (each field named once) and the
+  // options of every group: lr and max_grad_norm >= 0, maximize where `name`
+  // takes it, the table's allowed values, rules and param rules (a
+  // c10::ValueError naming `name`, the option and the value). Every
   // constructor calls it.
-  void check_kind();
+  void check_kind(const char* name, bool takes_maximize = true);
 
  private:
   // A group's own record fields in the kind table's order.
@@ -508,32 +251,33 @@ class FusedOptimizer : public torch::optim::Optimizer {
   std::vector<int> field_slot_;  // the table position of each kind_fields value
 };
 
-#define FUSETRAIN_DECLARE_OPTIMIZER(Name)                                                                     \
-  class Name : public FusedOptimizer {                                                                          \
-   public:                                                                                                      \
-    explicit Name(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Name##Options defaults = {}); \
-    explicit Name(std::vector<at::Tensor> params, Name##Options defaults = {})                                 \
-        : Name(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))}, \
-               std::move(defaults)) {}                                                                          \
-    void save(torch::serialize::OutputArchive& archive) const override;                                         \
-    void load(torch::serialize::InputArchive& archive) override;                                                \
-                                                                                                                \
-   protected:                                                                                                   \
-    const char* kind() const override;                                                                          \
-    void kind_fields(const torch::optim::OptimizerOptions& o, KindValues& values) const override;              \
-  };
+// The optimizer of a class of the optimizer table: its Options (generated in
+// fusetrain/optim_table.h) say its kind, its record and its options.
+template <typename Options>
+class TableOptimizer : public FusedOptimizer {
+ public:
+  explicit TableOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Options defaults = {})
+      : FusedOptimizer(param_groups, std::make_unique<Options>(defaults)) {
+    check_kind(Options::kName, Options::kMaximize);
+  }
+  explicit TableOptimizer(std::vector<at::Tensor> params, Options defaults = {})
+      : TableOptimizer(std::vector<torch::optim::OptimizerParamGroup>{
+                           torch::optim::OptimizerParamGroup(std::move(params))},
+                       std::move(defaults)) {}
+  void save(torch::serialize::OutputArchive& archive) const override {
+    torch::optim::serialize<FusedParamState, Options>(archive, *this);
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    torch::optim::serialize<FusedParamState, Options>(archive, *this);
+  }
 
-FUSETRAIN_DECLARE_OPTIMIZER(Adam)
-FUSETRAIN_DECLARE_OPTIMIZER(AdamW)
-FUSETRAIN_DECLARE_OPTIMIZER(SGD)
-FUSETRAIN_DECLARE_OPTIMIZER(Lion)
-FUSETRAIN_DECLARE_OPTIMIZER(RMSprop)
-FUSETRAIN_DECLARE_OPTIMIZER(Adadelta)
-FUSETRAIN_DECLARE_OPTIMIZER(RAdam)
-FUSETRAIN_DECLARE_OPTIMIZER(NAdam)
-FUSETRAIN_DECLARE_OPTIMIZER(Lamb)
-FUSETRAIN_DECLARE_OPTIMIZER(AdamP)
-FUSETRAIN_DECLARE_OPTIMIZER(Muon)
-#undef FUSETRAIN_DECLARE_OPTIMIZER
+ protected:
+  const char* kind() const override { return Options::kKind; }
+  void kind_fields(const torch::optim::OptimizerOptions& o, KindValues& values) const override {
+    static_cast<const Options&>(o).record(values, defaults().get_lr());
+  }
+};
 
 }  // namespace fusetrain
+
+#include <fusetrain/optim_table.h>

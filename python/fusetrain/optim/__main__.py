@@ -1,8 +1,8 @@
-"""``python -m fusetrain.optim --markdown`` prints the record section of
-docs/ops.md, generated from the C++ kind table (fusetrain.optim._kinds)."""
+"""``python -m fusetrain.optim --write | --check | --markdown``: the files the
+optimizer table generates (fusetrain.optim._codegen)."""
 
 import sys
 
-from ._kinds import main
+from ._codegen import main
 
 sys.exit(main())

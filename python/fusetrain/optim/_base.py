@@ -13,10 +13,11 @@ scale, found_inf, norm, EMA decay) is a device tensor, so ``step()`` never
 synchronises with the host.
 
 ``FusedOptimizer`` is this module (groups, collecting the lists, the step,
-the step plan) and four mixins: _param_state.py (a param's state and its
-master weights), _group_values.py (each group's lr, record and device
-values), _update_riders.py (EMA copies, the stalled-update counter) and
-_state_dicts.py.
+the step plan) and five mixins: _table_class.py (what a class takes from its
+entry in the optimizer table: defaults, checks, records), _param_state.py (a
+param's state and its master weights), _group_values.py (each group's lr,
+record and device values), _update_riders.py (EMA copies, the stalled-update
+counter) and _state_dicts.py.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from torch.optim import Optimizer
 from .. import _C, _ops
 from . import _capture, _int8_state, _sharded
 from ._group_values import GroupValues
-from ._kinds import KINDS
+from ._kinds import KINDS, SHARD_LOCAL_CLASSES
 from ._param_state import ParamState
 from ._settings import _check_block_size, _check_master_weights, _check_range, _check_state_dtype
 from ._state_dicts import StateDicts
 from ._state_layout import _LOW, _conform, _fits, _same
+from ._table_class import _PLANS, TableClass
 from ._update_riders import UpdateRiders
 
 # Complex params are updated as real views (torch.view_as_real), as torch.optim
@@ -43,22 +45,18 @@ from ._update_riders import UpdateRiders
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64,
                      torch.complex128)
 _SUPPORTED_NAMES = "float32, float16, bfloat16, float64, complex64, complex128"
-_KIND_PLANS: Dict[type, Any] = {}  # FusedOptimizer._kind_plan, per class
+_STATE_PLANS: Dict[type, Any] = {}  # FusedOptimizer._state_plan, per class
 
 
-class FusedOptimizer(ParamState, GroupValues, UpdateRiders, StateDicts, Optimizer):
-    """Base class: subclasses name their fp32 state tensors and call their op.
-
-    Subclass contract:
-      * ``_kind``: the optimizer's kind in the kind table (``KINDS``), which
-        names its record's fields and its per-param state;
-      * ``_kind_values(group)``: the record fields that are not the group's
-        entry of the same name (e.g. ``beta1`` from ``betas``).
-    """
+class FusedOptimizer(TableClass, ParamState, GroupValues, UpdateRiders, StateDicts, Optimizer):
+    """Base class of the fused optimizers. A class named in the optimizer
+    table (_table.py) takes its kind, defaults, checks and records from its
+    entry (_table_class.py); its ``__init__`` keeps torch's signature and calls
+    ``self._from_table(params, locals())``."""
 
     _kind = ""
     # State entries that are 0-d float32 device scalars beside the step (NOTE
-    # [tensor scalars] in csrc/common/update_args.h), e.g. NAdam's mu_product.
+    # [tensor scalars] in csrc/common/update_launch.h), e.g. NAdam's mu_product.
     _scalar_states: Sequence[str] = ()
     # Whether the update of a tensor is element-wise, so that a DTensor's local
     # shard can be updated alone (NOTE [sharded steps] in _sharded.py).
@@ -69,6 +67,11 @@ class FusedOptimizer(ParamState, GroupValues, UpdateRiders, StateDicts, Optimize
 
     def __init__(self, params, defaults: Dict[str, Any], max_grad_norm: Optional[float], master_weights: Any,
                  state_dtype: Any = torch.float32, state_block_size: int = _int8_state.DEFAULT_BLOCK):
+        self._init_fused(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
+
+    def _init_fused(self, params, defaults: Dict[str, Any], max_grad_norm: Optional[float] = None,
+                    master_weights: Any = False, state_dtype: Any = torch.float32,
+                    state_block_size: int = _int8_state.DEFAULT_BLOCK) -> None:
         if max_grad_norm is not None:
             _check_range(self._opt_name, "max_grad_norm", max_grad_norm, 0.0)
             if max_grad_norm == 0:
@@ -84,6 +87,7 @@ class FusedOptimizer(ParamState, GroupValues, UpdateRiders, StateDicts, Optimize
         self._values_cache: Dict[int, List[Any]] = {}  # NOTE [device values]
         self._snapshots: Dict[int, Dict[str, Any]] = {}  # _compiled_settings
         self._values_outside: Dict[str, bool] = {"compiled": False}
+        self._view: Dict[str, bool] = {"active": False}  # NOTE [compiled settings]
         self._ema_lists: Optional[List[Optional[List[Tensor]]]] = None
         # NOTE [ema remainder]: per group with an EMA, each EMA tensor's int16 remainder (or None).
         self._ema_rem_lists: Optional[List[Optional[List[Optional[Tensor]]]]] = None
@@ -190,6 +194,9 @@ class FusedOptimizer(ParamState, GroupValues, UpdateRiders, StateDicts, Optimize
         self.__dict__.setdefault("_values_cache", {})
         self.__dict__.setdefault("_snapshots", {})
         self.__dict__.setdefault("_values_outside", {"compiled": False})
+        self.__dict__.setdefault("_view", {"active": False})
+        if self._decl is not None:
+            self.__dict__.setdefault("_initial_lr", float(self.defaults["lr"]))
         self.__dict__.setdefault("_ema_lists", None)
         self.__dict__.setdefault("_ema_rem_lists", None)
         self.__dict__.setdefault("_ema_decay", None)
@@ -201,9 +208,13 @@ class FusedOptimizer(ParamState, GroupValues, UpdateRiders, StateDicts, Optimize
         self.__dict__["_master_marks"] = {}
         self.__dict__.setdefault("_sharding", {"any": any(_sharded.is_sharded(p) for g in self.param_groups
                                                           for p in g["params"])})
+        fixed = self._decl.fixed if self._decl is not None else {}
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
+            for k, v in fixed.items():
+                if k in group:  # torch's AdamW keeps decoupled weight decay whatever state it loads
+                    group[k] = v
             for p in group["params"]:
                 st = self.state.get(p)
                 if st and "step" in st and not isinstance(st["step"], Tensor):
@@ -212,59 +223,58 @@ class FusedOptimizer(ParamState, GroupValues, UpdateRiders, StateDicts, Optimize
 
     # ---- the kind's record and states -------------------------------------------------
 
-    def _kind_values(self, group: Dict[str, Any]) -> Dict[str, Any]:
-        """The group's record fields (KINDS[self._kind]["field_names"]) that are
-        not its entry of the same name."""
-        return {}
+    def _kind_fields(self, group: Dict[str, Any]) -> List[float]:
+        """The optimizer's own fields of the group record, in the table's order."""
+        plan = _PLANS.get(type(self)) or self._record_plan()
+        own = self._kind_values(group) if self._own_fields else None
+        try:
+            return [float(get(self, group, own)) for get in plan]
+        except KeyError as e:
+            raise KeyError(f"{self._opt_name}: a param group has no '{e.args[0]}', an option of the "
+                           f"'{self._kind}' record ({', '.join(KINDS[self._kind]['field_names'])})") from None
 
-    def _kind_plan(self, group: Dict[str, Any]):
-        """Per class, made once: the kind's fields as (name, whether ``_kind_values`` gives it), whether
-        it gives any, its state rules with the same flag for each condition field (the names
-        ``_kind_values`` gives are the same for every group) and its state names when none is
-        conditional."""
-        plan = _KIND_PLANS.get(type(self))
+    def _state_plan(self):
+        """Per class, made once: the state names when no state is conditional (else None), and each state as
+        (slot, name, the getter of its condition field or None, when_set)."""
+        plan = _STATE_PLANS.get(type(self))
         if plan is None:
             kind = KINDS[self._kind]
-            own = frozenset(self._kind_values(group))
-            rules = kind["state_rules"]
-            fixed = None  # the state names when no state is conditional
+            getters = _PLANS.get(type(self)) or self._record_plan()
+            rules = tuple((slot, name, None if when is None else getters[kind["field_names"].index(when)], when_set)
+                          for slot, name, when, when_set in kind["state_rules"])
+            fixed = None
             if all(when is None for _, _, when, _ in rules):
-                fixed = [None, None, None]
+                names: List[Optional[str]] = [None, None, None]
                 for slot, name, _, _ in rules:
-                    fixed[slot] = name
-                fixed = tuple(fixed[:max(slot for slot, _, _, _ in rules) + 1])
-            plan = (tuple((n, n in own) for n in kind["field_names"]), bool(own),
-                    tuple((slot, name, when, when_set, when in own) for slot, name, when, when_set in rules), fixed)
-            _KIND_PLANS[type(self)] = plan
+                    names[slot] = name
+                fixed = tuple(names[:max(slot for slot, _, _, _ in rules) + 1])
+            plan = _STATE_PLANS[type(self)] = (fixed, rules)
         return plan
-
-    def _kind_fields(self, group: Dict[str, Any]) -> List[float]:
-        """The optimizer's own fields of the group record, in the kind table's order."""
-        plan = _KIND_PLANS.get(type(self)) or self._kind_plan(group)
-        own = self._kind_values(group) if plan[1] else group
-        try:
-            return [float(own[n] if o else group[n]) for n, o in plan[0]]
-        except KeyError as e:
-            raise KeyError(f"{self._opt_name}: a param group has no '{e.args[0]}', a field of the "
-                           f"'{self._kind}' record ({', '.join(KINDS[self._kind]['field_names'])})") from None
 
     def _state_names(self, group: Dict[str, Any]) -> Sequence[Optional[str]]:
         """The per-param state tensors the group keeps, in the slots state1..3
         of its record (None for an unused slot before a used one): the kind
         table's states whose condition field holds."""
-        plan = _KIND_PLANS.get(type(self)) or self._kind_plan(group)
-        if plan[3] is not None:
-            return plan[3]
+        fixed, rules = _STATE_PLANS.get(type(self)) or self._state_plan()
+        if fixed is not None:
+            return fixed
+        own = self._kind_values(group) if self._own_fields else None
         names: List[Optional[str]] = [None, None, None]
-        for slot, name, when, when_set, from_own in plan[2]:
-            if when is not None:
-                value = self._kind_values(group)[when] if from_own else group[when]
-                if (float(value) != 0.0) != when_set:
-                    continue
+        for slot, name, when, when_set in rules:
+            if when is not None and (when(self, group, own) != 0) != when_set:
+                continue
             names[slot] = name
         while names and names[-1] is None:
             names.pop()
         return tuple(names)
+
+    def _initial_state_value(self, name: str, group: Dict[str, Any]) -> float:
+        """The value a new state tensor ``name`` of a group starts at (the table's ``initial``)."""
+        st = next(s for s in KINDS[self._kind]["states"] if s["name"] == name)
+        if st["initial_when"] is None:
+            return st["initial"]
+        on = self._record_of(group)[KINDS[self._kind]["field_names"].index(st["initial_when"])]
+        return st["initial"] if on != 0 else 0.0
 
     def _init_group(self, group, params, grads, steps, masters, emas, state1, state2, state3, scales,
                     ema_rems=None):
@@ -466,8 +476,7 @@ class FusedOptimizer(ParamState, GroupValues, UpdateRiders, StateDicts, Optimize
             raise NotImplementedError(
                 f"{self._opt_name}: its update reduces over whole tensors (trust ratio, projection or "
                 "orthogonalisation), which sharded (DTensor / fully_shard) parameters hold only in parts; use an "
-                "element-wise fusetrain optimizer (AdamW, Adam, SGD, Lion, RMSprop, Adadelta, RAdam, NAdam, "
-                "RMSpropTF) on sharded models")
+                f"element-wise fusetrain optimizer ({', '.join(SHARD_LOCAL_CLASSES)}) on sharded models")
         clips = any(g["max_grad_norm"] is not None for g in self.param_groups)
         if not (clips or inv_scale is not None or found_inf is not None):
             return None, found_inf

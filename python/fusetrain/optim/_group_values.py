@@ -62,13 +62,14 @@ class GroupValues:
     def _group_records(self, groups: Sequence[Any]):
         """Each stepped group's lr tensor, record (NOTE [group records] in
         csrc/ops/fused_step.cpp) and values tensor (NOTE [device values]; none
-        when the step's kind has no schedulable fields or a compiled step
-        reads the group's numbers itself)."""
+        when the step's kind has no schedulable fields). A compiled step takes
+        them as NOTE [compiled settings] says."""
         lrs: List[Tensor] = []
-        hyper: List[float] = []
+        hyper: List[Any] = []
         values: List[Tensor] = []
         positions = KINDS[self._kind]["value_positions"]
         compiling = torch.compiler.is_compiling()
+        view = compiling and self._view["active"]
         for gi, group, device, has_ema in groups:
             lrs.append(self._lr_tensor(gi, group, device))
             max_norm = group["max_grad_norm"]
@@ -80,16 +81,56 @@ class GroupValues:
             hyper.append(code)
             hyper.append(1.0 if has_ema else 0.0)
             hyper.append(1.0 if group["maximize"] else 0.0)
+            if compiling and not view and positions:
+                fields, live = self._compiled_record(group, positions)
+                hyper.extend(fields)
+                values.append(live)
+                continue
             fields = self._kind_fields(group)
             hyper.extend(fields)
             if not positions:
                 continue
             if not compiling:
                 values.append(self._values_tensor(gi, fields, device, checked=True))
-            elif self._values_outside["compiled"]:
-                # Written by sync_hyperparameters() before the compiled call (NOTE [device values]).
-                values.append(self._values_cache[gi][1])
+            else:
+                values.append(self._view_values(gi, fields))
         return lrs, hyper, values
+
+    def _compiled_record(self, group: Dict[str, Any], positions: Sequence[int]):
+        """NOTE [compiled settings]: a compiled step outside ``compiled_view``
+        reads the group's schedulable settings as they are, into a values
+        tensor made in the graph (float64, on the CPU: fused_step_ reads it on
+        the host, checks it and passes the numbers to the kernels), so dynamo
+        treats them as inputs (after one recompile when a setting first
+        changes: its automatic dynamic) rather than constants. The record
+        holds 0.5 for each non-zero one and 0 for the others: a valid value
+        that decides the states as the setting does (a setting turning zero
+        or non-zero recompiles)."""
+        raw = self._record_of(group)
+        fields = [(0.5 if v != 0 else 0.0) if i in positions else float(v) for i, v in enumerate(raw)]
+        # Sums with a tensor rather than torch.tensor(floats): inductor keeps the floats symbolic in
+        # arithmetic, but turns a tensor made from them into constants (a recompile per value).
+        zero = torch.zeros((), dtype=torch.float64)
+        return fields, torch.stack([zero + raw[i] for i in positions])
+
+    def _view_values(self, gi: int, fields: List[float]) -> Tensor:
+        """Under ``compiled_view`` the group shows the settings of its last
+        structural change and the kernels read the values tensor that
+        ``compiled_view`` synced on entry (NOTE [compiled settings]): the two
+        must be the group's, else the step would silently use others. The
+        error raised while tracing makes dynamo run the step eagerly (where
+        the group's values are written as every eager step writes them)."""
+        cached = self._values_cache.get(gi)
+        snap = self._snapshots.get(gi)
+        if cached is None or snap is None:
+            raise RuntimeError(f"{self._opt_name}: param group {gi} has no synced values under compiled_view(); "
+                               "call the compiled step inside `with optimizer.compiled_view():`")
+        if tuple(fields) != tuple(self._kind_fields(snap)):
+            raise RuntimeError(
+                f"{self._opt_name}: param group {gi}'s settings changed inside a compiled step that runs under "
+                "compiled_view(): its kernels would read the values synced before the call. Change settings "
+                "(betas, momentum, weight_decay, ...) before the call")
+        return cached[1]
 
     def sync_hyperparameters(self) -> tuple:
         """Write the schedulable settings of every group (betas, momentum,
@@ -101,7 +142,8 @@ class GroupValues:
         [device values]). Call it before replaying a CUDA graph of ``step()``
         that you captured yourself. Returns what such a step still reads on
         the host (each group's settings as of its last structural change):
-        when that changes, a captured step must be captured again."""
+        when that changes, a captured step must be captured again.
+        ``compiled_view()`` calls it (NOTE [compiled settings])."""
         positions = KINDS[self._kind]["value_positions"]
         key = []
         for gi, group in enumerate(self.param_groups):
@@ -171,12 +213,22 @@ class GroupValues:
 
     @contextlib.contextmanager
     def compiled_view(self):
-        """While a compiled step runs (``fusetrain.TrainStep``), each group shows
-        the settings of its last structural change, so that the compiled code,
-        whose guards cover every setting of the param groups, is not recompiled
-        for a new schedulable value: the kernels read those from the values
-        tensors that ``sync_hyperparameters()`` wrote (NOTE [device values])."""
+        """NOTE [compiled settings]: the context in which to call a step you
+        compiled yourself (``torch.compile`` of a function that calls
+        ``step()``) so that it follows schedules of betas, momentum,
+        weight_decay, eps, ... without recompiling: on entry the settings of
+        every group are written into its device values tensor (checked, as
+        ``sync_hyperparameters()``), and while the step runs each group shows
+        the settings of its last structural change, so the compiled code,
+        whose guards cover every setting of the param groups, sees the same
+        numbers every step; the kernels read the current ones from the values
+        tensors. A structural change (a flag, max_grad_norm, a schedulable
+        value turning zero or non-zero) recompiles. ``fusetrain.TrainStep``
+        runs its compiled steps in it. A compiled step outside it follows the
+        settings too, after one recompile when a setting first changes."""
+        self.sync_hyperparameters()
         saved = []
+        self._view["active"] = True
         try:
             for gi, group in enumerate(self.param_groups):
                 snap = self._snapshots.get(gi)
@@ -185,5 +237,6 @@ class GroupValues:
                     group.update(snap)
             yield
         finally:
+            self._view["active"] = False
             for group, items in saved:
                 group.update(items)

@@ -26,10 +26,6 @@ class ParamState:
     def _new_step_value(self, state: Dict[str, Any]) -> float:
         return 0.0
 
-    def _initial_state_value(self, name: str) -> float:
-        """The value a new state tensor ``name`` starts at (0 unless the optimizer says otherwise)."""
-        return 0.0
-
     def _state_ready(self, group, p: Tensor) -> bool:
         """Whether ``p`` has every state tensor a step needs, on its device."""
         state = self.state.get(p)
@@ -77,7 +73,7 @@ class ParamState:
         for name in self._state_names(group):
             if name in self._scalar_states:
                 if name not in state:
-                    state[name] = torch.full((), self._initial_state_value(name), dtype=torch.float32,
+                    state[name] = torch.full((), self._initial_state_value(name, group), dtype=torch.float32,
                                              device=p.device)
                 elif not _is_device_scalar(state[name], p.device):  # also a Python number (older checkpoints)
                     state[name] = torch.as_tensor(state[name], dtype=torch.float32).to(p.device).reshape(())
@@ -85,10 +81,10 @@ class ParamState:
                                                                                              None)):
                 # NOTE [8-bit state]: made, converted or laid out with its block scales.
                 _put_in_form(state, name, p, _state_dtype(p, group=group), group["state_block_size"],
-                             self._initial_state_value(name))
+                             self._initial_state_value(name, group))
             elif name is not None and state.get(name) is None:
-                state[name] = torch.full_like(p, self._initial_state_value(name), dtype=_state_dtype(p, group=group),
-                                              memory_format=torch.preserve_format)
+                state[name] = torch.full_like(p, self._initial_state_value(name, group),
+                                              dtype=_state_dtype(p, group=group), memory_format=torch.preserve_format)
             elif name is not None:  # NOTE [state layout]
                 state[name] = _conform(state[name], p, _state_dtype(p, group=group))
         self._ensure_master(group, p, state)

@@ -4,12 +4,14 @@ allowed, raised before any state changes."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional
 
 import torch
 from torch import Tensor
 
 from . import _int8_state
+from ._kinds import LEAN_CLASSES
 
 
 # NOTE [lean state] in csrc/common/lean_state.h: how a group keeps its
@@ -29,8 +31,8 @@ def _check_master_weights(opt: str, value: Any, lean: bool) -> Any:
     if not (isinstance(value, bool) or value in ("remainder", "stochastic")):
         raise ValueError(f"{opt}: master_weights must be {_MASTER_NAMES}, got {value!r}")
     if not isinstance(value, bool) and not lean:
-        raise ValueError(f"{opt}: master_weights={value!r} is for the element-wise optimizers (AdamW, Adam, SGD, "
-                         "Lion, RMSprop, Adadelta, RAdam, NAdam); use master_weights=True")
+        raise ValueError(f"{opt}: master_weights={value!r} is for the element-wise optimizers "
+                         f"({', '.join(LEAN_CLASSES)}); use master_weights=True")
     return value
 
 
@@ -42,8 +44,8 @@ def _check_state_dtype(opt: str, value: Any, lean: bool) -> str:
         raise ValueError(f"{opt}: state_dtype must be torch.float32, torch.bfloat16 or torch.int8 (or their "
                          f"names), got {value!r}")
     if name != "float32" and not lean:
-        raise ValueError(f"{opt}: state_dtype={value!r} is for the element-wise optimizers (AdamW, Adam, SGD, "
-                         "Lion, RMSprop, Adadelta, RAdam, NAdam)")
+        raise ValueError(f"{opt}: state_dtype={value!r} is for the element-wise optimizers "
+                         f"({', '.join(LEAN_CLASSES)})")
     return name
 
 
@@ -68,24 +70,12 @@ def _check_range(opt: str, name: str, value: Any, low: float, high: Optional[flo
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{opt}: {name} must be a float, got {type(value).__name__} {value!r}")
+    if math.isnan(value):
+        raise ValueError(f"{opt}: {name} must be a number, got {value}")
     ok = value >= low and (high is None or (value <= high if high_inclusive else value < high))
     if not ok:
         allowed = f">= {low}" if high is None else f"in [{low}, {high}{']' if high_inclusive else ')'}"
         raise ValueError(f"{opt}: {name} must be {allowed}, got {value}")
-
-
-def _check_flags(opt: str, **flags: Any) -> None:
-    """Each of ``flags`` must be a bool (a string such as "false" would otherwise count as true)."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{opt}: {name} must be a bool (True or False), got {type(value).__name__} {value!r}")
-
-
-def _check_betas(opt: str, betas: Any) -> None:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"{opt}: betas must be a pair (beta1, beta2), got {betas!r}")
-    _check_range(opt, "betas[0]", betas[0], 0.0, 1.0)
-    _check_range(opt, "betas[1]", betas[1], 0.0, 1.0)
 
 
 def _torch_checks(torch_cls, **kwargs) -> Dict[str, Any]:
@@ -95,7 +85,8 @@ def _torch_checks(torch_cls, **kwargs) -> Dict[str, Any]:
     ``foreach``, ``fused`` and ``capturable`` only name an implementation (the
     fused step is always used) but combinations torch rejects are rejected.
     Returns torch's defaults (the keys of its param groups)."""
-    return dict(torch_cls([torch.zeros(1)], **kwargs).defaults)
+    # A matrix: torch.optim.Muon takes 2-d params only.
+    return dict(torch_cls([torch.zeros(1, 1)], **kwargs).defaults)
 
 
 def _no_differentiable(opt: str, differentiable: Any) -> None:

@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 
 from ._base import FusedOptimizer
-from ._settings import _no_differentiable, _torch_checks
+from ._table import DEFAULT
 
 
 class Adam(FusedOptimizer):
@@ -41,37 +41,16 @@ class Adam(FusedOptimizer):
     fused and capturable); ``differentiable=True`` is not supported.
     """
 
-    _opt_name = "Adam"
-    _kind = "adam"
-    _decoupled_default = False
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+    def __init__(self, params, lr=DEFAULT, betas=DEFAULT, eps=DEFAULT, weight_decay=DEFAULT, amsgrad=DEFAULT, *,
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
-                 differentiable: bool = False, fused: Optional[bool] = None,
-                 decoupled_weight_decay: Optional[bool] = None, max_grad_norm: Optional[float] = None,
-                 master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32,
-                 state_block_size: int = 256, bias_correction: bool = True):
-        _no_differentiable(self._opt_name, differentiable)
-        if decoupled_weight_decay is None:
-            decoupled_weight_decay = self._decoupled_default
-        _torch_checks(torch.optim.Adam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                      foreach=foreach, maximize=maximize, capturable=capturable, fused=fused,
-                      decoupled_weight_decay=decoupled_weight_decay)
-        if not isinstance(bias_correction, bool):
-            raise TypeError(f"{self._opt_name}: bias_correction must be a bool, got {bias_correction!r}")
-        defaults = dict(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=bool(amsgrad), maximize=bool(maximize), foreach=foreach, capturable=capturable,
-                        differentiable=False, fused=fused, decoupled_weight_decay=bool(decoupled_weight_decay),
-                        bias_correction=bias_correction)
-        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
+                 differentiable: bool = False, fused: Optional[bool] = None, decoupled_weight_decay: bool = DEFAULT,
+                 max_grad_norm: Optional[float] = DEFAULT, master_weights: Union[bool, str] = False,
+                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256,
+                 bias_correction: bool = DEFAULT):
+        self._from_table(params, locals())
 
     def _sparse_error(self) -> str:
         return "Adam does not support sparse gradients, please consider SparseAdam instead"  # torch's message
-
-    def _kind_values(self, group):
-        beta1, beta2 = group["betas"]
-        return {"beta1": beta1, "beta2": beta2, "bias_correction": group.get("bias_correction", True)}
 
 
 class AdamW(Adam):
@@ -79,24 +58,9 @@ class AdamW(Adam):
     :class:`torch.optim.AdamW` (weight_decay=1e-2); see :class:`Adam` for the
     fused step and the extra arguments."""
 
-    _opt_name = "AdamW"
-    _decoupled_default = True
-
-    # torch.optim.AdamW keeps decoupled weight decay whatever state it loads
-    # (an Adam state dict included).
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group["decoupled_weight_decay"] = True
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+    def __init__(self, params, lr=DEFAULT, betas=DEFAULT, eps=DEFAULT, weight_decay=DEFAULT, amsgrad=DEFAULT, *,
                  maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
-                 differentiable: bool = False, fused: Optional[bool] = None, max_grad_norm: Optional[float] = None,
-                 master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32,
-                 state_block_size: int = 256, bias_correction: bool = True):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
-                         fused=fused, decoupled_weight_decay=True, max_grad_norm=max_grad_norm,
-                         master_weights=master_weights, state_dtype=state_dtype, state_block_size=state_block_size,
-                         bias_correction=bias_correction)
+                 differentiable: bool = False, fused: Optional[bool] = None, max_grad_norm: Optional[float] = DEFAULT,
+                 master_weights: Union[bool, str] = False, state_dtype: Union[torch.dtype, str] = torch.float32,
+                 state_block_size: int = 256, bias_correction: bool = DEFAULT):
+        self._from_table(params, locals())

@@ -9,14 +9,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ._base import FusedOptimizer
-from ._settings import _check_betas, _check_flags, _check_range
-
-
-def _check_common(opt: str, lr, betas, eps, weight_decay) -> None:
-    _check_range(opt, "lr", lr, 0.0)
-    _check_betas(opt, betas)
-    _check_range(opt, "eps", eps, 0.0)
-    _check_range(opt, "weight_decay", weight_decay, 0.0)
+from ._table import DEFAULT
 
 
 class Lamb(FusedOptimizer):
@@ -37,33 +30,12 @@ class Lamb(FusedOptimizer):
     step count here (timm's group count advances). ``master_weights`` and an
     attached EMA as in :class:`fusetrain.optim.Adam`."""
 
-    _opt_name = "Lamb"
-    _shard_local = False  # per-tensor reductions (NOTE [sharded steps])
-    _kind = "lamb"
-
-    def __init__(self, params, lr=1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps=1e-6,
-                 weight_decay=0.01, grad_averaging: bool = True, max_grad_norm: Optional[float] = 1.0,
-                 trust_clip: bool = False, always_adapt: bool = False, caution: bool = False,
-                 decoupled_decay: bool = False, corrected_weight_decay: bool = False, *, maximize: bool = False,
+    def __init__(self, params, lr=DEFAULT, bias_correction: bool = DEFAULT, betas=DEFAULT, eps=DEFAULT,
+                 weight_decay=DEFAULT, grad_averaging: bool = DEFAULT, max_grad_norm: Optional[float] = DEFAULT,
+                 trust_clip: bool = DEFAULT, always_adapt: bool = DEFAULT, caution: bool = DEFAULT,
+                 decoupled_decay: bool = DEFAULT, corrected_weight_decay: bool = DEFAULT, *, maximize: bool = False,
                  master_weights: bool = False):
-        _check_common(self._opt_name, lr, betas, eps, weight_decay)
-        flags = dict(bias_correction=bias_correction, grad_averaging=grad_averaging, trust_clip=trust_clip,
-                     always_adapt=always_adapt, caution=caution, decoupled_decay=decoupled_decay,
-                     corrected_weight_decay=corrected_weight_decay, maximize=maximize)
-        _check_flags(self._opt_name, **flags)
-        defaults = dict(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay, **flags)
-        super().__init__(params, defaults, max_grad_norm, master_weights)
-        self._max_lr = float(lr)  # corrected_weight_decay's lr_max, read once (lr may be a device tensor)
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self.__dict__.setdefault("_max_lr", float(self.defaults["lr"]))
-
-    def _kind_values(self, group):
-        beta1, beta2 = group["betas"]
-        corrected = group["decoupled_decay"] and group["corrected_weight_decay"]
-        return {"beta1": beta1, "beta2": beta2, "decoupled_weight_decay": group["decoupled_decay"],
-                "decay_max_lr": self._max_lr if corrected else 0.0}
+        self._from_table(params, locals())
 
     def state_dict(self) -> Dict[str, Any]:
         sd = super().state_dict()
@@ -97,21 +69,7 @@ class AdamP(FusedOptimizer):
     ``max_grad_norm``, ``master_weights`` and an attached EMA as in
     :class:`fusetrain.optim.Adam`."""
 
-    _opt_name = "AdamP"
-    _shard_local = False  # per-tensor reductions (NOTE [sharded steps])
-    _kind = "adamp"
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, delta=0.1, wd_ratio=0.1,
-                 nesterov: bool = False, *, maximize: bool = False, max_grad_norm: Optional[float] = None,
-                 master_weights: bool = False):
-        _check_common(self._opt_name, lr, betas, eps, weight_decay)
-        _check_range(self._opt_name, "delta", delta, 0.0)
-        _check_range(self._opt_name, "wd_ratio", wd_ratio, 0.0)
-        _check_flags(self._opt_name, nesterov=nesterov, maximize=maximize)
-        defaults = dict(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay, delta=delta,
-                        wd_ratio=wd_ratio, nesterov=nesterov, maximize=maximize)
-        super().__init__(params, defaults, max_grad_norm, master_weights)
-
-    def _kind_values(self, group):
-        beta1, beta2 = group["betas"]
-        return {"beta1": beta1, "beta2": beta2}
+    def __init__(self, params, lr=DEFAULT, betas=DEFAULT, eps=DEFAULT, weight_decay=DEFAULT, delta=DEFAULT,
+                 wd_ratio=DEFAULT, nesterov: bool = DEFAULT, *, maximize: bool = False,
+                 max_grad_norm: Optional[float] = DEFAULT, master_weights: bool = False):
+        self._from_table(params, locals())

@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 
 from ._base import FusedOptimizer
-from ._settings import _no_differentiable, _torch_checks
+from ._table import DEFAULT
 
 
 class NAdam(FusedOptimizer):
@@ -18,24 +18,9 @@ class NAdam(FusedOptimizer):
     group, ``mu_product`` advancing on the device with the step. See
     :class:`fusetrain.optim.Adam` for ``max_grad_norm`` and ``master_weights``."""
 
-    _opt_name = "NAdam"
-    _kind = "nadam"
-    _scalar_states = ("mu_product",)
-
-    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum_decay=4e-3,
-                 decoupled_weight_decay: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
-                 capturable: bool = False, differentiable: bool = False, max_grad_norm: Optional[float] = None,
-                 master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256):
-        _no_differentiable(self._opt_name, differentiable)
-        defaults = _torch_checks(torch.optim.NAdam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                 momentum_decay=momentum_decay, decoupled_weight_decay=decoupled_weight_decay,
-                                 foreach=foreach, maximize=maximize, capturable=capturable)
-        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
-
-    def _initial_state_value(self, name):
-        return 1.0 if name == "mu_product" else 0.0
-
-    def _kind_values(self, group):
-        beta1, beta2 = group["betas"]
-        return {"beta1": beta1, "beta2": beta2}
+    def __init__(self, params, lr=DEFAULT, betas=DEFAULT, eps=DEFAULT, weight_decay=DEFAULT, momentum_decay=DEFAULT,
+                 decoupled_weight_decay: bool = DEFAULT, *, foreach: Optional[bool] = None, maximize: bool = False,
+                 capturable: bool = False, differentiable: bool = False, max_grad_norm: Optional[float] = DEFAULT,
+                 master_weights: Union[bool, str] = False, state_dtype: Union[torch.dtype, str] = torch.float32,
+                 state_block_size: int = 256):
+        self._from_table(params, locals())

@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 
 from ._base import FusedOptimizer
-from ._settings import _check_range, _no_differentiable, _torch_checks
+from ._table import DEFAULT
 
 
 class RMSprop(FusedOptimizer):
@@ -17,22 +17,12 @@ class RMSprop(FusedOptimizer):
     one fused pass per group. See :class:`fusetrain.optim.Adam` for
     ``max_grad_norm`` and ``master_weights``."""
 
-    _opt_name = "RMSprop"
-    _kind = "rmsprop"
-
-    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
-                 capturable: bool = False, foreach: Optional[bool] = None, maximize: bool = False,
-                 differentiable: bool = False, *, max_grad_norm: Optional[float] = None,
-                 master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256):
-        _no_differentiable(self._opt_name, differentiable)
-        defaults = _torch_checks(torch.optim.RMSprop, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
-                                 momentum=momentum, centered=centered, capturable=capturable, foreach=foreach,
-                                 maximize=maximize)
-        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
-
-    def _kind_values(self, group):
-        return {"tf_style": False, "lr_in_momentum": False, "decoupled_weight_decay": False}
+    def __init__(self, params, lr=DEFAULT, alpha=DEFAULT, eps=DEFAULT, weight_decay=DEFAULT, momentum=DEFAULT,
+                 centered=DEFAULT, capturable: bool = False, foreach: Optional[bool] = None, maximize: bool = False,
+                 differentiable: bool = False, *, max_grad_norm: Optional[float] = DEFAULT,
+                 master_weights: Union[bool, str] = False, state_dtype: Union[torch.dtype, str] = torch.float32,
+                 state_block_size: int = 256):
+        self._from_table(params, locals())
 
 
 class RMSpropTF(RMSprop):
@@ -46,25 +36,12 @@ class RMSpropTF(RMSprop):
     ``max_grad_norm``, ``master_weights`` and an attached EMA as in
     :class:`fusetrain.optim.Adam`."""
 
-    _opt_name = "RMSpropTF"
-
-    def __init__(self, params, lr=1e-2, alpha=0.9, eps=1e-10, weight_decay=0.0, momentum=0.0, centered=False,
-                 decoupled_decay: bool = False, lr_in_momentum: bool = True, *, maximize: bool = False,
-                 max_grad_norm: Optional[float] = None, master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256):
-        for name, value in (("lr", lr), ("alpha", alpha), ("eps", eps), ("weight_decay", weight_decay),
-                            ("momentum", momentum)):
-            _check_range(self._opt_name, name, value, 0.0)
-        defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                        centered=bool(centered), decoupled_decay=bool(decoupled_decay),
-                        lr_in_momentum=bool(lr_in_momentum), maximize=bool(maximize))
-        super(RMSprop, self).__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
-
-    def _initial_state_value(self, name):
-        return 1.0 if name == "square_avg" else 0.0
-
-    def _kind_values(self, group):
-        return {"tf_style": True, "decoupled_weight_decay": group["decoupled_decay"]}
+    def __init__(self, params, lr=DEFAULT, alpha=DEFAULT, eps=DEFAULT, weight_decay=DEFAULT, momentum=DEFAULT,
+                 centered=DEFAULT, decoupled_decay: bool = DEFAULT, lr_in_momentum: bool = DEFAULT, *,
+                 maximize: bool = False, max_grad_norm: Optional[float] = DEFAULT,
+                 master_weights: Union[bool, str] = False, state_dtype: Union[torch.dtype, str] = torch.float32,
+                 state_block_size: int = 256):
+        self._from_table(params, locals())
 
 
 class Adadelta(FusedOptimizer):
@@ -72,14 +49,9 @@ class Adadelta(FusedOptimizer):
     ``acc_delta``) and state-dict layout of :class:`torch.optim.Adadelta`;
     the whole step runs as one fused pass per group."""
 
-    _opt_name = "Adadelta"
-    _kind = "adadelta"
-
-    def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, foreach: Optional[bool] = None, *,
-                 capturable: bool = False, maximize: bool = False, differentiable: bool = False,
-                 max_grad_norm: Optional[float] = None, master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256):
-        _no_differentiable(self._opt_name, differentiable)
-        defaults = _torch_checks(torch.optim.Adadelta, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay,
-                                 foreach=foreach, capturable=capturable, maximize=maximize)
-        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
+    def __init__(self, params, lr=DEFAULT, rho=DEFAULT, eps=DEFAULT, weight_decay=DEFAULT,
+                 foreach: Optional[bool] = None, *, capturable: bool = False, maximize: bool = False,
+                 differentiable: bool = False, max_grad_norm: Optional[float] = DEFAULT,
+                 master_weights: Union[bool, str] = False, state_dtype: Union[torch.dtype, str] = torch.float32,
+                 state_block_size: int = 256):
+        self._from_table(params, locals())

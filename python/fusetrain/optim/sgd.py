@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 
 from ._base import FusedOptimizer
-from ._settings import _no_differentiable, _torch_checks
+from ._table import DEFAULT
 
 
 class SGD(FusedOptimizer):
@@ -20,23 +20,14 @@ class SGD(FusedOptimizer):
     ``step`` tensor that tells the first momentum step on the device.
     """
 
-    _opt_name = "SGD"
-    _kind = "sgd"
     _sparse_grads = True  # as torch.optim.SGD (NOTE [sparse gradients] in _base.py)
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 maximize: bool = False, foreach: Optional[bool] = None, differentiable: bool = False,
-                 fused: Optional[bool] = None, max_grad_norm: Optional[float] = None, master_weights: Union[bool, str] = False,
-                 state_dtype: Union[torch.dtype, str] = torch.float32, state_block_size: int = 256):
-        _no_differentiable(self._opt_name, differentiable)
-        _torch_checks(torch.optim.SGD, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                      nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused)
-        if isinstance(weight_decay, torch.Tensor):
-            weight_decay = float(weight_decay)  # read once here, not by every step
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=bool(nesterov), maximize=bool(maximize), foreach=foreach, differentiable=False,
-                        fused=fused)
-        super().__init__(params, defaults, max_grad_norm, master_weights, state_dtype, state_block_size)
+    def __init__(self, params, lr=DEFAULT, momentum=DEFAULT, dampening=DEFAULT, weight_decay=DEFAULT,
+                 nesterov=DEFAULT, *, maximize: bool = False, foreach: Optional[bool] = None,
+                 differentiable: bool = False, fused: Optional[bool] = None, max_grad_norm: Optional[float] = DEFAULT,
+                 master_weights: Union[bool, str] = False, state_dtype: Union[torch.dtype, str] = torch.float32,
+                 state_block_size: int = 256):
+        self._from_table(params, locals())
 
     def _new_step_value(self, state) -> float:
         # A momentum buffer loaded from torch.optim.SGD is past its first step.

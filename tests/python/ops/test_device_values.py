@@ -1,5 +1,5 @@
 """Schedulable optimizer settings read on the device (NOTE [device values] in
-csrc/common/update_args.h): the kernels read each group's betas, momentum,
+csrc/common/update_launch.h): the kernels read each group's betas, momentum,
 weight decay, eps ... from its float64 values tensor; a schedule of them
 through ``param_groups`` matches torch.optim, and a compiled step follows it
 without recompiling."""

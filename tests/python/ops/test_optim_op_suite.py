@@ -178,8 +178,7 @@ REFUSALS = [(k, lambda d: dict(param=_f64(d)), RuntimeError, r"params\[0\].*(Dou
     ("adam", lambda d: dict(betas=(1.0, 0.999)), ValueError, r"beta1 must be in \[0, 1\), got 1"),
     ("lion", lambda d: dict(betas=(1.0, 0.99)), ValueError, r"beta1 must be in \[0, 1\), got 1"),
     ("adam", lambda d: dict(eps=-1.0), ValueError, "eps must be >= 0, got -1"),
-    ("sgd", lambda d: dict(nesterov=True, dampening=0.1), ValueError,
-     "nesterov=True needs momentum > 0 and dampening == 0"),
+    ("sgd", lambda d: dict(nesterov=True, dampening=0.1), ValueError, "nesterov needs dampening == 0, got dampening=0.1"),
     ("sgd", lambda d: dict(momentum=-0.5), ValueError, "momentum must be >= 0, got -0.5"),
     # A float64 param keeps float64 state (NOTE [float64 params]) and has no master.
     ("adam", lambda d: dict(param=_f64(d), grad=_f64(d)), RuntimeError,

@@ -13,23 +13,19 @@ import torch
 import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain.optim import AdamP, Lamb
 
+from _optim_helpers import OPTIMS
 from _test_helpers import (DEVICES, bf16_master_twins, check_bf16_master_follows_float32, kind_step, kind_step_args,
                            step_with_schedule_clip_and_skip)
 
 timm_optim = pytest.importorskip("timm.optim")
 
-LR = 2.0**-7  # exact in the float32 device lr
-OURS = {"Lamb": Lamb, "AdamP": AdamP}
-TIMM = {"Lamb": timm_optim.Lamb, "AdamP": timm_optim.AdamP}
-CONFIGS = [
-    ("Lamb", {}), ("Lamb", dict(weight_decay=0.0)), ("Lamb", dict(weight_decay=0.0, always_adapt=True)),
-    ("Lamb", dict(trust_clip=True, weight_decay=0.1)), ("Lamb", dict(decoupled_decay=True, weight_decay=0.1)),
-    ("Lamb", dict(decoupled_decay=True, corrected_weight_decay=True, weight_decay=0.1)),
-    ("Lamb", dict(caution=True)), ("Lamb", dict(max_grad_norm=None)),
-    ("Lamb", dict(bias_correction=False, grad_averaging=False, betas=(0.8, 0.9))),
-    ("AdamP", {}), ("AdamP", dict(weight_decay=0.1)), ("AdamP", dict(nesterov=True, weight_decay=0.1)),
-    ("AdamP", dict(delta=1.0, wd_ratio=0.5, weight_decay=0.1)), ("AdamP", dict(betas=(0.8, 0.9), eps=1e-4)),
-]
+# The rows of the optimizer case table (NOTE [optimizer case table] in _optim_helpers.py): timm's classes are
+# the references.
+NAMES = ["Lamb", "AdamP"]
+LR = OPTIMS["Lamb"].lr  # exact in the float32 device lr
+OURS = {n: OPTIMS[n].ours for n in NAMES}
+TIMM = {n: OPTIMS[n].reference for n in NAMES}
+CONFIGS = [(n, kw) for n in NAMES for kw in OPTIMS[n].configs]
 IDS = [f"{n}-{kw}" for n, kw in CONFIGS]
 
 
@@ -204,7 +200,8 @@ def test_opcheck(device):
                 max_grad_norm=1.0, grad_norm=torch.tensor(2.0, device=device))
     torch.library.opcheck(torch.ops.fusetrain.fused_step_.default,
                           *kind_step_args("lamb", params, grads, steps, (s1, s2), eps=1e-6, trust_clip=True,
-                                          caution=True, decoupled_weight_decay=True, decay_max_lr=0.02, **tail))
+                                          caution=True, decoupled_weight_decay=True, corrected_weight_decay=True,
+                                          max_lr=0.02, **tail))
     torch.library.opcheck(torch.ops.fusetrain.fused_step_.default,
                           *kind_step_args("adamp", params, grads, steps, (s1, s2), eps=1e-8, delta=1.0, nesterov=True,
                                           **tail))
@@ -218,9 +215,9 @@ def test_the_kinds_check_their_lists_and_fields():
     with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] must be a Float tensor of shape \[3, 2\]"):
         kind_step("adamp", p, g, [torch.zeros(())], ([torch.zeros(2, 3)], [torch.zeros(3, 2)]),
                   lr=torch.tensor(0.1), betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
-    with pytest.raises(ValueError, match="decay_max_lr must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="max_lr must be >= 0, got -1"):
         kind_step("lamb", p, g, [torch.zeros(())], ([torch.zeros(3, 2)], [torch.zeros(3, 2)]), lr=torch.tensor(0.1),
-                  betas=(0.9, 0.99), eps=1e-6, weight_decay=0.0, decay_max_lr=-1.0)
+                  betas=(0.9, 0.99), eps=1e-6, weight_decay=0.0, max_lr=-1.0)
 
 
 @pytest.mark.parametrize("name", ["lamb", "adamp", "nadam"])

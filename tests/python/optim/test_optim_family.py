@@ -11,25 +11,19 @@ import torch
 import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain.optim import Adadelta, NAdam, RAdam, RMSprop
 
+from _optim_helpers import OPTIMS
 from _test_helpers import (DEVICES, bf16_master_twins, check_bf16_master_follows_float32, kind_step, kind_step_args,
                            outcome, step_with_schedule_clip_and_skip)
 
 SEED = 31
-OURS = {"RMSprop": RMSprop, "Adadelta": Adadelta, "RAdam": RAdam, "NAdam": NAdam}
-TORCH = {"RMSprop": torch.optim.RMSprop, "Adadelta": torch.optim.Adadelta, "RAdam": torch.optim.RAdam,
-         "NAdam": torch.optim.NAdam}
-CONFIGS = [
-    ("RMSprop", {}), ("RMSprop", dict(momentum=0.9)), ("RMSprop", dict(centered=True)),
-    ("RMSprop", dict(centered=True, momentum=0.5, weight_decay=0.01, alpha=0.9)), ("RMSprop", dict(maximize=True)),
-    ("Adadelta", {}), ("Adadelta", dict(rho=0.5, weight_decay=0.1, eps=1e-4)), ("Adadelta", dict(maximize=True)),
-    ("RAdam", {}), ("RAdam", dict(weight_decay=0.1)), ("RAdam", dict(weight_decay=0.1, decoupled_weight_decay=True)),
-    ("RAdam", dict(betas=(0.8, 0.9), maximize=True)),
-    ("NAdam", {}), ("NAdam", dict(weight_decay=0.1)),
-    ("NAdam", dict(weight_decay=0.1, decoupled_weight_decay=True, momentum_decay=0.01)),
-    ("NAdam", dict(betas=(0.8, 0.9), maximize=True)),
-]
+FAMILY = ["RMSprop", "Adadelta", "RAdam", "NAdam"]
+# The rows of the optimizer case table (NOTE [optimizer case table] in _optim_helpers.py): each row's class,
+# reference, configurations and an lr exact in the float32 device lr.
+OURS = {n: OPTIMS[n].ours for n in FAMILY}
+TORCH = {n: OPTIMS[n].reference for n in FAMILY}
+CONFIGS = [(n, kw) for n in FAMILY for kw in OPTIMS[n].configs]
 IDS = [f"{n}-{kw}" for n, kw in CONFIGS]
-LR = {"RMSprop": 2.0**-8, "Adadelta": 0.5, "RAdam": 2.0**-7, "NAdam": 2.0**-7}  # exact in the float32 device lr
+LR = {n: OPTIMS[n].lr for n in FAMILY}
 
 
 def shapes():

@@ -13,67 +13,15 @@ import torch
 import fusetrain  # noqa: F401  (registers the ops)
 from fusetrain.optim import RMSpropTF
 
+from _optim_helpers import OPTIMS
 from _test_helpers import (DEVICES, bf16_master_twins, check_bf16_master_follows_float32, kind_step, kind_step_args,
                            step_with_schedule_clip_and_skip)
 
-LR = 2.0**-8  # exact in the float32 device lr
-CONFIGS = [
-    {}, dict(momentum=0.9), dict(momentum=0.9, lr_in_momentum=False), dict(centered=True),
-    dict(centered=True, momentum=0.5, weight_decay=0.01, alpha=0.8), dict(weight_decay=0.1, decoupled_decay=True),
-    dict(momentum=0.9, weight_decay=0.05, decoupled_decay=True, eps=1e-3), dict(maximize=True, momentum=0.9),
-]
+# The row of the optimizer case table (NOTE [optimizer case table] in _optim_helpers.py).
+LR = OPTIMS["RMSpropTF"].lr  # exact in the float32 device lr
+CONFIGS = list(OPTIMS["RMSpropTF"].configs)
 IDS = [str(kw) for kw in CONFIGS]
-
-
-class Reference(torch.optim.Optimizer):
-    """timm's RMSpropTF semantics in plain PyTorch ops, one tensor at a time."""
-
-    def __init__(self, params, lr=1e-2, alpha=0.9, eps=1e-10, weight_decay=0.0, momentum=0.0, centered=False,
-                 decoupled_decay=False, lr_in_momentum=True, maximize=False):
-        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                                      centered=centered, decoupled_decay=decoupled_decay,
-                                      lr_in_momentum=lr_in_momentum, maximize=maximize))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            lr, alpha, wd, mom = group["lr"], group["alpha"], group["weight_decay"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = -p.grad if group["maximize"] else p.grad
-                st = self.state[p]
-                if not st:
-                    st["step"] = torch.tensor(0.0)
-                    st["square_avg"] = torch.ones_like(p)
-                    if mom > 0:
-                        st["momentum_buffer"] = torch.zeros_like(p)
-                    if group["centered"]:
-                        st["grad_avg"] = torch.zeros_like(p)
-                st["step"] += 1
-                if wd != 0:
-                    if group["decoupled_decay"]:
-                        p.mul_(1.0 - lr * wd)
-                    else:
-                        g = g.add(p, alpha=wd)
-                sq = st["square_avg"]
-                sq.add_(g.pow(2) - sq, alpha=1.0 - alpha)
-                if group["centered"]:
-                    ga = st["grad_avg"]
-                    ga.add_(g - ga, alpha=1.0 - alpha)
-                    avg = sq.addcmul(ga, ga, value=-1).add(group["eps"]).sqrt_()
-                else:
-                    avg = sq.add(group["eps"]).sqrt_()
-                if mom > 0:
-                    buf = st["momentum_buffer"]
-                    if group["lr_in_momentum"]:
-                        buf.mul_(mom).addcdiv_(g, avg, value=lr)
-                        p.add_(-buf)
-                    else:
-                        buf.mul_(mom).addcdiv_(g, avg)
-                        p.add_(buf, alpha=-lr)
-                else:
-                    p.addcdiv_(g, avg, value=-lr)
+Reference = OPTIMS["RMSpropTF"].reference  # timm's RMSpropTF semantics in plain PyTorch ops
 
 
 def shapes():
@@ -188,7 +136,7 @@ def test_opcheck_tf_style(device):
 
 def test_the_tf_flags_need_tf_style():
     p, g, sq = [torch.randn(3)], [torch.randn(3)], [torch.ones(3)]
-    with pytest.raises(ValueError, match="need tf_style=True"):
+    with pytest.raises(ValueError, match="lr_in_momentum needs tf_style != 0, got tf_style=0"):
         kind_step("rmsprop", p, g, [torch.zeros(())], (sq,), lr=torch.tensor(0.1), alpha=0.9, eps=1e-8,
                   weight_decay=0.0, momentum=0.0, centered=False, lr_in_momentum=True)
 

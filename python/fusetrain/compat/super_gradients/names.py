@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from ...optim._table import CLASSES
+
 __all__ = ["fold", "lookup", "SG_OPTIMIZERS", "SG_LR_MODES", "SG_WARMUPS", "SG_LOSSES", "SG_METRICS",
            "SG_TITLE_TO_METRIC"]
 
@@ -24,9 +26,9 @@ def lookup(table: Mapping[str, Any], name: Any) -> Optional[Any]:
     return next((v for k, v in table.items() if fold(k) == key), None)
 
 
-#: SG optimizer names -> fusetrain optimizer names.
-SG_OPTIMIZERS = {"SGD": "SGD", "Adam": "Adam", "AdamW": "AdamW", "RMSProp": "RMSprop", "RMSpropTF": "RMSpropTF",
-                 "Lamb": "Lamb", "Lion": "Lion", "RAdam": "RAdam", "NAdam": "NAdam"}
+#: SG optimizer names -> fusetrain optimizer names: every optimizer of the optimizer table, by its name and its
+#: aliases (SG's spellings, e.g. RMSProp).
+SG_OPTIMIZERS = {alias: name for name, (_, cls) in CLASSES.items() for alias in (name,) + cls.aliases}
 
 #: SG lr_mode values (scheduler names and class names) -> fusetrain lr_mode.
 SG_LR_MODES = {"step": "step", "StepLRScheduler": "step", "cosine": "cosine", "CosineLRScheduler": "cosine",

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Type
 import torch
 
 from ...optim._base import FusedOptimizer
+from ...optim._kinds import SHARD_LOCAL_CLASSES
 from ..task.losses import MODEL_LOSS, loss_factory
 from ..task.metrics import build_metric
 from .synonyms import KEY_SYNONYMS, METRIC_NAME_SYNONYMS
@@ -116,8 +117,8 @@ def _check_fsdp(values: Dict[str, Any]) -> List[str]:
     if not getattr(opt, "_shard_local", True):
         errors.append(f"{ROOT}.optimizer: got {opt.__name__} with multi_gpu 'fsdp'; its update needs whole "
                       f"tensors (per-tensor norms), which a sharded model does not hold; allowed with fsdp: an "
-                      f"element-wise optimizer (AdamW, Adam, SGD, Lion, NAdam, RAdam, RMSprop, RMSpropTF, "
-                      f"Adadelta) or a torch.optim one, or multi_gpu 'ddp'")
+                      f"element-wise optimizer ({', '.join(SHARD_LOCAL_CLASSES)}) or a torch.optim one, or "
+                      f"multi_gpu 'ddp'")
     if values["export"]:
         errors.append(f"{ROOT}.export: got {values['export']!r} with multi_gpu 'fsdp'; no rank holds the whole "
                       f"model; allowed with fsdp: [] (export from the full weights afterwards: python -m "

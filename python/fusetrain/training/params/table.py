@@ -13,7 +13,7 @@ import torch
 
 from ...amp import LossScaler
 from ...ema import ModelEMA
-from ...optim import SGD, Adadelta, Adam, AdamP, AdamW, Lamb, Lion, Muon, NAdam, RAdam, RMSprop, RMSpropTF
+from ...optim import OPTIMIZERS as _TABLE_OPTIMIZERS
 from ..task.batches import MODEL_INPUT_MODES
 from ..task.callbacks import CALLBACKS, Callback
 from ..task.losses import LOSS_ALIASES, MODEL_LOSS, loss_factory
@@ -29,10 +29,8 @@ from .validators import (Invalid, Validator, show, any_of, boolean, callable_val
 __all__ = ["ParamSpec", "TRAINING_PARAMS", "OPTIMIZERS", "LR_MODES", "TORCH_COMPILE_MODES", "COMPILE_STEP_MODES",
            "KEY_HINTS"]
 
-#: The built-in optimizers by canonical name (names are matched case-insensitively).
-OPTIMIZERS: Mapping[str, Type[torch.optim.Optimizer]] = MappingProxyType(
-    {"AdamW": AdamW, "Adam": Adam, "SGD": SGD, "Lion": Lion, "RMSprop": RMSprop, "Adadelta": Adadelta,
-     "RAdam": RAdam, "NAdam": NAdam, "RMSpropTF": RMSpropTF, "Lamb": Lamb, "AdamP": AdamP, "Muon": Muon})
+#: The built-in optimizers by canonical name (names are matched case-insensitively): the optimizer table's.
+OPTIMIZERS: Mapping[str, Type[torch.optim.Optimizer]] = _TABLE_OPTIMIZERS
 LR_MODES = ("constant", "step", "cosine", "onecycle", "cyclic", "linear", "poly", "exponential", "cosine_restarts",
             "plateau")
 WARMUP_MODES = ("linear", "constant", "exponential", "linear_epoch", "linspace")

@@ -60,7 +60,7 @@ EXPECTED_DEFAULTS = {
 }
 
 BOOL = "a bool (true or false)"
-OPTIMIZER_ALLOWED = ("one of 'AdamW', 'Adam', 'SGD', 'Lion', 'RMSprop', 'Adadelta', 'RAdam', 'NAdam', 'RMSpropTF', "
+OPTIMIZER_ALLOWED = ("one of 'AdamW', 'Adam', 'SGD', 'Lion', 'RMSprop', 'RMSpropTF', 'Adadelta', 'RAdam', 'NAdam', "
                      "'Lamb', 'AdamP', 'Muon' "
                      "(case-insensitive) or a torch.optim.Optimizer subclass (the class, not an instance)")
 LOSS_ALLOWED = ("a loss name (a torch.nn loss class name such as 'CrossEntropyLoss', one of 'cross_entropy', 'mse', "

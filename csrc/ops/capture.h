@@ -1,7 +1,10 @@
-// CUDA-graph capture helpers shared by the C++ fusetrain::TrainStep, the
-// optimizers' capture checks and (through fusetrain._C) the Python TrainStep.
-// Declared without CUDA types, so callers need no CUDA headers; in a build
-// without CUDA they report "not capturing" and do nothing.
+// CUDA-graph capture helpers shared by the ops (fused_step_ refuses host
+// values while capturing), the C++ fusetrain::TrainStep, the optimizers'
+// capture checks and (through fusetrain._C) the Python TrainStep. Declared
+// without CUDA types, so callers need no CUDA headers; the CUDA build
+// registers the implementations (csrc/cuda/capture_hooks.cu, as NOTE [kernel
+// registration] in csrc/common/dispatch.h), without which they report "not
+// capturing" and do nothing.
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -25,6 +28,13 @@ bool stream_is_capturing(const c10::Device& device);
 // raises (a capture that did end releases its pool itself). Errors of the
 // individual steps are ignored: each may already have happened.
 void abandon_capture(c10::DeviceIndex device, c10::MempoolId_t pool);
+
+// The CUDA implementations of the two (csrc/cuda/capture_hooks.cu registers them at load time).
+struct CaptureHooks {
+  bool (*stream_is_capturing)(const c10::Device& device) = nullptr;
+  void (*abandon_capture)(c10::DeviceIndex device, c10::MempoolId_t pool) = nullptr;
+};
+bool register_capture_hooks(CaptureHooks hooks);
 
 }  // namespace detail
 }  // namespace fusetrain
