@@ -132,6 +132,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fusetrain.training.checkpoint.manager as checkpoint_mod
+from fusetrain.training.logging.experiment_log import wait_for_plots
 from fusetrain.models import build_model
 from fusetrain.training.params import resolve_training_params
 from fusetrain.training.trainer import Trainer
@@ -335,7 +336,7 @@ class Run:
         try:
             if self.is_trainer:
                 res = self.trainer.train(self.model, self.training_params, train_loader=self.gate, valid_loader=None)
-                self.trainer_dir = res["experiment_dir"]
+                self.trainer_dir = res["run_dir"]  # its checkpoints and metrics (NOTE [run folders])
             else:
                 self.model.to(self.device)
                 criterion = nn.CrossEntropyLoss()
@@ -383,6 +384,9 @@ class Run:
         saves = _SAVES.pop(os.path.realpath(self.trainer_dir), []) if self.is_trainer else []
         rows: List[Dict[str, Any]] = []
         if self.is_trainer:
+            # The metrics plot is drawn after the run by a thread of its own (NOTE [metrics plot]): waited for
+            # here, outside the timed epochs, so that no turn of the next round and no exit runs beside it.
+            wait_for_plots(self.trainer_dir)
             with open(os.path.join(self.trainer_dir, "metrics.jsonl")) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
             assert len(rows) == n, len(rows)

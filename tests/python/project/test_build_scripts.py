@@ -125,7 +125,7 @@ def test_list_takes_stages_and_items_and_names_an_unknown_one():
 @pytest.mark.slow
 def test_rehearsal_cut_off_by_its_limits_still_writes_the_report(tmp_path):
     # A limit of 1 s cuts the first items off, the deadline a later one; the report still comes out.
-    env = {"GPU_CHECK_OUT": str(tmp_path), "GPU_CHECK_WHEELS": str(tmp_path / "none"), "GPU_CHECK_SECONDS": "20",
+    env = {"GPU_CHECK_OUT": str(tmp_path), "GPU_CHECK_WHEELS": str(tmp_path / "none"), "GPU_CHECK_SECONDS": "30",
            "GPU_CHECK_LIMITS": "pytest_cuda_lean=1,pytest_cuda_q8_forms=1,pytest_cuda=1"}
     r = run([GPU_CHECK, "--cpu-rehearsal", "tests", "bench"], env=env, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr

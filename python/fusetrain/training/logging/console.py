@@ -46,6 +46,8 @@ class _Tee(io.TextIOBase):
 
     def write(self, text: str) -> int:
         n = self.stream.write(text)
+        if self.sink.closed:  # its run has ended while another stream still wraps this one
+            return n if n is not None else len(text)
         *done, self._line = (self._line + text).split("\n")
         for line in done:
             line = line.rsplit("\r", 1)[-1].rstrip()
@@ -78,10 +80,16 @@ class ConsoleLog:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            if isinstance(stream, _Tee) and stream._line.strip():
+        # Runs in threads of one process (a benchmark's) end in any order: the streams are put back only
+        # when they are still this run's; otherwise its tees stay in the chain and pass text through.
+        mine = [s for s in (sys.stdout, sys.stderr) if isinstance(s, _Tee) and s.sink is self._file]
+        for stream in mine:
+            if stream._line.strip():
                 self._file.write(stream._line.rsplit("\r", 1)[-1].rstrip() + "\n")
-        sys.stdout, sys.stderr = self._saved
+        if sys.stdout in mine:
+            sys.stdout = self._saved[0]
+        if sys.stderr in mine:
+            sys.stderr = self._saved[1]
         self._file.close()
 
 
@@ -138,7 +146,7 @@ class RunReport:
                  f"  optimizer  {type(r.opt).__name__} ({', '.join([schedule] + extras)})",
                  f"  step       {step}",
                  f"  data       {data}; {p.max_steps} steps" if p.max_steps else
-                 f"  data       {data}; {p.max_epochs} epochs"]
+                 f"  data       {data}; {p.max_epochs} epoch{'s' if p.max_epochs != 1 else ''}"]
         return lines
 
     def epoch_line(self, row: Dict[str, Any], n_epochs: int, improved: bool, saved: List[str]) -> str:

@@ -116,7 +116,7 @@ def samples(root, tags):
 def final(root, name):
     from fusetrain.training.checkpoint.sharded import full_state_dict
 
-    path = os.path.join(root, name, "ckpt_latest.pth")
+    path = run_path(root, name, "ckpt_latest.pth")
     return full_state_dict(path), full_state_dict(path, ema=True), load_checkpoint(path)
 
 

@@ -122,7 +122,7 @@ def _assert_close_relative_to_change(a, b, init, rel=0.01, what=""):
 @pytest.mark.dist
 def test_two_processes_match_one_process_on_the_same_global_batches(two_vs_one):
     r = two_vs_one
-    exp2 = os.path.join(r["root"], "two")
+    exp2 = latest_run(os.path.join(r["root"], "two"))
     ck2 = load_checkpoint(os.path.join(exp2, "ckpt_latest.pth"))
     ck1 = load_checkpoint(run_path(r["root"], "one", "ckpt_latest.pth"))
     assert ck2["world_size"] == 2 and ck1["world_size"] == 1

@@ -85,11 +85,11 @@ def test_four_sharded_processes_match_one_process(four_vs_one):
     assert ck4["world_size"] == 4 and ck4["global_step"] == ck1["global_step"] == 8
     # NOTE [sharded checkpoints]: the file names the shard folder; no full tensors in it.
     assert ck4["model"] is None and ck4["optimizer"] is None and "module" not in ck4["ema"]
-    assert os.path.isfile(os.path.join(r["root"], "four", SHARDS, ck4["shards"], ".metadata"))
+    run4 = os.path.dirname(path4)
+    assert os.path.isfile(os.path.join(run4, SHARDS, ck4["shards"], ".metadata"))
     # Only the folders that checkpoint files name are kept (latest and best; the replaced ones are gone).
-    named = {load_checkpoint(os.path.join(r["root"], "four", f))["shards"]
-             for f in os.listdir(os.path.join(r["root"], "four")) if f.startswith("ckpt_")}
-    assert set(os.listdir(os.path.join(r["root"], "four", SHARDS))) == named
+    named = {load_checkpoint(os.path.join(run4, f))["shards"] for f in os.listdir(run4) if f.startswith("ckpt_")}
+    assert set(os.listdir(os.path.join(run4, SHARDS))) == named
     model = full_state_dict(path4)
     assert set(model) == set(r["init"])
     _close_relative_to_change(model, ck1["model"], r["init"], 1e-3, "model ")
@@ -158,7 +158,7 @@ def test_bfloat16_weights_with_lean_state_train_shard_and_resume(tmp_path):
     assert torch.isfinite(torch.tensor(res["final"]["train_loss"]))
     saved = full_state_dict(run_path(root, "lean", "ckpt_latest.pth"))
     assert saved and all(v.dtype == torch.bfloat16 for v in saved.values() if v.is_floating_point())
-    assert os.path.isdir(os.path.join(root, "lean", SHARDS))
+    assert os.path.isdir(os.path.join(os.path.dirname(run_path(root, "lean", "ckpt_latest.pth")), SHARDS))
     resumed, whole = cnn(), cnn()
     Trainer("lean", ckpt_root_dir=root).train(resumed, dict(COMMON, max_epochs=2, resume=True, **lean),
                                               *_loaders(8))
@@ -172,7 +172,8 @@ def test_bfloat16_weights_with_lean_state_train_shard_and_resume(tmp_path):
     assert names and "remainders" not in ck["ema"] and "module" not in ck["ema"]
     from torch.distributed.checkpoint import FileSystemReader
 
-    saved_keys = FileSystemReader(os.path.join(root, "lean", SHARDS, ck["shards"])).read_metadata().state_dict_metadata
+    lean_run = os.path.dirname(run_path(root, "lean", "ckpt_latest.pth"))
+    saved_keys = FileSystemReader(os.path.join(lean_run, SHARDS, ck["shards"])).read_metadata().state_dict_metadata
     assert all(f"ema_remainders.{n}" in saved_keys for n in names)
     ema_resumed = full_state_dict(run_path(root, "lean", "ckpt_latest.pth"), ema=True)
     ema_whole = full_state_dict(run_path(root, "lean_whole", "ckpt_latest.pth"), ema=True)
@@ -245,7 +246,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path):
 
     root = str(tmp_path)
     run_distributed(_crash_in_second_save, 2, root)
-    exp = os.path.join(root, "crash")
+    exp = os.path.dirname(run_path(root, "crash", "ckpt_latest.pth"))  # the run folder
     ck = load_checkpoint(os.path.join(exp, "ckpt_latest.pth"))
     assert ck["epoch"] == 1 and ck["global_step"] == 4  # the first epoch's checkpoint
     folders = os.listdir(os.path.join(exp, SHARDS))

@@ -111,14 +111,13 @@ def test_kubeflow_trainjob_template(tmp_path):
     cmd = [*trainer["command"], *args, *TINY, "++training_params.callbacks=[_preemption_helpers.SlowSteps]"]
     env = environment(tmp_path, PET_NNODES=1, PET_NPROC_PER_NODE=2, PET_NODE_RANK=0, PET_MASTER_ADDR="127.0.0.1",
                       PET_MASTER_PORT=free_port(), FUSETRAIN_TEST_STEP_SLEEP=0.3)
-    latest = run_path(tmp_path, "digits_cnn", "ckpt_latest.pth")
     # The pod is deleted: SIGTERM to torchrun (the container's command), which passes it on.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("Step: 2,"):
+            if line.startswith("step 2 |"):
                 proc.send_signal(signal.SIGTERM)
                 break
         lines.append(proc.communicate(timeout=120)[0])
@@ -126,6 +125,7 @@ def test_kubeflow_trainjob_template(tmp_path):
         proc.kill()
     out = "".join(lines)
     assert "SIGTERM received: stopping after this step" in out, out
+    latest = run_path(tmp_path, "digits_cnn", "ckpt_latest.pth")  # the run folder it made; the restart continues it
     ck = load_checkpoint(str(latest))
     assert ck["world_size"] == 2 and ck["position"] is not None and 2 <= ck["global_step"] < 8
     env["FUSETRAIN_TEST_STEP_SLEEP"] = "0"
@@ -158,10 +158,10 @@ def test_torchrun_max_restarts_template_survives_a_killed_rank(tmp_path):
     whole = command.replace("29400", str(free_port()))
     code, out = run(["bash", "-c", f"{whole} ckpt_root_dir={tmp_path}/whole {tiny}"], env)
     assert code == 0, out
-    b = load_checkpoint(str(tmp_path / "whole" / "digits_cnn" / "ckpt_latest.pth"))
+    b = load_checkpoint(run_path(tmp_path / "whole", "digits_cnn", "ckpt_latest.pth"))
     assert b["global_step"] == 8
     for name in runs:
-        a = load_checkpoint(str(tmp_path / name / "digits_cnn" / "ckpt_latest.pth"))
+        a = load_checkpoint(run_path(tmp_path / name, "digits_cnn", "ckpt_latest.pth"))
         assert a["global_step"] == 8
         for k in b["model"]:
             assert torch.equal(a["model"][k], b["model"][k]), (name, k)
