@@ -18,6 +18,11 @@ import fusetrain.optim as fo
 from fusetrain.optim._table import CLASSES
 
 common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
+# Importing torch's internal test utilities freezes torch.backends' flags for the whole process
+# (common_utils calls torch.backends.disable_global_flags()); the Trainer sets cudnn.benchmark, so every
+# Trainer test collected into the same pytest worker would fail. The flags are unfrozen again.
+torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True  # what disable_global_flags set
+assert not torch.backends.flags_frozen()
 
 #: (optimizer, description of torch's error input) -> why fusetrain answers otherwise.
 DIFFERENT = {
