@@ -408,7 +408,9 @@ class Run:
                     run_tail = end_t - mine[-1]["end"]
                     wall -= run_tail
                 row = rows[k]
-                loop = row["epoch_time_s"] - waits  # the gate's waits fall inside the Trainer's epoch clock
+                # The Trainer's epoch clock starts after it asked for the epoch's iterator (the gate's first wait
+                # of the epoch); the later waits fall inside it.
+                loop = row["epoch_time_s"] - (waits - (ev[first][2] - ev[first][1]))
                 rec.update(wall_s=wall, loss=row["train_loss"], trainer_epoch_time_s=row["epoch_time_s"],
                            trainer_loop_s=loop, outside_loop_s=wall - loop,
                            ckpt_write_s=sum(s["end"] - s["start"] for s in mine),
