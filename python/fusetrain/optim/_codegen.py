@@ -436,11 +436,7 @@ def render_optimizers_markdown() -> str:
     """The table of docs/optimizers.md: every class with its reference and options."""
     out = [OPTIM_BEGIN, "", "| Name | Reference semantics | Hyperparameters (defaults) |", "|---|---|---|"]
     for name, (kind, cls) in CLASSES.items():
-        items = [f"`lr` {_doc_value(cls.lr)}"]
-        for oname, fields in kind.options_of(cls):
-            items.append(f"`{oname}` {_doc_value(kind.option_default(cls, oname))}")
-        if cls.max_grad_norm is not None:
-            items.append(f"`max_grad_norm` {_doc_value(cls.max_grad_norm)}")
+        items = [f"`lr` {_doc_value(cls.lr)}"] + _option_items(kind, cls)
         if cls.maximize:
             items.append("`maximize` False")
         note = f"; {cls.note}" if cls.note else ""
@@ -451,15 +447,19 @@ def render_optimizers_markdown() -> str:
     return "\n".join(out) + "\n"
 
 
+def _option_items(kind, cls) -> List[str]:
+    """A class's options with their defaults, as the docs' tables list them (after lr, before maximize)."""
+    items = [f"`{oname}` {_doc_value(kind.option_default(cls, oname))}" for oname, _ in kind.options_of(cls)]
+    if cls.max_grad_norm is not None:
+        items.append(f"`max_grad_norm` {_doc_value(cls.max_grad_norm)}")
+    return items
+
+
 def render_cpp_markdown() -> str:
     """The Options table of docs/cpp.md."""
     out = [CPP_BEGIN, "", "| Options | fields (defaults) |", "|---|---|"]
     for name, (kind, cls) in CLASSES.items():
-        items = []
-        for oname, fields in kind.options_of(cls):
-            items.append(f"`{oname}` {_doc_value(kind.option_default(cls, oname))}")
-        if cls.max_grad_norm is not None:
-            items.append(f"`max_grad_norm` {_doc_value(cls.max_grad_norm)}")
+        items = _option_items(kind, cls)
         if cls.maximize:
             items.append("`maximize`")
         out.append(f"| `{name}Options(lr={_doc_value(cls.lr)})` | {', '.join(items)} |")
