@@ -43,46 +43,63 @@ FT_HD void adam_weight_decay(V& p, V& g, const Co& c) {
   }
 }
 
+// The moment coefficients Adam, RAdam and NAdam share (each kind's Coeffs
+// derives from it), set from a record with beta1, beta2, eps, weight_decay
+// and decoupled_weight_decay.
+template <typename T>
+struct AdamMomentCoeffs {
+  T one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
+  T decay_mul;  // 1 - lr * weight_decay (decoupled only)
+  bool decoupled;
+
+  template <typename Fields>
+  FT_HD void set_moments(const Fields& h, double lr) {
+    one_minus_beta1 = static_cast<T>(1.0 - h.beta1);
+    beta2 = static_cast<T>(h.beta2);
+    one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
+    eps = static_cast<T>(h.eps);
+    weight_decay = static_cast<T>(h.weight_decay);
+    decay_mul = static_cast<T>(1.0 - lr * h.weight_decay);
+    decoupled = h.decoupled_weight_decay != 0.0;
+  }
+};
+
+// Weight decay, then the first and second moments m and v, in torch's order.
+template <typename V, typename T>
+FT_HD void adam_moments(V& p, V& g, V& m, V& v, const AdamMomentCoeffs<T>& c) {
+  adam_weight_decay(p, g, c);
+  m = lerp_weight(m, g, c.one_minus_beta1);
+  v = v * V(c.beta2) + V(c.one_minus_beta2) * g * g;
+}
+
 // Adam and AdamW (torch.optim.Adam, AdamW); without bias_correction the
 // BertAdam form. State: s1 exp_avg, s2 exp_avg_sq, s3 max_exp_avg_sq (amsgrad).
 struct AdamMath {
   template <typename T>
-  struct Coeffs {
-    T beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
-    T decay_mul;      // 1 - lr * weight_decay (decoupled only)
+  struct Coeffs : AdamMomentCoeffs<T> {
     T neg_step_size;  // -lr / (1 - beta1^step)
     T inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^step)
-    bool decoupled, amsgrad;
+    bool amsgrad;
   };
 
   template <typename T>
   static FT_HD Coeffs<T> coeffs(const AdamFields& h, float lr, float step, float /*aux*/) {
     Coeffs<T> c;
-    c.beta1 = static_cast<T>(h.beta1);
-    c.one_minus_beta1 = static_cast<T>(1.0 - h.beta1);
-    c.beta2 = static_cast<T>(h.beta2);
-    c.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
-    c.eps = static_cast<T>(h.eps);
-    c.weight_decay = static_cast<T>(h.weight_decay);
     const double lr_d = static_cast<double>(lr);
-    c.decay_mul = static_cast<T>(1.0 - lr_d * h.weight_decay);
+    c.set_moments(h, lr_d);
     const double bc1 = 1.0 - ::pow(h.beta1, static_cast<double>(step));
     const double bc2 = 1.0 - ::pow(h.beta2, static_cast<double>(step));
     const bool bias_correction = h.bias_correction != 0.0;
     c.neg_step_size = static_cast<T>(bias_correction ? -(lr_d / bc1) : -lr_d);
     c.inv_bc2_sqrt = static_cast<T>(bias_correction ? 1.0 / ::sqrt(bc2) : 1.0);
-    c.decoupled = h.decoupled_weight_decay != 0.0;
     c.amsgrad = h.amsgrad != 0.0;
     return c;
   }
 
   template <typename V, typename T>
   static FT_HD void update(V& p, V g, V* s1, V* s2, V* s3, const Coeffs<T>& c) {
-    V& m = *s1;
     V& v = *s2;
-    adam_weight_decay(p, g, c);
-    m = lerp_weight(m, g, c.one_minus_beta1);
-    v = v * V(c.beta2) + V(c.one_minus_beta2) * g * g;
+    adam_moments(p, g, *s1, v, c);
     V denom;
     if (c.amsgrad) {
       *s3 = vmax(*s3, v);
@@ -90,7 +107,7 @@ struct AdamMath {
     } else {
       denom = vsqrt(v) * V(c.inv_bc2_sqrt) + V(c.eps);
     }
-    p = p + V(c.neg_step_size) * m / denom;
+    p = p + V(c.neg_step_size) * *s1 / denom;
   }
 };
 
@@ -166,26 +183,19 @@ struct LionMath {
 // otherwise the bias-corrected momentum step. State: s1 exp_avg, s2 exp_avg_sq.
 struct RAdamMath {
   template <typename T>
-  struct Coeffs {
-    T one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
-    T decay_mul;  // 1 - lr * weight_decay (decoupled only)
+  struct Coeffs : AdamMomentCoeffs<T> {
     T inv_bc1;    // 1 / (1 - beta1^step)
     T neg_lr;     // -lr
     T sqrt_bc2;   // sqrt(1 - beta2^step)
     T rect;       // the variance rectification term
-    bool decoupled, adaptive;
+    bool adaptive;
   };
 
   template <typename T>
   static FT_HD Coeffs<T> coeffs(const RAdamFields& h, float lr, float step, float /*aux*/) {
     Coeffs<T> c;
-    c.one_minus_beta1 = static_cast<T>(1.0 - h.beta1);
-    c.beta2 = static_cast<T>(h.beta2);
-    c.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
-    c.eps = static_cast<T>(h.eps);
-    c.weight_decay = static_cast<T>(h.weight_decay);
     const double lr_d = static_cast<double>(lr), t = static_cast<double>(step);
-    c.decay_mul = static_cast<T>(1.0 - lr_d * h.weight_decay);
+    c.set_moments(h, lr_d);
     const double beta2_t = ::pow(h.beta2, t);
     const double bc1 = 1.0 - ::pow(h.beta1, t), bc2 = 1.0 - beta2_t;
     c.inv_bc1 = static_cast<T>(1.0 / bc1);
@@ -197,18 +207,14 @@ struct RAdamMath {
     c.rect = c.adaptive ? static_cast<T>(::sqrt((rho_t - 4.0) * (rho_t - 2.0) * rho_inf /
                                                 ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)))
                         : T(1);
-    c.decoupled = h.decoupled_weight_decay != 0.0;
     return c;
   }
 
   template <typename V, typename T>
   static FT_HD void update(V& p, V g, V* s1, V* s2, V* /*s3*/, const Coeffs<T>& c) {
-    V& m = *s1;
     V& v = *s2;
-    adam_weight_decay(p, g, c);
-    m = lerp_weight(m, g, c.one_minus_beta1);
-    v = v * V(c.beta2) + V(c.one_minus_beta2) * g * g;
-    const V corrected = m * V(c.inv_bc1);
+    adam_moments(p, g, *s1, v, c);
+    const V corrected = *s1 * V(c.inv_bc1);
     if (c.adaptive) {
       p = p - corrected * V(-c.neg_lr) * (V(c.sqrt_bc2) / (vsqrt(v) + V(c.eps))) * V(c.rect);
     } else {
@@ -222,13 +228,10 @@ struct RAdamMath {
 // (NOTE [tensor scalars]) that `aux` holds. State: s1 exp_avg, s2 exp_avg_sq.
 struct NAdamMath {
   template <typename T>
-  struct Coeffs {
-    T one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
-    T decay_mul;  // 1 - lr * weight_decay (decoupled only)
+  struct Coeffs : AdamMomentCoeffs<T> {
     T bc2;        // 1 - beta2^step
     T grad_coef;  // -lr * (1 - mu_t) / (1 - mu_product_t)
     T avg_coef;   // -lr * mu_{t+1} / (1 - mu_product_t * mu_{t+1})
-    bool decoupled;
   };
 
   // mu_t = beta1 * (1 - 0.5 * 0.96^(t * momentum_decay)), in double as torch's
@@ -247,32 +250,23 @@ struct NAdamMath {
   template <typename T>
   static FT_HD Coeffs<T> coeffs(const NAdamFields& h, float lr, float step, float aux) {
     Coeffs<T> c;
-    c.one_minus_beta1 = static_cast<T>(1.0 - h.beta1);
-    c.beta2 = static_cast<T>(h.beta2);
-    c.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
-    c.eps = static_cast<T>(h.eps);
-    c.weight_decay = static_cast<T>(h.weight_decay);
     const double lr_d = static_cast<double>(lr), t = static_cast<double>(step);
-    c.decay_mul = static_cast<T>(1.0 - lr_d * h.weight_decay);
+    c.set_moments(h, lr_d);
     c.bc2 = static_cast<T>(1.0 - ::pow(h.beta2, t));
     const double mu_t = mu(h, t), mu_next = mu(h, t + 1.0);
     const double mu_product = static_cast<double>(aux);
     c.grad_coef = static_cast<T>(-lr_d * (1.0 - mu_t) / (1.0 - mu_product));
     c.avg_coef = static_cast<T>((-lr_d * mu_next) / (1.0 - mu_product * mu_next));
-    c.decoupled = h.decoupled_weight_decay != 0.0;
     return c;
   }
 
   template <typename V, typename T>
   static FT_HD void update(V& p, V g, V* s1, V* s2, V* /*s3*/, const Coeffs<T>& c) {
-    V& m = *s1;
     V& v = *s2;
-    adam_weight_decay(p, g, c);
-    m = lerp_weight(m, g, c.one_minus_beta1);
-    v = v * V(c.beta2) + V(c.one_minus_beta2) * g * g;
+    adam_moments(p, g, *s1, v, c);
     const V denom = vsqrt(v / V(c.bc2)) + V(c.eps);
     p = p + V(c.grad_coef) * g / denom;
-    p = p + V(c.avg_coef) * m / denom;
+    p = p + V(c.avg_coef) * *s1 / denom;
   }
 };
 

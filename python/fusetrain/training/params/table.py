@@ -31,6 +31,7 @@ __all__ = ["ParamSpec", "TRAINING_PARAMS", "OPTIMIZERS", "LR_MODES", "TORCH_COMP
 
 #: The built-in optimizers by canonical name (names are matched case-insensitively): the optimizer table's.
 OPTIMIZERS: Mapping[str, Type[torch.optim.Optimizer]] = _TABLE_OPTIMIZERS
+_OPTIMIZER_NAMES = ", ".join(f"`{name}`" for name in OPTIMIZERS)
 LR_MODES = ("constant", "step", "cosine", "onecycle", "cyclic", "linear", "poly", "exponential", "cosine_restarts",
             "plateau")
 WARMUP_MODES = ("linear", "constant", "exponential", "linear_epoch", "linspace")
@@ -267,11 +268,9 @@ _SPECS = [
         Train for this many optimizer steps instead of `max_epochs` epochs: epochs follow one another until the
         step count is reached, the last one ending early at that step (validation and checkpoints as at any epoch
         end); schedules and the EMA's decay horizon span `max_steps`. None: `max_epochs` decides."""),
-    _p("optimizer", _V_OPTIMIZER, "AdamW", """
-        The optimizer. A name selects one of fusetrain's fused optimizers (`fusetrain.optim.AdamW`, `Adam`, `SGD`,
-        `Lion`, `RMSprop`, `Adadelta`, `RAdam`, `NAdam` with the arguments and defaults of torch.optim's,
-        `RMSpropTF`, `Lamb`, `AdamP` with those of timm's (clipping follows `clip_grad_norm`), `Muon` with torch.optim's for matrices and convolution filters and AdamW for the other
-        parameters; see docs/optimizers.md),
+    _p("optimizer", _V_OPTIMIZER, "AdamW", f"""
+        The optimizer. A name selects one of fusetrain's fused optimizers ({_OPTIMIZER_NAMES}), each with the
+        arguments and defaults of the optimizer it follows (torch.optim's or timm's; see docs/optimizers.md),
         whose whole step (unscaling of fp16 gradients, non-finite check, clipping, update and EMA) runs in
         fused kernels without synchronising with the host; its learning rate is a device tensor that the schedule
         rewrites each step. Names are case-insensitive and normalised to the spelling shown. From Python, a
