@@ -119,13 +119,20 @@ def test_seed_compile_table_quick_run(tmp_path, device):
         assert base > 0
         imp = report["improvements"][name]["improvement_pct"]
         for c in mod.COLUMNS[1:]:
-            if c == "fusetrain_cuda_graph" and device == "cpu":
+            if c in ("fusetrain_cuda_graph", "torch_compile_reduce_overhead") and device == "cpu":
                 assert cols[c]["unavailable"] == "n/a (needs a GPU)" and imp[c] is None
+                continue
+            if c == "torch_compile_reduce_overhead":  # the quick run's eager backend has no modes
+                assert cols[c]["unavailable"].startswith("n/a (reduce-overhead is an inductor mode")
                 continue
             # The seed's formula, from the reported medians.
             assert imp[c] == pytest.approx(100.0 * (base - cols[c]["median_epoch_s"]) / base)
             assert math.isfinite(imp[c]) and math.isfinite(cols[c]["final_loss"])
+            # The first epoch's compilation or capture, apart from the steady epochs.
+            assert cols[c]["first_epoch_extra_s"] == pytest.approx(cols[c]["warmup_epoch_s"] -
+                                                                   cols[c]["median_epoch_s"])
         assert report["improvements"][name]["best_fusetrain"] in mod.FUSETRAIN_COLUMNS
+        assert report["improvements"][name]["best_torch_compile"] == "torch_compile"
     seeds = {n: report["improvements"][n]["seed_single_gpu_pct"] for n in report["results"]}
     assert seeds["pplite_seg"]["cityscapes_pplite_seg75"] == 56.0 and seeds["yolo_csp"] == {}
     assert len(report["targets"]) == len(models)
@@ -136,9 +143,13 @@ def test_seed_compile_table_quick_run(tmp_path, device):
 
 def test_seed_compile_table_columns_subset_writes_a_complete_report(tmp_path):
     # --columns leaves the others out (reported as not asked for); the report
-    # rewritten after each cell ends complete.
+    # rewritten after each cell ends complete. Sizes given (here --quick's) win over the preset's.
     _, report = quick_run("seed_compile_table", tmp_path, "cpu", "--models", "ddrnet",
-                          "--columns", "torch_compile,fusetrain_eager")
+                          "--columns", "torch_compile,fusetrain_eager", "--preset", "seed")
+    mod = load_script("seed_compile_table")
+    assert report["config"]["preset"] == "seed"
+    assert {k: report["config"][k] for k in ("height", "width", "channels", "batch")} == {
+        k: mod.QUICK[k] for k in ("height", "width", "channels", "batch")}
     cols = report["results"]["ddrnet"]
     assert report["complete"] is True and report["config"]["columns"] == ["baseline", "torch_compile",
                                                                          "fusetrain_eager"]

@@ -88,7 +88,7 @@ def test_dry_run_with_an_empty_wheel_folder_counts_the_wheels(tmp_path):
 
 
 @pytest.mark.parametrize("args, env, message", [
-    (["bench", "bogus"], {}, "'bogus' is neither a stage (seed tests sanitize bench profile) nor an item of --list"),
+    (["bench", "bogus"], {}, "'bogus' is neither a stage (seed tests sanitize bench profile scale) nor an item of --list"),
     (["--bogus"], {}, "unknown option '--bogus'"),
     (["--list"], {"GPU_CHECK_LIMITS": "optim_stepp=30"}, "GPU_CHECK_LIMITS entry 'optim_stepp=30' is not ITEM=SECONDS"),
     (["--list"], {"GPU_CHECK_LIMITS": "optim_step=3m"}, "GPU_CHECK_LIMITS entry 'optim_step=3m'"),
@@ -105,7 +105,7 @@ def test_list_names_every_stage_in_order_with_the_limits_given():
     assert r.returncode == 0, r.stderr
     rows = [line.split() for line in r.stdout.splitlines()]
     stages = [row[0] for row in rows]
-    assert stages == sorted(stages, key=["seed", "tests", "sanitize", "bench", "profile"].index)
+    assert stages == sorted(stages, key=["seed", "tests", "sanitize", "bench", "profile", "scale"].index)
     assert {row[1] for row in rows} >= {"seed_mnist_amp", "seed_compile_table_ddrnet", "trainer_overhead", "pytest_cuda",
                                         "cpp_tests", "memcheck_ops", "memcheck_captured_steps", "optim_step",
                                         "step_host_time", "amp_ema_step", "optim_family", "ncu_update_int8",
