@@ -7,6 +7,7 @@ params, state and snapshots. ``from _optim_helpers import ...`` (pytest puts tes
 
 import importlib
 import inspect
+import math
 from typing import Any, NamedTuple, Tuple
 
 import torch
@@ -259,6 +260,20 @@ OPTIMS = {
                 configs=({}, dict(nesterov=False, momentum=0.9, weight_decay=0.0),
                          dict(adjust_lr_fn="match_rms_adamw", weight_decay=0.05, ns_steps=3))),
 }
+
+
+def decay_reference(t, decay_type, decay, beta, total, warmup, gamma, power):
+    """ModelEMA's decay for the update after ``t`` done (fusetrain::ema_decay_'s schedules), in float64."""
+    t = t + 1.0
+    if decay_type == "constant":
+        d = decay
+    elif decay_type == "threshold":
+        d = min(decay, (1.0 + t) / (10.0 + t))
+    else:
+        d = decay * (1.0 - math.exp(-beta * t / total))
+    if warmup:
+        d = min(d, 1.0 - (1.0 + t / gamma) ** -power)
+    return d
 
 
 def reference(name, params, **hp):
