@@ -15,8 +15,9 @@ except ImportError:  # pragma: no cover
 
 #: NOTE [hypothesis profiles]: "ci" (the default) runs a fixed set of examples (derandomize: the same on every
 #: run) within the CI's budget; "long" (FUSETRAIN_HYPOTHESIS_PROFILE=long) 15 times as many, randomly drawn (a
-#: failure prints the blob that reproduces it: @reproduce_failure). A test's own budget is a share of
-#: max_examples (_property_helpers.examples).
+#: failure prints the blob that reproduces it: @reproduce_failure); "quick" a few, for runs under
+#: compute-sanitizer (scripts/gpu-check). A test's own budget is a share of max_examples
+#: (_property_helpers.examples).
 if settings is not None:
     # No explain phase: it costs more than the failing example it explains.
     _common = dict(deadline=None, print_blob=True, database=None, phases=[p for p in Phase if p != Phase.explain],
@@ -24,6 +25,7 @@ if settings is not None:
                                           HealthCheck.filter_too_much])
     settings.register_profile("ci", max_examples=20, derandomize=True, **_common)
     settings.register_profile("long", max_examples=300, derandomize=False, **_common)
+    settings.register_profile("quick", max_examples=5, derandomize=True, **_common)  # under compute-sanitizer
     settings.load_profile(os.environ.get("FUSETRAIN_HYPOTHESIS_PROFILE", "ci"))
 
 
