@@ -2,8 +2,8 @@
 test_rmsprop_tf.py, test_muon.py, test_optim_op_suite.py; test_device_values.py uses a comparison): the
 optimizer case table (one row per optimizer of the optimizer table: fusetrain's class, its reference, the
 hyper-parameters the behaviour tests start from and the configurations compared over many steps), the Lion
-and RMSpropTF references, parameter and gradient makers, the float32 CPU reference copies, and comparisons of
-params, state and snapshots. ``from _optim_helpers import ...`` (pytest puts tests/python on sys.path)."""
+and RMSpropTF references, ModelEMA's decay schedule (decay_reference), parameter and gradient makers, the
+float32 CPU reference copies, and comparisons of params, state and snapshots. ``from _optim_helpers import ...`` (pytest puts tests/python on sys.path)."""
 
 import importlib
 import inspect

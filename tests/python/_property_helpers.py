@@ -6,12 +6,9 @@ budget (NOTE [hypothesis profiles] in conftest.py)."""
 
 import math
 
-import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-
-from _test_helpers import CUDA
 
 #: The element counts where the kernels split work: the 8-bit state blocks (64, 128, 256), the AVX2 lanes (8,
 #: 16), the CPU kernels' L1 blocks (512 update and EMA, 1024 grad_stats, 2048 batch norm) and work chunks
@@ -25,9 +22,6 @@ TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-
        torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 LOW = (torch.float16, torch.bfloat16)
 NONFINITE = (math.inf, -math.inf, math.nan)
-
-#: ``@pytest.mark.parametrize("device", DEVICES)``: CPU everywhere, CUDA where a GPU is present (marked cuda).
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
 def examples(share: float = 1.0) -> settings:
@@ -53,9 +47,6 @@ def size_lists(draw, max_count=300, max_total=40000, large=True):
         out.append(n)
         total += n
     return out
-
-
-LAYOUTS = ("contiguous", "2d", "transposed", "channels_last", "offset", "strided", "expanded")
 
 
 def shaped(n: int, layout: str):

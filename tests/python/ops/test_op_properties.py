@@ -17,9 +17,9 @@ from fusetrain import _ops
 from fusetrain.optim._kinds import KINDS
 
 from _optim_helpers import RefLion, decay_reference, f32
-from _property_helpers import (DEVICES, LOW, NONFINITE, TOL, assert_close64, assert_unchanged, examples, inject,
-                               make_tensor, shaped, size_lists, sizes, snapshot)
-from _test_helpers import kind_step_args
+from _property_helpers import (LOW, assert_close64, assert_unchanged, examples, inject, make_tensor, shaped,
+                               size_lists, snapshot)
+from _test_helpers import DEVICES, kind_step_args
 
 REFERENCE = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "lion": RefLion, "rmsprop": torch.optim.RMSprop,
              "adadelta": torch.optim.Adadelta, "radam": torch.optim.RAdam, "nadam": torch.optim.NAdam}

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 import fusetrain  # noqa: F401
 from fusetrain import _ops
 
-from _property_helpers import DEVICES, NONFINITE, assert_unchanged, examples, sizes, snapshot
-from _test_helpers import kind_step_args
+from _property_helpers import NONFINITE, assert_unchanged, examples, sizes, snapshot
+from _test_helpers import DEVICES, kind_step_args
 
 ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
 

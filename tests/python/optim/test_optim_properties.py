@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from _lean_helpers import LEAN, LEAN_IDS
 from _optim_helpers import OPTIMS, reference
-from _property_helpers import (DEVICES, EDGE_SIZES, assert_close64, assert_unchanged, examples, inject, make_tensor,
+from _property_helpers import (EDGE_SIZES, assert_close64, assert_unchanged, examples, inject, make_tensor,
                                snapshot)
+from _test_helpers import DEVICES
 
 #: The composite classes compare at their own tests' tolerance: their per-tensor norms and Newton-Schulz
 #: iterations (Muon) are float32 (bfloat16 in torch's Muon) whatever the reference's dtype.
