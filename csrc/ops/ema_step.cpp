@@ -14,9 +14,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "fusetrain/ops.h"
@@ -55,9 +57,10 @@ void ema_decay_impl(EmaDecayKernel kernel, const at::Tensor& decay_out, const at
     return;
   }
   TORCH_CHECK_VALUE(decay >= 0.0 && decay <= 1.0, op, ": decay must be in [0, 1], got ", decay);
-  TORCH_CHECK_VALUE(beta > 0.0 && warmup_gamma > 0.0 && warmup_power > 0.0, op,
-                    ": beta, warmup_gamma and warmup_power must be > 0, got ", beta, ", ", warmup_gamma, ", ",
-                    warmup_power);
+  for (const auto& [name, v] : {std::pair<const char*, double>{"beta", beta}, {"warmup_gamma", warmup_gamma},
+                                 {"warmup_power", warmup_power}}) {
+    TORCH_CHECK_VALUE(v > 0.0 && std::isfinite(v), op, ": ", name, " must be a finite number > 0, got ", v);
+  }
   EmaSchedule s;
   at::Tensor total;
   if (decay_type == "constant") {

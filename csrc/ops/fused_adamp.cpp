@@ -25,12 +25,17 @@ namespace {
 // row reductions (<g, w>, ||g||^2, ||w||^2, <w, u>) and the choice is made with
 // torch.where on the device, so the step never syncs; the projection is then
 // one pass, u - w * coef with coef = <w, u> / (||w|| + eps)^2 per row.
+// The gradient is the one the update takes (times ``mult``: unscaled and
+// clipped): the cosine's eps clamps its norm, so a loss-scaled or clipped
+// gradient would decide otherwise than timm's AdamP stepping on that gradient.
 // Returns the projected direction and whether a projection was taken (0-d
 // float32, exactly 0 or 1: the apply pass's selector of wd_ratio).
-std::pair<at::Tensor, at::Tensor> project(const at::Tensor& w, const at::Tensor& g, const at::Tensor& u,
-                                          double delta, double eps) {
+std::pair<at::Tensor, at::Tensor> project(const at::Tensor& w, const at::Tensor& g, const at::Tensor& mult,
+                                          const at::Tensor& u, double delta, double eps) {
   const int64_t rows = w.size(0);
-  const at::Tensor W = w.reshape({rows, -1}), G = g.reshape({rows, -1}).to(w.scalar_type());
+  const at::Tensor W = w.reshape({rows, -1});
+  at::Tensor G = g.reshape({rows, -1}).to(w.scalar_type());
+  if (mult.defined()) G = G * mult;
   const at::Tensor U = u.reshape({rows, -1});
   static const int64_t kRowDim[] = {1};
   const at::IntArrayRef dim1(kRowDim);
@@ -81,6 +86,7 @@ void run(const KindCall& c) {
   ah.aux_mul = wd_ratio - 1.0;
   ah.decay_max_lr = 0.0;
   const at::Tensor not_projected = at::zeros({}, lr.options().dtype(at::kFloat));
+  const at::Tensor mult = grad_multiplier_tensor(inv_scale, grad_norm, max_grad_norm);  // NOTE [adamp projection]
 
   std::map<int, std::vector<size_t>> by_dtype;  // the state dtype of each param
   for (size_t i = 0; i < n; ++i) {
@@ -98,7 +104,7 @@ void run(const KindCall& c) {
       at::Tensor taken = not_projected;
       if (params[i].dim() > 1 && params[i].numel() > 0) {
         std::tie(dirs[k], taken) =
-            project(full_precision_param(params, master_params, i, sd), grads[i], dirs[k], delta, eps);
+            project(full_precision_param(params, master_params, i, sd), grads[i], mult, dirs[k], delta, eps);
       }
       projected.push_back(taken);
     }

@@ -113,8 +113,9 @@ void KindSpec::check(const std::string& op, const double* f) const {
     }
     const bool integral = std::strcmp(d.type, "int") == 0;
     TORCH_CHECK_VALUE(!integral || v == std::floor(v), op, ": ", name, " must be an integer, got ", v);
+    // No record field takes NaN or an infinity (a lr-free setting at infinity is no setting either).
     if (std::isinf(d.low) && d.low < 0) {
-      TORCH_CHECK_VALUE(!std::isnan(v), op, ": ", name, " must be a number, got ", v);
+      TORCH_CHECK_VALUE(std::isfinite(v), op, ": ", name, " must be a finite number, got ", v);
       continue;
     }
     const bool bounded = !std::isinf(d.high);
@@ -124,6 +125,7 @@ void KindSpec::check(const std::string& op, const double* f) const {
                         v);
     }
     TORCH_CHECK_VALUE(ok, op, ": ", name, " must be >= ", d.low, ", got ", v);
+    TORCH_CHECK_VALUE(std::isfinite(v), op, ": ", name, " must be a finite number >= ", d.low, ", got ", v);
   }
   for (const auto& r : rules) {
     if (f[field_index(r.when)] == 0.0) continue;

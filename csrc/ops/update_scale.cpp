@@ -2,6 +2,7 @@
 // back off on a non-finite step, grow after growth_interval clean steps.
 // Semantics of torch.amp.GradScaler.update (torch._amp_update_scale_).
 #include <torch/library.h>
+#include <cmath>
 
 #include "../common/op_kernels.h"
 
@@ -24,10 +25,11 @@ void update_scale_impl(UpdateScaleKernel kernel, const at::Tensor& scale, const 
   TORCH_CHECK(growth_tracker.device() == scale.device() && found_inf.device() == scale.device(), op,
               ": scale (", scale.device(), "), growth_tracker (", growth_tracker.device(), ") and found_inf (",
               found_inf.device(), ") must be on one device");
-  TORCH_CHECK(growth_factor > 1.0, op, ": growth_factor must be > 1, got ", growth_factor);
-  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, op, ": backoff_factor must be in (0, 1), got ",
-              backoff_factor);
-  TORCH_CHECK(growth_interval > 0, op, ": growth_interval must be > 0, got ", growth_interval);
+  TORCH_CHECK_VALUE(growth_factor > 1.0 && std::isfinite(growth_factor), op,
+                    ": growth_factor must be a finite number > 1, got ", growth_factor);
+  TORCH_CHECK_VALUE(backoff_factor > 0.0 && backoff_factor < 1.0, op, ": backoff_factor must be in (0, 1), got ",
+                    backoff_factor);
+  TORCH_CHECK_VALUE(growth_interval > 0, op, ": growth_interval must be > 0, got ", growth_interval);
   // The skip counters a logger reads: the flag of this update and a running count.
   for (const auto* t : {&last_skipped, &skipped_steps}) {
     if (!t->has_value()) continue;

@@ -4,6 +4,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <c10/util/Exception.h>
+#include <exception>
+
 #include "../ops/capture.h"
 #include "../ops/kind_registry.h"
 #include "fusetrain/build_info.h"
@@ -16,6 +19,24 @@ void bind_step_plan(py::module_& m);  // csrc/python/step_plan.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fusetrain native core";
+  // NOTE [c10 errors in Python]: a check in a function of this module raises what the same check raises in an
+  // op (torch.ops.fusetrain): TORCH_CHECK_VALUE a ValueError, TORCH_CHECK_TYPE a TypeError, TORCH_CHECK a
+  // RuntimeError, each with the message alone (pybind11 would make them all RuntimeErrors with a C++ backtrace).
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+    } catch (const c10::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+    } catch (const c10::NotImplementedError& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    }
+  });
   m.def("built_with_cuda", &fusetrain::built_with_cuda, "Whether the CUDA kernels were compiled in.");
   m.def("build_info", []() {
     py::dict d;
@@ -74,14 +95,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "check_kind_record",
       [](const std::string& kind, const std::vector<double>& fields) {
-        try {
-          const auto& spec = fusetrain::detail::find_kind(kind);
-          TORCH_CHECK_VALUE(fields.size() == spec.fields.size(), "check_kind_record: kind '", kind, "' has ",
-                            spec.fields.size(), " fields, got ", fields.size());
-          spec.check(kind, fields.data());
-        } catch (const c10::ValueError& e) {
-          throw py::value_error(e.what_without_backtrace());
-        }
+        const auto& spec = fusetrain::detail::find_kind(kind);
+        TORCH_CHECK_VALUE(fields.size() == spec.fields.size(), "check_kind_record: kind '", kind, "' has ",
+                          spec.fields.size(), " fields, got ", fields.size());
+        spec.check(kind, fields.data());  // NOTE [c10 errors in Python]: a ValueError naming the field
       },
       py::arg("kind"), py::arg("fields"),
       "Checks a group record's own fields (in the kind's order) as fusetrain::fused_step_ does: a ValueError "

@@ -14,7 +14,6 @@ optimizer it behaves as GradScaler does (unfused, one host sync per step).
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Union
@@ -23,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _ops
+from ._checks import check_flag, check_number
 from .optim._base import FusedOptimizer
 
 __all__ = ["LossScaler", "Precision", "resolve_precision", "SCALE_FLOOR"]
@@ -33,16 +33,19 @@ _READY, _UNSCALED, _STEPPED = 0, 1, 2
 #: normal float32). A scale at this floor means every recent step was non-finite:
 #: the run has diverged (the Trainer stops it and says so).
 SCALE_FLOOR = 2.0**-126
-_SCALE_ALLOWED = "a finite number >= 2**-126 (the floor of the scale)"
 
 
-def _scale_ok(v: float) -> bool:
-    return SCALE_FLOOR <= v and math.isfinite(v)
+#: LossScaler's numeric settings and their ranges (``check_number``'s keywords), checked by the constructor,
+#: the setters, ``update(new_scale)`` and ``load_state_dict``.
+_NUMBERS: Dict[str, Dict[str, Any]] = {
+    "init_scale": dict(low=SCALE_FLOOR), "new_scale": dict(low=SCALE_FLOOR), "scale": dict(low=SCALE_FLOOR),
+    "growth_factor": dict(low=1.0, low_open=True), "backoff_factor": dict(low=0.0, high=1.0, low_open=True),
+    "growth_interval": dict(low=1, integer=True), "_growth_tracker": dict(low=0, integer=True)}
 
 
-def _check_number(name: str, value: Any, ok, allowed: str, owner: str = "LossScaler") -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise ValueError(f"{owner}: {name} must be {allowed}, got {value!r}")
+def _check(name: str, value: Any, owner: str = "LossScaler", label: Optional[str] = None) -> Any:
+    """``value`` of setting ``name`` checked against its range (``label``: the name the error uses)."""
+    return check_number(owner, label or name, value, **_NUMBERS[name])
 
 
 class LossScaler:
@@ -61,13 +64,10 @@ class LossScaler:
     def __init__(self, device: Optional[Union[str, torch.device]] = None, init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
                  enabled: bool = True) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(f"LossScaler: enabled must be a bool, got {enabled!r}")
-        _check_number("init_scale", init_scale, _scale_ok, _SCALE_ALLOWED)
-        _check_number("growth_factor", growth_factor, lambda v: v > 1 and math.isfinite(v), "a finite number > 1")
-        _check_number("backoff_factor", backoff_factor, lambda v: 0 < v < 1, "in (0, 1)")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval <= 0:
-            raise ValueError(f"LossScaler: growth_interval must be an int > 0, got {growth_interval!r}")
+        check_flag("LossScaler", "enabled", enabled)
+        for name, value in (("init_scale", init_scale), ("growth_factor", growth_factor),
+                            ("backoff_factor", backoff_factor), ("growth_interval", growth_interval)):
+            _check(name, value)
         self._device = torch.device(device) if device is not None else None
         self._enabled = enabled
         self._init_scale = float(init_scale)
@@ -206,7 +206,7 @@ class LossScaler:
                     raise ValueError("LossScaler.update: new_scale must have one element")
                 self._scale.copy_(new_scale.reshape(()))
             else:
-                _check_number("new_scale", new_scale, _scale_ok, _SCALE_ALLOWED)
+                _check("new_scale", new_scale, "LossScaler.update")
                 self._scale.fill_(float(new_scale))
         else:
             flags = [st["found_inf"] for st in self._per_optimizer.values() if st["found_inf"] is not None]
@@ -247,22 +247,21 @@ class LossScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        _check_number("growth_factor", new_factor, lambda v: v > 1 and math.isfinite(v), "a finite number > 1")
+        _check("growth_factor", new_factor, "LossScaler.set_growth_factor")
         self._growth_factor = float(new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        _check_number("backoff_factor", new_factor, lambda v: 0 < v < 1, "in (0, 1)")
+        _check("backoff_factor", new_factor, "LossScaler.set_backoff_factor")
         self._backoff_factor = float(new_factor)
 
     def get_growth_interval(self) -> int:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        if isinstance(new_interval, bool) or not isinstance(new_interval, int) or new_interval <= 0:
-            raise ValueError(f"LossScaler: growth_interval must be an int > 0, got {new_interval!r}")
+        _check("growth_interval", new_interval, "LossScaler.set_growth_interval")
         self._growth_interval = new_interval
 
     def is_enabled(self) -> bool:
@@ -297,15 +296,8 @@ class LossScaler:
         sd = {k: state_dict[k].item() if isinstance(state_dict[k], Tensor) and state_dict[k].numel() == 1
               else state_dict[k] for k in ("scale", "growth_factor", "backoff_factor", "growth_interval",
                                             "_growth_tracker")}
-        owner = "LossScaler.load_state_dict"
-        _check_number("state_dict['scale']", sd["scale"], _scale_ok, _SCALE_ALLOWED, owner)
-        _check_number("state_dict['growth_factor']", sd["growth_factor"], lambda v: v > 1 and math.isfinite(v),
-                      "a finite number > 1", owner)
-        _check_number("state_dict['backoff_factor']", sd["backoff_factor"], lambda v: 0 < v < 1, "in (0, 1)", owner)
-        for key in ("growth_interval", "_growth_tracker"):
-            v, low = sd[key], 1 if key == "growth_interval" else 0
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"{owner}: state_dict[{key!r}] must be an int >= {low}, got {v!r}")
+        for key in sd:
+            _check(key, sd[key], "LossScaler.load_state_dict", f"state_dict[{key!r}]")
         self._init_scale = float(sd["scale"])
         self._growth_factor = float(sd["growth_factor"])
         self._backoff_factor = float(sd["backoff_factor"])

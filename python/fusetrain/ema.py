@@ -16,11 +16,48 @@ import torch
 from torch import Tensor, nn
 
 from . import _ops
+from ._checks import check_flag, check_number
 from .optim import _sharded
 
 __all__ = ["ModelEMA", "unwrap_model"]
 
 DECAY_TYPES = ("constant", "threshold", "exp")
+#: The numeric settings of ModelEMA and their ranges (``check_number``'s keywords): checked at construction, by
+#: load_state_dict and on every assignment (``ema.decay = 0.999``).
+_NUMBERS: Dict[str, Dict[str, Any]] = {
+    "decay": dict(low=0.0, high=1.0, low_open=True), "beta": dict(low=0.0, low_open=True),
+    "warmup_gamma": dict(low=0.0, low_open=True), "warmup_power": dict(low=0.0, low_open=True)}
+
+
+def _checked_settings(owner: str, values: Dict[str, Any]) -> Dict[str, Any]:
+    """``values`` (some of ModelEMA's settings by name) checked and normalised, or a clear error naming the
+    first bad one; nothing is changed."""
+    out = {}
+    for name, v in values.items():
+        if name in _NUMBERS:
+            out[name] = float(check_number(owner, name, v, **_NUMBERS[name]))
+        elif name == "decay_type":
+            if not isinstance(v, str) or v not in DECAY_TYPES:
+                raise ValueError(f"{owner}: decay_type must be one of {DECAY_TYPES}, got {v!r}")
+            out[name] = v
+        elif name == "total_steps":
+            out[name] = check_number(owner, "total_steps", v, 1, integer=True, optional=True)
+        else:  # warmup, include_buffers
+            out[name] = check_flag(owner, name, v)
+    return out
+
+
+def _setting(name: str) -> property:
+    """A ModelEMA setting checked on every assignment (NOTE [ema settings]): ``ema.decay = nan`` is a clear
+    error, not a NaN decay. Kept in the EMA's ``_settings`` dict (a property torch.compile traces)."""
+
+    def get(self: "ModelEMA") -> Any:
+        return self._settings[name]
+
+    def set_(self: "ModelEMA", value: Any) -> None:
+        self._settings[name] = _checked_settings("ModelEMA", {name: value})[name]
+
+    return property(get, set_, doc=f"The EMA's {name} setting (checked on assignment).")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -111,7 +148,19 @@ class ModelEMA:
     Use :meth:`update` after each optimizer step, or :meth:`attach` once to a
     fusetrain optimizer: the parameter EMA then rides in the optimizer's update
     pass (no extra read of the weights) and buffers follow after the step.
+
+    NOTE [ema settings]: the settings (``decay``, ``decay_type``, ``beta``,
+    ``warmup``, ``warmup_gamma``, ``warmup_power``) may be changed by
+    assignment between updates; each assignment is checked, as the
+    constructor and :meth:`load_state_dict` check them.
     """
+
+    decay = _setting("decay")
+    decay_type = _setting("decay_type")
+    beta = _setting("beta")
+    warmup = _setting("warmup")
+    warmup_gamma = _setting("warmup_gamma")
+    warmup_power = _setting("warmup_power")
 
     def __init__(self, model: nn.Module, decay: float = 0.9999, decay_type: str = "exp", beta: float = 15.0,
                  total_steps: Optional[int] = None, warmup: bool = False, warmup_gamma: float = 1.0,
@@ -119,31 +168,18 @@ class ModelEMA:
                  remainder: Optional[bool] = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ModelEMA: model must be an nn.Module, got {type(model).__name__}")
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
-            raise ValueError(f"ModelEMA: decay must be in (0, 1), got {decay!r}")
-        if decay_type not in DECAY_TYPES:
-            raise ValueError(f"ModelEMA: decay_type must be one of {DECAY_TYPES}, got {decay_type!r}")
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
-            raise ValueError(f"ModelEMA: beta must be > 0, got {beta!r}")
-        if not isinstance(warmup_gamma, (int, float)) or warmup_gamma <= 0:
-            raise ValueError(f"ModelEMA: warmup_gamma must be > 0, got {warmup_gamma!r}")
-        if not isinstance(warmup_power, (int, float)) or warmup_power <= 0:
-            raise ValueError(f"ModelEMA: warmup_power must be > 0, got {warmup_power!r}")
+        settings = _checked_settings("ModelEMA", dict(
+            decay=decay, decay_type=decay_type, beta=beta, total_steps=total_steps, warmup=warmup,
+            warmup_gamma=warmup_gamma, warmup_power=warmup_power, include_buffers=include_buffers))
         if remainder is not None and not isinstance(remainder, bool):
-            raise ValueError(f"ModelEMA: remainder must be True, False or None (when the EMA has bfloat16 "
-                             f"tensors), got {remainder!r}")
+            raise TypeError(f"ModelEMA: remainder must be True, False or None (when the EMA has bfloat16 "
+                            f"tensors), got {remainder!r}")
         base = unwrap_model(model)
         if not any(p.is_floating_point() for p in base.parameters()):
             raise ValueError("ModelEMA: the model has no floating-point parameters to average")
-        self.decay = float(decay)
-        self.decay_type = decay_type
-        self.beta = float(beta)
-        self.total_steps: Optional[int] = None
-        self.set_total_steps(total_steps)
-        self.warmup = bool(warmup)
-        self.warmup_gamma = float(warmup_gamma)
-        self.warmup_power = float(warmup_power)
-        self.include_buffers = bool(include_buffers)
+        self._settings = {k: v for k, v in settings.items() if k not in ("total_steps", "include_buffers")}
+        self.total_steps: Optional[int] = settings["total_steps"]
+        self.include_buffers = settings["include_buffers"]
         self._remainder_setting = remainder
         self._remainders: Dict[str, Tensor] = {}  # NOTE [ema remainder]: per bfloat16 averaged tensor
 
@@ -229,10 +265,7 @@ class ModelEMA:
 
     def set_total_steps(self, total_steps: Optional[int]) -> None:
         """Set the run length used by the ``exp`` schedule."""
-        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
-                                        or total_steps <= 0):
-            raise ValueError(f"ModelEMA: total_steps must be a positive int or None, got {total_steps!r}")
-        self.total_steps = total_steps
+        self.total_steps = _checked_settings("ModelEMA.set_total_steps", {"total_steps": total_steps})["total_steps"]
         if hasattr(self, "_total") and total_steps is not None:
             self._total.fill_(float(total_steps))
 
@@ -424,17 +457,20 @@ class ModelEMA:
         for k in ("step", "decay", "decay_type") + (() if sharded else ("module",)):
             if k not in state_dict:
                 raise KeyError(f"ModelEMA.load_state_dict: missing key {k!r}")
+        # Every setting checked before anything changes.
+        names = ("decay", "decay_type", "beta", "total_steps", "warmup", "warmup_gamma", "warmup_power",
+                 "include_buffers")
+        settings = _checked_settings("ModelEMA.load_state_dict",
+                                     {k: state_dict.get(k, getattr(self, k)) for k in names})
+        step = state_dict["step"]
+        step_value = step.item() if isinstance(step, Tensor) and step.numel() == 1 else step  # read once, on load
+        check_number("ModelEMA.load_state_dict", "step", step_value, 0.0)
         if not sharded:
             self.module.load_state_dict(state_dict["module"])
-        self._step.copy_(state_dict["step"])
-        self.decay = float(state_dict["decay"])
-        self.decay_type = state_dict["decay_type"]
-        self.beta = float(state_dict.get("beta", self.beta))
-        self.set_total_steps(state_dict.get("total_steps", self.total_steps))
-        self.warmup = bool(state_dict.get("warmup", self.warmup))
-        self.warmup_gamma = float(state_dict.get("warmup_gamma", self.warmup_gamma))
-        self.warmup_power = float(state_dict.get("warmup_power", self.warmup_power))
-        include_buffers = bool(state_dict.get("include_buffers", self.include_buffers))
+        self._step.fill_(float(step_value))
+        self._settings.update({k: settings[k] for k in names[:3] + names[4:7]})
+        self.set_total_steps(settings["total_steps"])
+        include_buffers = settings["include_buffers"]
         if include_buffers != self.include_buffers:
             self.include_buffers = include_buffers
             self._build_index(self.module)

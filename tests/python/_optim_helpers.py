@@ -2,11 +2,12 @@
 test_rmsprop_tf.py, test_muon.py, test_optim_op_suite.py; test_device_values.py uses a comparison): the
 optimizer case table (one row per optimizer of the optimizer table: fusetrain's class, its reference, the
 hyper-parameters the behaviour tests start from and the configurations compared over many steps), the Lion
-and RMSpropTF references, parameter and gradient makers, the float32 CPU reference copies, and comparisons of
-params, state and snapshots. ``from _optim_helpers import ...`` (pytest puts tests/python on sys.path)."""
+and RMSpropTF references, ModelEMA's decay schedule (decay_reference), parameter and gradient makers, the
+float32 CPU reference copies, and comparisons of params, state and snapshots. ``from _optim_helpers import ...`` (pytest puts tests/python on sys.path)."""
 
 import importlib
 import inspect
+import math
 from typing import Any, NamedTuple, Tuple
 
 import torch
@@ -259,6 +260,20 @@ OPTIMS = {
                 configs=({}, dict(nesterov=False, momentum=0.9, weight_decay=0.0),
                          dict(adjust_lr_fn="match_rms_adamw", weight_decay=0.05, ns_steps=3))),
 }
+
+
+def decay_reference(t, decay_type, decay, beta, total, warmup, gamma, power):
+    """ModelEMA's decay for the update after ``t`` done (fusetrain::ema_decay_'s schedules), in float64."""
+    t = t + 1.0
+    if decay_type == "constant":
+        d = decay
+    elif decay_type == "threshold":
+        d = min(decay, (1.0 + t) / (10.0 + t))
+    else:
+        d = decay * (1.0 - math.exp(-beta * t / total))
+    if warmup:
+        d = min(d, 1.0 - (1.0 + t / gamma) ** -power)
+    return d
 
 
 def reference(name, params, **hp):

@@ -8,6 +8,26 @@ import os
 import pytest
 import torch
 
+try:  # the property-based tests (tests/python/*/test_*_properties.py); the test extra installs it
+    from hypothesis import HealthCheck, Phase, settings
+except ImportError:  # pragma: no cover
+    settings = None
+
+#: NOTE [hypothesis profiles]: "ci" (the default) runs a fixed set of examples (derandomize: the same on every
+#: run) within the CI's budget; "long" (FUSETRAIN_HYPOTHESIS_PROFILE=long) 15 times as many, randomly drawn (a
+#: failure prints the blob that reproduces it: @reproduce_failure); "quick" a few, for runs under
+#: compute-sanitizer (scripts/gpu-check). A test's own budget is a share of max_examples
+#: (_property_helpers.examples).
+if settings is not None:
+    # No explain phase: it costs more than the failing example it explains.
+    _common = dict(deadline=None, print_blob=True, database=None, phases=[p for p in Phase if p != Phase.explain],
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                          HealthCheck.filter_too_much])
+    settings.register_profile("ci", max_examples=20, derandomize=True, **_common)
+    settings.register_profile("long", max_examples=300, derandomize=False, **_common)
+    settings.register_profile("quick", max_examples=5, derandomize=True, **_common)  # under compute-sanitizer
+    settings.load_profile(os.environ.get("FUSETRAIN_HYPOTHESIS_PROFILE", "ci"))
+
 
 @pytest.fixture(autouse=True)
 def _seed(request):

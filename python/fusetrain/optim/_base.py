@@ -29,11 +29,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import _C, _ops
+from .._checks import check_number
 from . import _capture, _int8_state, _sharded
 from ._group_values import GroupValues
 from ._kinds import KINDS, SHARD_LOCAL_CLASSES
 from ._param_state import ParamState
-from ._settings import _check_block_size, _check_master_weights, _check_range, _check_state_dtype
+from ._settings import _check_block_size, _check_master_weights, _check_state_dtype
 from ._state_dicts import StateDicts
 from ._state_layout import _LOW, _conform, _fits, _same
 from ._table_class import _PLANS, TableClass
@@ -72,10 +73,7 @@ class FusedOptimizer(TableClass, ParamState, GroupValues, UpdateRiders, StateDic
     def _init_fused(self, params, defaults: Dict[str, Any], max_grad_norm: Optional[float] = None,
                     master_weights: Any = False, state_dtype: Any = torch.float32,
                     state_block_size: int = _int8_state.DEFAULT_BLOCK) -> None:
-        if max_grad_norm is not None:
-            _check_range(self._opt_name, "max_grad_norm", max_grad_norm, 0.0)
-            if max_grad_norm == 0:
-                raise ValueError(f"{self._opt_name}: max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        check_number(self._opt_name, "max_grad_norm", max_grad_norm, 0.0, low_open=True, tensor=True, optional=True)
         lean = KINDS[self._kind]["lean"]
         defaults = dict(defaults, max_grad_norm=max_grad_norm,
                         master_weights=_check_master_weights(self._opt_name, master_weights, lean))
@@ -127,20 +125,13 @@ class FusedOptimizer(TableClass, ParamState, GroupValues, UpdateRiders, StateDic
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
-        self._check_lean_group(gi, group)
-        devices = set()
-        for i, p in enumerate(group["params"]):
-            if p.dtype not in _SUPPORTED_DTYPES:
-                raise TypeError(f"{self._opt_name}: param {i} of group {gi} has dtype {p.dtype}; "
-                                f"supported: {_SUPPORTED_NAMES}")
-            if p.device.type not in ("cpu", "cuda"):
-                raise ValueError(f"{self._opt_name}: param {i} of group {gi} is on {p.device}; supported: cpu, cuda")
-            devices.add(p.device)
+        try:
+            devices = self._check_new_group(gi, group)
+        except (TypeError, ValueError):
+            self.param_groups.pop()  # a group refused leaves the optimizer as it was
+            raise
         if any(_sharded.is_sharded(p) for p in group["params"]):
             self._sharding["any"] = True
-        if len(devices) > 1:
-            raise ValueError(f"{self._opt_name}: params of group {gi} are on different devices "
-                             f"{sorted(str(d) for d in devices)}; put each device's params in its own group")
         if devices and self._results["found_inf"] is None:
             # Made here rather than in the first step, which torch.compile may trace.
             self._ensure_results(next(iter(devices)))
@@ -149,14 +140,26 @@ class FusedOptimizer(TableClass, ParamState, GroupValues, UpdateRiders, StateDic
             self._ema_rem_lists.append(None)
         self._forget_lists()
 
-    def _check_lean_group(self, gi: int, group: Dict[str, Any]) -> None:
-        """Checks (and normalises) a new group's lean-state settings (NOTE
-        [lean state]); the group is removed again when they do not fit."""
-        try:
-            self._check_lean_group_settings(gi, group)
-        except (TypeError, ValueError):
-            self.param_groups.pop()
-            raise
+    def _check_new_group(self, gi: int, group: Dict[str, Any]) -> set:
+        """Checks (and normalises) a new group's settings (NOTE [lean state]) and params; returns their
+        devices."""
+        where = f"{self._opt_name} (param group {gi})"
+        self._check_group_options(where, group)
+        check_number(where, "max_grad_norm", group.get("max_grad_norm"), 0.0, low_open=True, tensor=True,
+                     optional=True)
+        self._check_lean_group_settings(gi, group)
+        devices = set()
+        for i, p in enumerate(group["params"]):
+            if p.dtype not in _SUPPORTED_DTYPES:
+                raise TypeError(f"{self._opt_name}: param {i} of group {gi} has dtype {p.dtype}; "
+                                f"supported: {_SUPPORTED_NAMES}")
+            if p.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{self._opt_name}: param {i} of group {gi} is on {p.device}; supported: cpu, cuda")
+            devices.add(p.device)
+        if len(devices) > 1:
+            raise ValueError(f"{self._opt_name}: params of group {gi} are on different devices "
+                             f"{sorted(str(d) for d in devices)}; put each device's params in its own group")
+        return devices
 
     def _check_lean_group_settings(self, gi: int, group: Dict[str, Any]) -> None:
         """Checks (and normalises) a group's lean-state settings against its params."""

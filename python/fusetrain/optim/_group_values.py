@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
+from .._checks import check_number
 from . import _capture
 from ._kinds import KINDS
 from ._settings import _MASTER_CODES, _check_master_weights
@@ -30,6 +31,8 @@ class GroupValues:
             self._check_lr_copy(gi, lr, device)
             return lr.detach().to(device=device, dtype=torch.float32).reshape(())
         cached = self._lr_cache.get(gi)
+        if (cached is None or cached[0] != lr) and not torch.compiler.is_compiling():
+            check_number(f"{self._opt_name} (param group {gi})", "lr", lr, 0.0)  # a new Python number: on the host
         if cached is None or cached[1].device != device or cached[0] != lr:
             if _capture.capturing(device):
                 raise RuntimeError(

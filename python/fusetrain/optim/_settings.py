@@ -4,12 +4,9 @@ allowed, raised before any state changes."""
 
 from __future__ import annotations
 
-import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
-from torch import Tensor
-
 from . import _int8_state
 from ._kinds import LEAN_CLASSES
 
@@ -59,23 +56,6 @@ def _check_block_size(opt: str, value: Any) -> int:
                          f"{', '.join(map(str, _int8_state.BLOCK_SIZES))} (elements per int8 block), got {value} "
                          f"({what})")
     return value
-
-
-def _check_range(opt: str, name: str, value: Any, low: float, high: Optional[float] = None,
-                 high_inclusive: bool = False) -> None:
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{opt}: {name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
-        # Construction time only: reading a tensor hyperparameter once is fine.
-        value = float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{opt}: {name} must be a float, got {type(value).__name__} {value!r}")
-    if math.isnan(value):
-        raise ValueError(f"{opt}: {name} must be a number, got {value}")
-    ok = value >= low and (high is None or (value <= high if high_inclusive else value < high))
-    if not ok:
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}{']' if high_inclusive else ')'}"
-        raise ValueError(f"{opt}: {name} must be {allowed}, got {value}")
 
 
 def _torch_checks(torch_cls, **kwargs) -> Dict[str, Any]:

@@ -19,7 +19,8 @@ import torch
 
 from .. import _C
 from ._kinds import check_native
-from ._settings import _check_range, _no_differentiable, _torch_checks
+from .._checks import check_number
+from ._settings import _no_differentiable, _torch_checks
 from ._table import CLASSES, DEFAULT, ELEMENTWISE, Field, Kind, OptimizerClass
 
 # The arguments FusedOptimizer.__init__ takes itself.
@@ -55,10 +56,8 @@ def _fill_defaults(cls: type) -> None:
 
 def _check_real(opt: str, name: str, f: Field, value: Any) -> float:
     """A real option (or a part of a tuple option) in its field's range, or a clear error naming it."""
-    if f.low is None:  # any number but NaN
-        _check_range(opt, name, value, -math.inf)
-    else:
-        _check_range(opt, name, value, f.low, None if math.isinf(f.high) else f.high, f.high_closed)
+    check_number(opt, name, value, f.low, None if math.isinf(f.high) else f.high, high_closed=f.high_closed,
+                 tensor=True)
     return float(value)
 
 
@@ -124,7 +123,7 @@ class TableClass:
             takes = inspect.signature(torch_cls).parameters
             defaults = _torch_checks(torch_cls, **{k: v for k, v in args.items() if k in takes})
         else:
-            _check_range(opt, "lr", args["lr"], 0.0)
+            check_number(opt, "lr", args["lr"], 0.0, tensor=True)
         options = dict(kind.options_of(decl), maximize=(_MAXIMIZE,))
         for name, value in args.items():
             if name in options:
@@ -141,6 +140,18 @@ class TableClass:
         except ValueError as e:
             raise ValueError(f"{opt}: {str(e).removeprefix(kind.name + ': ')}") from None
         self._init_fused(params, defaults, **base)
+
+    def _check_group_options(self, where: str, group: Dict[str, Any]) -> None:
+        """A param group's lr and options checked as the constructor checks its arguments (the group keeps
+        its values as given), or a clear error naming the first bad one."""
+        kind, decl = self._table_kind, self._decl
+        if decl is None:
+            return
+        check_number(where, "lr", group["lr"], 0.0, tensor=True)
+        takes = inspect.signature(getattr(torch.optim, decl.torch)).parameters if decl.torch is not None else ()
+        for name, fields in dict(kind.options_of(decl), maximize=(_MAXIMIZE,)).items():
+            if name in group:
+                _check_option(where, name, fields, group[name], strict_flags=name not in takes)
 
     def _record_of(self, group: Dict[str, Any]) -> List[Any]:
         """The record fields of a group (a dict with the class's option keys) in the table's order, as the

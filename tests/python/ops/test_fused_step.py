@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fusetrain  # noqa: F401
+from _optim_helpers import decay_reference
 from _test_helpers import CUDA, DEVICES, kind_record, kind_step
 from fusetrain import _ops
 
@@ -179,19 +180,6 @@ def test_opcheck_fused_step(device):
 # ---- ema_decay_ --------------------------------------------------------------------------
 
 
-def decay_reference(t, decay_type, decay, beta, total, warmup, gamma, power):
-    t = t + 1.0
-    if decay_type == "constant":
-        d = decay
-    elif decay_type == "threshold":
-        d = min(decay, (1.0 + t) / (10.0 + t))
-    else:
-        d = decay * (1.0 - math.exp(-beta * t / total))
-    if warmup:
-        d = min(d, 1.0 - (1.0 + t / gamma) ** -power)
-    return d
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("decay_type", ["constant", "threshold", "exp"])
 @pytest.mark.parametrize("warmup", [False, True])
@@ -235,6 +223,14 @@ def test_ema_decay_bad_input():
         _ops.ema_decay_(out, step, None, "cosine", 0.99, 15.0, False, 1.0, 0.5)
     with pytest.raises(ValueError, match="step must be a float32 tensor with one element"):
         _ops.ema_decay_(out, torch.zeros(2), None, "constant", 0.99, 15.0, False, 1.0, 0.5)
+    # Each schedule setting names itself; NaN and the infinities are in no range (nothing written).
+    for i, name in ((5, "beta"), (7, "warmup_gamma"), (8, "warmup_power")):
+        for bad in (float("nan"), float("inf"), 0.0):
+            args = [out, step, None, "threshold", 0.99, 15.0, True, 1.0, 0.5]
+            args[i] = bad
+            with pytest.raises(ValueError, match=rf"{name} must be a finite number > 0, got {bad:g}"):
+                _ops.ema_decay_(*args)
+    assert out.item() == 0.0
 
 
 # ---- ema_step_ ---------------------------------------------------------------------------

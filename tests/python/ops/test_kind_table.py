@@ -135,7 +135,9 @@ def test_every_record_is_checked_before_anything_is_written():
     (dict(nesterov=1.0, momentum=0.0), "nesterov needs momentum > 0, got momentum=0"),
     (dict(nesterov=1.0, momentum=0.9, dampening=0.1), "nesterov needs dampening == 0, got dampening=0.1"),
     (dict(nesterov=0.5, momentum=0.9), "nesterov must be 0 or 1, got 0.5"),
-    (dict(dampening=float("nan")), "dampening must be a number, got nan"),
+    (dict(dampening=float("nan")), "dampening must be a finite number, got nan"),
+    (dict(dampening=float("-inf")), "dampening must be a finite number, got -inf"),
+    (dict(weight_decay=float("inf")), "weight_decay must be a finite number >= 0, got inf"),
 ])
 def test_the_tables_rules_and_types_are_checked(fields, match):
     record = kind_record("sgd", **dict(dict(momentum=0.0, weight_decay=0.0), **fields))

@@ -212,8 +212,11 @@ def _call(a):
     (dict(growth_tracker=torch.zeros(3, dtype=torch.int32)), "growth_tracker must be an int32 tensor"),
     (dict(found_inf=torch.tensor(0, dtype=torch.int32)), "found_inf must be a float32 tensor with one element"),
     (dict(found_inf=torch.zeros(2)), "found_inf must be a float32 tensor with one element"),
-    (dict(growth_factor=1.0), "growth_factor must be > 1"),
-    (dict(growth_factor=0.5), "growth_factor must be > 1"),
+    (dict(growth_factor=1.0), "growth_factor must be a finite number > 1"),
+    (dict(growth_factor=0.5), "growth_factor must be a finite number > 1"),
+    (dict(growth_factor=float("inf")), "growth_factor must be a finite number > 1, got inf"),
+    (dict(growth_factor=float("nan")), "growth_factor must be a finite number > 1, got nan"),
+    (dict(backoff_factor=float("nan")), r"backoff_factor must be in \(0, 1\), got nan"),
     (dict(backoff_factor=1.0), r"backoff_factor must be in \(0, 1\)"),
     (dict(backoff_factor=0.0), r"backoff_factor must be in \(0, 1\)"),
     (dict(backoff_factor=-0.5), r"backoff_factor must be in \(0, 1\)"),
@@ -223,7 +226,8 @@ def _call(a):
 def test_rejects_bad_arguments(over, msg):
     a = _args(**over)
     before = (a["scale"].clone(), a["growth_tracker"].clone())
-    with pytest.raises(RuntimeError, match=msg):
+    # A bad tensor is a RuntimeError, a bad number a ValueError.
+    with pytest.raises((RuntimeError, ValueError), match=msg):
         _call(a)
     assert torch.equal(a["scale"], before[0]) and torch.equal(a["growth_tracker"], before[1])
 

@@ -169,6 +169,30 @@ def test_lr_scheduler_clipping_and_a_skipped_step(name):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("clip,inv_scale", [(1e-6, None), (None, 2.0**-16), (1e-6, 2.0**-16)])
+def test_adamp_projects_on_the_gradient_the_update_takes(clip, inv_scale):
+    """NOTE [adamp projection]: the cosine's eps clamps the gradient's norm, so the projection must see the
+    unscaled, clipped gradient, as timm's AdamP does after clip_grad_norm_ (found by
+    test_optim_properties.py: with max_grad_norm 1e-6 the projection read the raw gradient and decided
+    otherwise, moving the weights by 0.05 where timm moved them by lr-sized steps)."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 3, generator=gen)
+    a, b = torch.nn.Parameter(base.clone()), torch.nn.Parameter(base.clone())
+    theirs = TIMM["AdamP"]([a], lr=2.0**-7, betas=(0.8, 0.9), eps=1e-4, weight_decay=1.0)
+    ours = OURS["AdamP"]([b], lr=2.0**-7, betas=(0.8, 0.9), eps=1e-4, weight_decay=1.0, max_grad_norm=clip)
+    for _ in range(3):
+        g = torch.randn(2, 3, generator=gen) * (1e-6 if clip is None else 1.0)  # a true gradient below eps
+        a.grad, b.grad = g.clone(), g / (inv_scale or 1.0)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([a], clip)
+        theirs.step()
+        if inv_scale is None:
+            ours.step()
+        else:
+            ours._fused_step(inv_scale=torch.tensor(inv_scale))
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name,kw,match", [
     ("Lamb", dict(lr=-1.0), "lr must be >= 0"), ("Lamb", dict(betas=(1.0, 0.9)), r"betas\[0\] must be in"),
     ("Lamb", dict(eps=-1.0), "eps must be >= 0"), ("Lamb", dict(weight_decay=-0.1), "weight_decay must be >= 0"),

@@ -168,10 +168,10 @@ def test_a_group_may_choose_with_use_muon():
     (dict(lr=torch.tensor([0.1, 0.1])), "Tensor lr must be 1-element"),
     (dict(adjust_lr_fn="rms"), "Adjust learning rate function rms is not supported"),
     # ... then the optimizer table's, naming the argument.
-    (dict(momentum=1.0), r"Muon: momentum must be in \[0.0, 1.0\), got 1.0"),
+    (dict(momentum=1.0), r"Muon: momentum must be in \[0, 1\), got 1.0"),
     (dict(ns_steps=100), r"Muon: ns_steps must be an int in \[0, 100\), got 100"),
     (dict(ns_coefficients=(1.0, 2.0)), "Muon: ns_coefficients must be 3 numbers"),
-    (dict(ns_coefficients=(3.0, float("nan"), 2.0)), r"Muon: ns_coefficients\[1\] must be a number, got nan"),
+    (dict(ns_coefficients=(3.0, float("nan"), 2.0)), r"Muon: ns_coefficients\[1\] must be a finite number, got nan"),
     (dict(adamw_betas=(0.9, 1.0)), r"Muon: adamw_betas\[1\] must be in")])
 def test_argument_checks_name_the_argument(kw, match):
     with pytest.raises(ValueError, match=match):

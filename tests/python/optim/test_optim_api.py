@@ -854,10 +854,10 @@ BAD_ARGS = [
     *[("Lion", dict(betas=b), ValueError, m)
       for b, m in [((1.0, 0.999), r"betas\[0\]"), ((-0.1, 0.999), r"betas\[0\]"), ((0.9, 1.0), r"betas\[1\]"),
                    ((0.9, -0.5), r"betas\[1\]"), ((0.9,), "betas"), ((0.9, 0.99, 0.999), "betas"), (0.9, "betas")]],
-    # NaN is no number in any range, bounded or not (the table's fields with low=None included).
-    ("Lion", dict(lr=float("nan")), ValueError, "lr must be a number, got nan"),
-    ("Lion", dict(betas=(float("nan"), 0.99)), ValueError, r"betas\[0\] must be a number, got nan"),
-    ("SGD", dict(momentum=0.9, dampening=float("nan")), ValueError, "dampening must be a number, got nan"),
+    # NaN and the infinities are in no range, bounded or not (the table's fields with low=None included).
+    ("Lion", dict(lr=float("nan")), ValueError, "lr must be a finite number >= 0, got nan"),
+    ("Lion", dict(betas=(float("nan"), 0.99)), ValueError, r"betas\[0\] must be a finite number in \[0, 1\), got nan"),
+    ("SGD", dict(momentum=0.9, dampening=float("nan")), ValueError, "dampening must be a finite number, got nan"),
 ]
 
 

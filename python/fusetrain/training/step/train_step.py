@@ -78,6 +78,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..._checks import check_flag, check_number
 from ..._warnings import warn
 from ...amp import LossScaler, Precision
 from ...ema import ModelEMA
@@ -155,12 +156,11 @@ class TrainStep(CudaGraphMode):
                              f"(model, inputs) -> outputs, got {model_input!r}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"TrainStep: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(f"TrainStep: accumulate must be an int >= 1, got {accumulate!r}")
+        check_number("TrainStep", "accumulate", accumulate, 1, integer=True)
         if accumulate_reduction not in ("mean", "sum"):
             raise ValueError(f"TrainStep: accumulate_reduction must be 'mean' or 'sum', got {accumulate_reduction!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"TrainStep: warmup_steps must be an int >= 1, got {warmup_steps!r}")
+        check_number("TrainStep", "warmup_steps", warmup_steps, 1, integer=True)
+        check_flag("TrainStep", "channels_last", channels_last)
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(f"TrainStep: scaler must be a fusetrain.LossScaler or None, got {type(scaler).__name__}")
         if ema is not None and not isinstance(ema, ModelEMA):
@@ -174,8 +174,7 @@ class TrainStep(CudaGraphMode):
             if self.fused:
                 raise ValueError("TrainStep: clip_grad_norm is for torch.optim optimizers; a fusetrain optimizer "
                                  "clips inside its fused step (construct it with max_grad_norm=...)")
-            if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) or clip_grad_norm <= 0:
-                raise ValueError(f"TrainStep: clip_grad_norm must be a number > 0 or None, got {clip_grad_norm!r}")
+            check_number("TrainStep", "clip_grad_norm", clip_grad_norm, 0.0, low_open=True, optional=True)
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
         if mode == "cuda_graph":
@@ -197,7 +196,7 @@ class TrainStep(CudaGraphMode):
         self.accumulate_reduction = accumulate_reduction
         self.compile_options = compile_options
         self.warmup_steps = warmup_steps
-        self.channels_last = bool(channels_last)
+        self.channels_last = channels_last
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.model_input = model_input
         self.components: Dict[str, Tensor] = {}
