@@ -53,7 +53,7 @@ def check_number(owner: str, name: str, value: Any, low: Optional[float] = None,
     ok = (low is None or (value > low if low_open else value >= low)) and \
          (high is None or (value <= high if high_closed else value < high))
     if not ok:
-        raise ValueError(f"{owner}: {name} must be {allowed}, got {value}")
+        raise ValueError(f"{owner}: {name} must be {'an int ' if integer else ''}{allowed}, got {value}")
     return value
 
 

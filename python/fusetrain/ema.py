@@ -172,8 +172,8 @@ class ModelEMA:
             decay=decay, decay_type=decay_type, beta=beta, total_steps=total_steps, warmup=warmup,
             warmup_gamma=warmup_gamma, warmup_power=warmup_power, include_buffers=include_buffers))
         if remainder is not None and not isinstance(remainder, bool):
-            raise TypeError(f"ModelEMA: remainder must be True, False or None (when the EMA has bfloat16 "
-                            f"tensors), got {remainder!r}")
+            raise ValueError(f"ModelEMA: remainder must be True, False or None (when the EMA has bfloat16 "
+                             f"tensors), got {remainder!r}")
         base = unwrap_model(model)
         if not any(p.is_floating_point() for p in base.parameters()):
             raise ValueError("ModelEMA: the model has no floating-point parameters to average")
