@@ -157,7 +157,7 @@ using Pair = std::tuple<at::Tensor, at::Tensor>;
 
 // Every SyncBatchNorm op on one input, in its layout.
 TensorVec syncbn_pass(const at::Tensor& x, const at::Tensor& dy) {
-  const auto [mean, m2, count] = call_op<Stats, const at::Tensor&>("fusetrain::bn_stats", x);
+  const auto [count, mean, m2] = call_op<Stats, const at::Tensor&>("fusetrain::bn_stats", x);
   const at::Tensor invstd = (m2 / count + 1e-5).rsqrt();
   const at::Tensor w = at::linspace(0.5, 1.5, x.size(1)), b = at::linspace(-1.0, 1.0, x.size(1));
   const at::Tensor y =
@@ -169,7 +169,7 @@ TensorVec syncbn_pass(const at::Tensor& x, const at::Tensor& dy) {
       call_op<at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&>(
           "fusetrain::bn_backward_elemt", dy, x, mean, invstd, w, sum_dy, sum_dy_xmu, count);
-  return {mean, m2, count, y, sum_dy, sum_dy_xmu, dx};
+  return {count, mean, m2, y, sum_dy, sum_dy_xmu, dx};
 }
 
 TEST(ParallelKernels, SyncBatchNormOpsOnFourThreadsMatchOneThread) {
