@@ -294,7 +294,8 @@ void affine_kernel(const T* a, const T* x, T* out, const BnShape& sh, const floa
       alignas(64) float fx[kSpan];
       for (int64_t row = b; row < e; ++row) {
         const int64_t c = row % sh.C;
-        const Vec vm(mean[c]), vp(p[c]), vq(q[c]), vr(r[c]);
+        // p is null without a (forward): read only when there is one.
+        const Vec vm(mean[c]), vp(kHasA ? p[c] : 0.f), vq(q[c]), vr(r[c]);
         for (int64_t s0 = 0; s0 < sh.S; s0 += kSpan) {
           const int64_t len = std::min(kSpan, sh.S - s0);
           const int64_t off = row * sh.S + s0;
