@@ -58,6 +58,10 @@ bool keeps_master(const FusedCommonOptions& o, const at::Tensor& p) {
 }  // namespace
 
 // ---- FusedOptimizer ------------------------------------------------------------
+FusedOptimizer::~FusedOptimizer() {
+  if (ema_ != nullptr) ema_->detach();
+}
+
 void FusedOptimizer::check_kind(const char* name, bool takes_maximize) {
   const auto& spec = detail::find_kind(kind());
   KindValues values;

@@ -2,7 +2,6 @@
 // at::parallel_for, Vectorized math on L1-resident blocks.
 #include <torch/library.h>
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -12,6 +11,7 @@
 
 #include "../common/op_kernels.h"
 #include "blocks.h"
+#include "parallel.h"
 #include "work_items.h"
 
 namespace fusetrain {
@@ -61,7 +61,7 @@ void ema_update_cpu(const std::vector<at::Tensor>& ema, const std::vector<at::Te
   if (found_inf.defined() && *found_inf.const_data_ptr<float>() != 0.f) return;
   const float w = 1.f - *decay.const_data_ptr<float>();
   const std::vector<WorkItem> items = make_work_items(ema, kChunk);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const WorkItem& it = items[i];
       const at::Tensor& et = ema[it.tensor];

@@ -8,7 +8,6 @@
 // block is still in L1. Each element is read and written once.
 #include <torch/library.h>
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Exception.h>
 
@@ -42,6 +41,7 @@ inline at::vec::Vectorized<C> vsign(at::vec::Vectorized<C> x) {
 #include "bf16_lanes.h"
 #include "blocks.h"
 #include "q8_lanes.h"
+#include "parallel.h"
 #include "work_items.h"
 
 namespace fusetrain {
@@ -357,7 +357,7 @@ template <OptimKind K, typename P, typename G, typename S>
 void update_bucket(const UpdateLists& l, const OptimHyper& h, float lr, float gmul, float ema_w, bool has_ema,
                    int64_t* stalled) {
   const std::vector<WorkItem> items = make_work_items(l.params, kChunk);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) update_item<K, P, G, S>(l, h, items[i], lr, gmul, ema_w, has_ema, stalled);
   });
 }

@@ -5,7 +5,6 @@
 // without being fooled by a sum of squares that overflows.
 #include <torch/library.h>
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -13,6 +12,7 @@
 #include <vector>
 
 #include "../common/op_kernels.h"
+#include "parallel.h"
 #include "work_items.h"
 
 namespace fusetrain {
@@ -79,7 +79,7 @@ void grad_stats_cpu(const std::vector<at::Tensor>& grads, const at::Tensor& inv_
   const std::vector<WorkItem> items = make_work_items(grads, kChunk);
   std::vector<double> sums(items.size(), 0.0);
   std::vector<char> nonfinite(items.size(), 0);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const WorkItem& it = items[i];
       const at::Tensor& g = grads[it.tensor];

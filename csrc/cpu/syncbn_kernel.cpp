@@ -18,7 +18,6 @@
 // accuracy when |mean| >> std.
 #include <torch/library.h>
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -27,6 +26,7 @@
 
 #include "../common/bn_math.h"
 #include "../common/syncbn.h"
+#include "parallel.h"
 
 namespace fusetrain {
 namespace detail {
@@ -144,7 +144,7 @@ void stats_kernel(const T* x, const BnShape& sh, float* mean_out, float* m2_out)
   std::vector<int64_t> slot(items.size() + 1, 0);
   for (size_t i = 0; i < items.size(); ++i) slot[i + 1] = slot[i] + items[i].w;
   std::vector<Moments> parts(slot.back());
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t ib, int64_t ie) {
+  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t ib, int64_t ie) {
     alignas(64) float buf[kBlock];
     alignas(64) float bmean[kTile];
     alignas(64) float bm2[kTile];
@@ -202,7 +202,7 @@ void backward_reduce_kernel(const T* dy, const T* x, const float* mean, const Bn
   std::vector<int64_t> slot(items.size() + 1, 0);
   for (size_t i = 0; i < items.size(); ++i) slot[i + 1] = slot[i] + items[i].w;
   std::vector<double> part_dy(slot.back(), 0.0), part_dyx(slot.back(), 0.0);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t ib, int64_t ie) {
+  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t ib, int64_t ie) {
     alignas(64) float bdy[kBlock];
     alignas(64) float bx[kBlock];
     alignas(64) float s1[kTile];
@@ -289,12 +289,13 @@ void affine_kernel(const T* a, const T* x, T* out, const BnShape& sh, const floa
     // Rows of S elements, one channel per row.
     const int64_t rows = sh.N * sh.C;
     const int64_t grain = std::max<int64_t>(1, kItem / std::max<int64_t>(sh.S, 1));
-    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+    parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
       alignas(64) float fa[kSpan];
       alignas(64) float fx[kSpan];
       for (int64_t row = b; row < e; ++row) {
         const int64_t c = row % sh.C;
-        const Vec vm(mean[c]), vp(p[c]), vq(q[c]), vr(r[c]);
+        // p is null without a (forward): read only when there is one.
+        const Vec vm(mean[c]), vp(kHasA ? p[c] : 0.f), vq(q[c]), vr(r[c]);
         for (int64_t s0 = 0; s0 < sh.S; s0 += kSpan) {
           const int64_t len = std::min(kSpan, sh.S - s0);
           const int64_t off = row * sh.S + s0;
@@ -312,7 +313,7 @@ void affine_kernel(const T* a, const T* x, T* out, const BnShape& sh, const floa
   } else {
     const int64_t rows = sh.N * sh.S;
     const int64_t grain = std::max<int64_t>(1, kItem / sh.C);
-    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+    parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
       alignas(64) float fa[kSpan];
       alignas(64) float fx[kSpan];
       for (int64_t row = b; row < e; ++row) {

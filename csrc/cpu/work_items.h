@@ -1,4 +1,4 @@
-// Splitting tensor lists into (tensor, chunk) work items for at::parallel_for,
+// Splitting tensor lists into (tensor, chunk) work items for parallel_for (parallel.h),
 // shared by the CPU kernels. Internal header.
 #pragma once
 

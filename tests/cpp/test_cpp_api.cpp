@@ -598,6 +598,29 @@ TEST(CppApiEma, SchedulesStandaloneAndAttached) {
   EXPECT_THROW(fusetrain::ModelEMA(m, fusetrain::ModelEMAOptions().decay_type("linear")), c10::Error);
 }
 
+// An optimizer destroyed before the EMA attached to it detaches the EMA, which
+// then never reaches the dead optimizer: attaching it to another one (which
+// detaches it first) and its destructor read freed memory before (ASan:
+// heap-use-after-free in ModelEMA::detach; scripts/sanitize asan).
+TEST(CppApiEma, OptimizerDestroyedFirstDetachesTheEma) {
+  torch::manual_seed(3);
+  torch::nn::Linear model(4, 3);
+  fusetrain::ModelEMA ema(model, fusetrain::ModelEMAOptions().decay(0.5).decay_type("constant"));
+  auto first = std::make_unique<fusetrain::SGD>(model->parameters(), fusetrain::SGDOptions(0.1));
+  ema.attach(*first);
+  EXPECT_TRUE(ema.attached_to(*first));
+  first.reset();
+  fusetrain::SGD second(model->parameters(), fusetrain::SGDOptions(0.1));
+  ema.attach(second);
+  EXPECT_TRUE(ema.attached_to(second));
+  EXPECT_EQ(second.attached_ema(), &ema);
+  for (auto& p : model->parameters()) p.mutable_grad() = torch::ones_like(p);
+  const torch::Tensor before = ema.module()->parameters()[0].detach().clone();
+  second.step();
+  const torch::Tensor after_step = model->parameters()[0].detach();
+  EXPECT_TRUE(torch::allclose(ema.module()->parameters()[0], before + 0.5 * (after_step - before)));
+}
+
 TEST(CppApiEma, FusedStepWithScalerAndAttachedEma) {
   torch::manual_seed(12);
   torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 1));

@@ -156,6 +156,9 @@ struct KindSpec;
 class FusedOptimizer : public torch::optim::Optimizer {
  public:
   using torch::optim::Optimizer::Optimizer;
+  // Detaches the attached ModelEMA, which would otherwise keep a pointer to
+  // this optimizer and reach it from its own detach() or destructor.
+  ~FusedOptimizer() override;
 
   // Plain step (no loss scaling). Returns the closure's loss if given.
   torch::Tensor step(LossClosure closure = nullptr) override;
