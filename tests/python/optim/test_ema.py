@@ -12,7 +12,6 @@ EMA_TOL below for 50 updates of O(1) weights.
 import contextlib
 import copy
 import io
-import math
 
 import pytest
 import torch
@@ -22,6 +21,8 @@ from torch import nn
 import fusetrain
 from fusetrain import LossScaler, ModelEMA, unwrap_model
 from fusetrain.optim import SGD, AdamW
+
+from _optim_helpers import decay_reference
 
 from _test_helpers import CUDA, DEVICES
 
@@ -47,15 +48,8 @@ def bn_model(device="cpu"):
 
 def ref_decay(t, decay, decay_type, beta=15.0, total_steps=None, warmup=False, warmup_gamma=1.0,
               warmup_power=2.0 / 3.0):
-    if decay_type == "constant":
-        d = decay
-    elif decay_type == "threshold":
-        d = min(decay, (1.0 + t) / (10.0 + t))
-    else:
-        d = decay * (1.0 - math.exp(-beta * t / total_steps))
-    if warmup:
-        d = min(d, 1.0 - (1.0 + t / warmup_gamma) ** -warmup_power)
-    return d
+    """ModelEMA's decay at update count ``t`` (the one after ``t - 1`` done)."""
+    return decay_reference(t - 1.0, decay_type, decay, beta, total_steps, warmup, warmup_gamma, warmup_power)
 
 
 def f64_state(module):
