@@ -121,6 +121,48 @@ def test_digits_dataset_copies_and_rejects_bad_size():
             digits_dataset(True, bad)
 
 
+def _assert_load_digits(images, labels):
+    """The raw arrays equal load_digits' (8x8 pixels 0..16 as float64, int64 labels)."""
+    ref_x, ref_y = _reference_digits(8)
+    assert images.shape == (1797, 8, 8) and images.dtype == np.float64 and labels.dtype == np.int64
+    assert torch.equal(torch.from_numpy(images.astype(np.float32) / 16.0).unsqueeze(1), ref_x)
+    assert torch.equal(torch.from_numpy(labels), ref_y)
+
+
+def test_digits_are_read_without_importing_sklearn(monkeypatch):
+    # NOTE [digits without importing scikit-learn]: the CSV in scikit-learn's package, read directly; the
+    # import of sklearn (through fusetrain._optional.require) is left for a package without that file.
+    from fusetrain import _optional
+    from fusetrain.training.data import classification
+
+    def no_import(module, purpose):
+        raise AssertionError(f"imported {module} for {purpose}")
+
+    monkeypatch.setattr(_optional, "require", no_import)
+    _assert_load_digits(*classification._digits_arrays())
+
+
+def test_digits_fall_back_to_load_digits_without_the_csv(monkeypatch, tmp_path):
+    # Another layout of scikit-learn's package (no datasets/data/digits.csv.gz): load_digits reads them.
+    import importlib.machinery
+    import importlib.util
+
+    from fusetrain.training.data import classification
+
+    real = importlib.util.find_spec
+    spec = importlib.machinery.ModuleSpec("sklearn", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "sklearn" else real(name, *a))
+    import sklearn.datasets
+
+    calls = []
+    load_digits = sklearn.datasets.load_digits
+    monkeypatch.setattr(sklearn.datasets, "load_digits", lambda: calls.append(1) or load_digits())
+    arrays = classification._digits_arrays()
+    assert calls == [1]
+    _assert_load_digits(*arrays)
+
+
 # ---- MNIST IDX ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("gz", [False, True], ids=["raw", "gz"])

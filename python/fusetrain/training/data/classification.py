@@ -28,18 +28,45 @@ DIGITS_SPLIT_SEED = 0
 DIGITS_TRAIN_FRACTION = 0.8
 
 
-@lru_cache(maxsize=4)
-def _digits_tensors(size: int) -> Tuple[Tensor, Tensor, np.ndarray]:
+#: The 1797 digits: 64 pixel values (integers in 0..16) and the label per row.
+_DIGITS_SHAPE = (1797, 65)
+
+
+def _digits_arrays() -> Tuple[np.ndarray, np.ndarray]:
+    """The digits' images (float64 ``[1797, 8, 8]``, values 0..16) and labels (int64)."""
+    # NOTE [digits without importing scikit-learn]: `import sklearn` imports
+    # scipy and takes about 3 s of CPU, the largest part of a small run's start
+    # (every process of a torchrun job pays it). The digits are one CSV file in
+    # scikit-learn's package, read here the way load_digits reads it (np.loadtxt
+    # of the gzipped rows: 64 pixels, then the label); without that file (another
+    # layout of the package) load_digits itself reads them.
+    import importlib.util
+
     from ..._optional import require
 
-    load_digits = require("sklearn.datasets", "the digits dataset").load_digits
-    digits = load_digits()
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        require("sklearn.datasets", "the digits dataset")  # raises, naming the extra
+    path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data", "digits.csv.gz")
+    rows = None
+    if os.path.isfile(path):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            rows = np.loadtxt(f, delimiter=",")
+    if rows is None or rows.shape != _DIGITS_SHAPE:
+        digits = require("sklearn.datasets", "the digits dataset").load_digits()
+        return np.asarray(digits.images, dtype=np.float64), np.asarray(digits.target, dtype=np.int64)
+    return rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(np.int64)
+
+
+@lru_cache(maxsize=4)
+def _digits_tensors(size: int) -> Tuple[Tensor, Tensor, np.ndarray]:
+    pixels, targets = _digits_arrays()
     # Pixel values are integers in [0, 16].
-    images = torch.from_numpy(np.asarray(digits.images, dtype=np.float32) / 16.0).unsqueeze(1)
+    images = torch.from_numpy(np.asarray(pixels, dtype=np.float32) / 16.0).unsqueeze(1)
     if size != images.shape[-1]:
         images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
     images = images.clamp_(0.0, 1.0).contiguous()
-    labels = torch.from_numpy(np.asarray(digits.target, dtype=np.int64))
+    labels = torch.from_numpy(np.asarray(targets, dtype=np.int64))
     # numpy's legacy RandomState stream is frozen across numpy versions, so the
     # split is the same everywhere.
     perm = np.random.RandomState(DIGITS_SPLIT_SEED).permutation(images.shape[0])
