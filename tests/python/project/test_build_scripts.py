@@ -6,6 +6,7 @@ still writes its report, and the report reads real pytest output."""
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -56,6 +57,18 @@ def test_build_wheel_checks_the_archs_before_installing(archs, message):
     assert "FUSETRAIN_CUDA_ARCHS" in r.stderr and message in r.stderr
     assert f"--archs '{archs}' refused" in r.stderr
     assert "installing" not in r.stdout
+
+
+def test_build_wheel_reads_the_torch_pin_scripts_setup_assigns():
+    # build-wheel installs (or checks) the torch that scripts/setup pins: the value, not its comment.
+    setup = [shlex.split(line, comments=True) for line in open(os.path.join(REPO, "scripts", "setup"))
+             if line.startswith("TORCH_VERSION=")]
+    assert len(setup) == 1 and len(setup[0]) == 1, setup
+    pinned = setup[0][0].split("=", 1)[1]
+    line = [ln for ln in open(BUILD_WHEEL) if ln.startswith("TORCH_VERSION=")]
+    assert len(line) == 1, line
+    r = run(["bash", "-c", line[0] + 'printf "%s" "$TORCH_VERSION"'])
+    assert r.returncode == 0 and r.stdout == pinned, (r.stdout, r.stderr, pinned)
 
 
 def test_build_wheel_help_lists_its_options():
