@@ -44,15 +44,15 @@ def _digits_arrays() -> Tuple[np.ndarray, np.ndarray]:
 
     from ..._optional import require
 
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None or not spec.submodule_search_locations:
-        require("sklearn.datasets", "the digits dataset")  # raises, naming the extra
-    path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data", "digits.csv.gz")
+    spec = importlib.util.find_spec("sklearn")  # None without scikit-learn; imports nothing
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = os.path.join(roots[0], "datasets", "data", "digits.csv.gz") if roots else ""
     rows = None
-    if os.path.isfile(path):
+    if path and os.path.isfile(path):
         with gzip.open(path, "rt", encoding="utf-8") as f:
             rows = np.loadtxt(f, delimiter=",")
     if rows is None or rows.shape != _DIGITS_SHAPE:
+        # Without scikit-learn, require raises an error naming the extra that brings it.
         digits = require("sklearn.datasets", "the digits dataset").load_digits()
         return np.asarray(digits.images, dtype=np.float64), np.asarray(digits.target, dtype=np.int64)
     return rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(np.int64)
